@@ -1,0 +1,1 @@
+"""Code shared by every process: protocol, client, config, logging. Imports no service."""

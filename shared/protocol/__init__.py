@@ -1,0 +1,1 @@
+"""Messages of every channel (one module per channel) and the one codec."""

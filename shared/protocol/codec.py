@@ -1,0 +1,200 @@
+"""The one codec for internal channels: frozen dataclass messages <-> msgpack bytes.
+
+A message is a msgpack map: {"type": <registered tag>, <field>: <value>, ...}. Nested
+dataclasses (SamplingParams, NewSequence, ...) are maps without a tag: their type is known from
+the field's annotation. Decoding checks every field's type and reports problems as
+`DecodeError` with a stable code, never as a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Optional, Union
+
+import msgpack
+
+from shared.protocol import engine_channel, worker_channel
+from shared.protocol.errors import ErrorCode
+
+
+class DecodeError(ValueError):
+    """A frame that is not a valid message. `code` is a stable ErrorCode string."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_Converter = Callable[[Any], Any]
+
+_TYPES: dict[str, type] = {}
+_TAGS: dict[type, str] = {}
+_FIELDS: dict[type, list[tuple[str, _Converter, _Converter, bool]]] = {}
+
+
+def register(tag: str, cls: type) -> None:
+    """Make `cls` encodable/decodable under `tag` (called at import for every channel)."""
+    if tag in _TYPES and _TYPES[tag] is not cls:
+        raise ValueError(f"message tag {tag!r} registered twice")
+    _TYPES[tag] = cls
+    _TAGS[cls] = tag
+    _fields_of(cls)
+
+
+def encode(msg: Any) -> bytes:
+    """Serialize a registered message to one frame."""
+    cls = type(msg)
+    tag = _TAGS.get(cls)
+    if tag is None:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    wire = _to_wire_map(msg)
+    wire["type"] = tag
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def decode(frame: bytes, max_size: Optional[int] = None) -> Any:
+    """Parse one frame into its message dataclass, or raise DecodeError."""
+    if max_size is not None and len(frame) > max_size:
+        raise DecodeError(ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes > {max_size}")
+    try:
+        wire = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(ErrorCode.MALFORMED_MESSAGE, f"not msgpack: {exc}") from None
+    if not isinstance(wire, dict):
+        raise DecodeError(ErrorCode.MALFORMED_MESSAGE, "a message must be a msgpack map")
+    tag = wire.get("type")
+    cls = _TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise DecodeError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {tag!r}")
+    return _from_wire_map(cls, wire, path=str(tag))
+
+
+# ---- field conversion -------------------------------------------------------------------------
+
+
+def _identity(v: Any) -> Any:
+    return v
+
+
+def _fields_of(cls: type) -> list[tuple[str, _Converter, _Converter, bool]]:
+    cached = _FIELDS.get(cls)
+    if cached is not None:
+        return cached
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        has_default = (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        )
+        enc, dec = _converters(hints[f.name])
+        out.append((f.name, enc, dec, has_default))
+    _FIELDS[cls] = out
+    return out
+
+
+def _to_wire_map(obj: Any) -> dict[str, Any]:
+    return {name: enc(getattr(obj, name)) for name, enc, _, _ in _fields_of(type(obj))}
+
+
+def _from_wire_map(cls: type, wire: Any, path: str) -> Any:
+    if not isinstance(wire, dict):
+        raise DecodeError(ErrorCode.INVALID_FIELD, f"{path}: expected a map")
+    kwargs = {}
+    for name, _, dec, has_default in _fields_of(cls):
+        if name in wire:
+            kwargs[name] = dec(wire[name], f"{path}.{name}")
+        elif not has_default:
+            raise DecodeError(ErrorCode.INVALID_FIELD, f"{path}: missing field {name!r}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise DecodeError(ErrorCode.INVALID_FIELD, f"{path}: {exc}") from None
+
+
+def _converters(hint: Any) -> tuple[_Converter, Callable[[Any, str], Any]]:
+    """(encoder, decoder-with-check) for one annotation."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _to_wire_map, lambda v, p: _from_wire_map(hint, v, p)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"unsupported union {hint}")
+        enc, dec = _converters(inner[0])
+        return (lambda v: None if v is None else enc(v)), (
+            lambda v, p: None if v is None else dec(v, p)
+        )
+    if origin is list:
+        enc, dec = _converters(args[0])
+        prim = _primitive_check(args[0])
+        if prim is not None:
+            return _identity, lambda v, p: _check_prim_list(v, prim, p)
+        return (lambda v: [enc(x) for x in v]), (
+            lambda v, p: [dec(x, f"{p}[{i}]") for i, x in enumerate(_need(v, list, p))]
+        )
+    if origin is dict:
+        enc, dec = _converters(args[1])
+        return (lambda v: {k: enc(x) for k, x in v.items()}), (
+            lambda v, p: {_need(k, str, p): dec(x, f"{p}[{k}]") for k, x in _need(v, dict, p).items()}
+        )
+    prim = _primitive_check(hint)
+    if prim is None:
+        raise TypeError(f"unsupported field type {hint}")
+    return _identity, lambda v, p: _check_prim(v, prim, p)
+
+
+def _primitive_check(hint: Any) -> Optional[Callable[[Any], bool]]:
+    if hint is bool:
+        return lambda v: type(v) is bool
+    if hint is int:
+        return lambda v: type(v) is int
+    if hint is float:
+        return lambda v: type(v) in (float, int)
+    if hint is str:
+        return lambda v: type(v) is str
+    if hint is bytes:
+        return lambda v: type(v) is bytes
+    if hint is Any:
+        return lambda v: True
+    return None
+
+
+def _check_prim(v: Any, ok: Callable[[Any], bool], path: str) -> Any:
+    if not ok(v):
+        raise DecodeError(ErrorCode.INVALID_FIELD, f"{path}: wrong type {type(v).__name__}")
+    return v
+
+
+def _check_prim_list(v: Any, ok: Callable[[Any], bool], path: str) -> list:
+    if type(v) is not list or not all(map(ok, v)):
+        raise DecodeError(ErrorCode.INVALID_FIELD, f"{path}: expected a list of one type")
+    return v
+
+
+def _need(v: Any, t: type, path: str) -> Any:
+    if not isinstance(v, t):
+        raise DecodeError(ErrorCode.INVALID_FIELD, f"{path}: expected {t.__name__}")
+    return v
+
+
+def _register_channels() -> None:
+    for module in (worker_channel, engine_channel):
+        for name in dir(module):
+            obj = getattr(module, name)
+            if (
+                isinstance(obj, type)
+                and dataclasses.is_dataclass(obj)
+                and obj.__module__ == module.__name__
+            ):
+                register(_snake(name), obj)
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+_register_channels()

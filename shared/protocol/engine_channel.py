@@ -1,0 +1,135 @@
+"""Frontend (tokenizer service) <-> scheduler channel.
+
+Frontends connect DEALER sockets (each with its own identity) to the scheduler's ROUTER; the
+scheduler answers each request on the frontend identity it came from. Request ids (`rid`) are
+made globally unique by the frontend (they embed the frontend's id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import TokenLogprobs
+
+
+# ---- frontend -> scheduler -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendHello:
+    """Sent when a frontend connects and every second after (heartbeat)."""
+
+    frontend_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    rid: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0  # lower runs first under the `priority` policy
+    arrival_time: float = 0.0  # frontend's wall clock (time.time()) at receipt
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Idempotent: aborting an unknown or finished rid is a no-op."""
+
+    rid: str
+    reason: str = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class StatsQuery:
+    query_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendBye:
+    """The frontend is shutting down: abort all its requests."""
+
+    frontend_id: str
+
+
+# ---- scheduler -> frontend -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    """Sent to every frontend after the worker handshake (and in answer to FrontendHello)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNotReady:
+    """The worker is gone (or not yet ready): in-flight requests were failed."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Scheduler clock (time.time()) per request; None until it happened."""
+
+    arrival: float
+    first_scheduled: Optional[float]
+    first_token: Optional[float]
+    finished: Optional[float]
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens for one request after one step; `finish_reason` set on its last output.
+
+    finish_reason: "stop" (eos or a stop token), "length" (max_tokens or max_model_len),
+    "abort", or "error" (then `error_code`/`error_message` say why).
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token, if asked
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    timings: Optional[RequestTimings] = None  # set on the final output
+    error_code: Optional[str] = None
+    error_message: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """All outputs of one step for one frontend."""
+
+    step_id: int
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRejected:
+    """The scheduler refused a request at admission (e.g. too long, overloaded)."""
+
+    rid: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply:
+    query_id: str
+    stats: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShutdown:
+    """Either direction on a control path: stop cleanly."""
+
+    reason: str = ""

@@ -1,0 +1,72 @@
+"""Sampling parameters: what the worker needs to turn logits into a token.
+
+Stop *strings* are a frontend concern (they need text); stop *token ids* and the length
+limit are enforced by the scheduler; everything that touches logits is applied by the worker.
+Defaults follow OpenAI's where it has one (max_tokens 16, temperature 1, top_p 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: Optional[int] = None  # None disables; else >= 1
+    min_p: float = 0.0  # in [0, 1]
+    seed: Optional[int] = None  # None: the worker derives one from the request id
+    repetition_penalty: float = 1.0  # > 0; 1 disables (HF/CTRL style, over prompt + output)
+    presence_penalty: float = 0.0  # in [-2, 2] (OpenAI style, over output tokens)
+    frequency_penalty: float = 0.0  # in [-2, 2] (OpenAI style, over output tokens)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: no logprobs; k >= 0: chosen token's + top-k
+
+    def __post_init__(self) -> None:
+        problems = sampling_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_problems(p: SamplingParams) -> list[str]:
+    """Every reason `p` is invalid, worded for a client; empty when valid."""
+    out: list[str] = []
+    if not isinstance(p.max_tokens, int) or isinstance(p.max_tokens, bool) or p.max_tokens <= 0:
+        out.append("max_tokens must be an integer > 0")
+    if not _is_num(p.temperature) or p.temperature < 0:
+        out.append("temperature must be a number >= 0")
+    if not _is_num(p.top_p) or not 0.0 < p.top_p <= 1.0:
+        out.append("top_p must be in (0, 1]")
+    if p.top_k is not None and (not isinstance(p.top_k, int) or p.top_k < 1):
+        out.append("top_k must be an integer >= 1 (or null to disable)")
+    if not _is_num(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        out.append("min_p must be in [0, 1]")
+    if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool)):
+        out.append("seed must be an integer")
+    if not _is_num(p.repetition_penalty) or p.repetition_penalty <= 0:
+        out.append("repetition_penalty must be > 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _is_num(v) or not -2.0 <= v <= 2.0:
+            out.append(f"{name} must be in [-2, 2]")
+    if not all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids):
+        out.append("stop_token_ids must be non-negative integers")
+    if p.logprobs is not None and (
+        not isinstance(p.logprobs, int) or not 0 <= p.logprobs <= MAX_TOP_LOGPROBS
+    ):
+        out.append(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    return out
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -1,0 +1,57 @@
+"""The internal codec: round trips and stable error codes for bad frames."""
+
+import msgpack
+import pytest
+
+from shared.protocol import codec
+from shared.protocol.errors import ErrorCode
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult, TokenLogprobs
+
+
+def _plan() -> StepPlan:
+    seq = NewSequence("r1", [1, 2, 3], 3, [0], SamplingParams(temperature=0.0, seed=7))
+    return StepPlan(4, [seq], ["r1", "r0"], [0, 9], [3, 1], [1, 2, 3, 42], [[], [5]], [True, True])
+
+
+def test_round_trip_plan_and_result() -> None:
+    plan = _plan()
+    assert codec.decode(codec.encode(plan)) == plan
+    res = StepResult(4, ["r1"], [9], {"r1": TokenLogprobs(-0.5, [9, 3], [-0.5, -1.5])}, 0.01)
+    assert codec.decode(codec.encode(res)) == res
+
+
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (b"\xc1", ErrorCode.MALFORMED_MESSAGE),
+        (msgpack.packb([1, 2]), ErrorCode.MALFORMED_MESSAGE),
+        (msgpack.packb({"type": "nope"}), ErrorCode.UNKNOWN_TYPE),
+        (msgpack.packb({"step_id": 1}), ErrorCode.UNKNOWN_TYPE),
+        (msgpack.packb({"type": "step_result", "step_id": "x", "rids": [], "token_ids": []}),
+         ErrorCode.INVALID_FIELD),
+        (msgpack.packb({"type": "step_result", "rids": [], "token_ids": []}),
+         ErrorCode.INVALID_FIELD),
+        (msgpack.packb({"type": "step_result", "step_id": 1, "rids": [1], "token_ids": []}),
+         ErrorCode.INVALID_FIELD),
+    ],
+)
+def test_bad_frames_have_stable_codes(frame: bytes, code: str) -> None:
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(frame)
+    assert info.value.code == code
+
+
+def test_invalid_sampling_inside_a_message_is_invalid_field() -> None:
+    wire = msgpack.unpackb(codec.encode(_plan()))
+    wire["new_seqs"][0]["sampling"]["top_p"] = 0.0
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(msgpack.packb(wire))
+    assert info.value.code == ErrorCode.INVALID_FIELD
+    assert "top_p" in info.value.message
+
+
+def test_frame_size_limit() -> None:
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(codec.encode(_plan()), max_size=10)
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
