@@ -1,0 +1,60 @@
+"""Every CONVEYOR_* environment variable, in one place.
+
+Services read their flag defaults through these helpers, so a flag always beats the environment
+and the environment beats the built-in default. Add new variables to `KNOWN` with a description.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+PREFIX = "CONVEYOR_"
+
+# name (without prefix) -> what it sets
+KNOWN: dict[str, str] = {
+    "CACHE_DIR": "where converted models are cached (default ~/.cache/conveyor)",
+    "LOG_LEVEL": "log level of every service (default info)",
+    "LOG_DIR": "also write logs/<service>.log there",
+    "FRONTEND_ADDR": "client-facing address of the tokenizer service",
+    "SCHEDULER_ADDR": "scheduler address the tokenizer services connect to",
+    "WORKER_ADDR": "scheduler <-> worker address",
+    "MODEL": "model: 'smollm2' (default), a .gguf file or a Hugging Face folder",
+}
+
+
+def env_str(name: str, default: Optional[str] = None) -> Optional[str]:
+    """CONVEYOR_<name>, or `default` when unset or empty."""
+    value = os.environ.get(PREFIX + name)
+    return value if value else default
+
+
+def env_int(name: str, default: Optional[int] = None) -> Optional[int]:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={raw!r} is not an integer") from None
+
+
+def env_float(name: str, default: Optional[float] = None) -> Optional[float]:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={raw!r} is not a number") from None
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PREFIX}{name}={raw!r} is not a boolean")
