@@ -1,0 +1,156 @@
+"""Synthetic workloads: prompts as token ids (so lengths are exact) and output lengths.
+
+Every workload is a pure function of its config: the same seed gives the same requests, token for
+token, on any machine. Prompts are random token ids drawn above the special tokens, so no prompt
+contains an end-of-sequence or chat-template token by accident.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+WORKLOADS = ("random", "uniform", "mixed", "shared-prefix", "chat")
+
+# Ids below this are left out of prompts: tokenizers put their special tokens first
+# (SmolLM2: 0-16), and a random <|im_end|> in a prompt would change what the model does.
+FIRST_PLAIN_TOKEN_ID = 100
+
+# The seeds' mixed-length scenario: prompts 32-512 tokens, outputs 16-256 tokens.
+MIXED_INPUT_RANGE = (32, 512)
+MIXED_OUTPUT_RANGE = (16, 256)
+
+# Heavy-tailed chat: log-normal lengths (median, sigma), clipped. Real chat traces have a few very
+# long prompts and answers among many short ones; sigma 1 gives p99 ~10x the median.
+CHAT_INPUT_MEDIAN, CHAT_INPUT_SIGMA, CHAT_INPUT_CLIP = 96, 1.0, (4, 2048)
+CHAT_OUTPUT_MEDIAN, CHAT_OUTPUT_SIGMA, CHAT_OUTPUT_CLIP = 64, 0.9, (4, 1024)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request of a workload; `index` is its position in the workload (0-based)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    max_tokens: int  # the output length asked for (exact when EOS is ignored)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """What to generate. `scale` multiplies every length (after drawing), for short runs.
+
+    random: lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)];
+    uniform: exactly input_len / output_len; mixed: the seeds' 32-512 in / 16-256 out;
+    shared-prefix: a common `prefix_len`-token system prompt + an `input_len` random suffix;
+    chat: heavy-tailed (log-normal) lengths.
+    """
+
+    name: str = "random"
+    num_prompts: int = 100
+    seed: int = 0
+    input_len: int = 256
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_len: int = 256
+    scale: float = 1.0
+    vocab_size: int = 49152
+    max_model_len: Optional[int] = None  # clip prompt + output to fit, when given
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.name!r}; choose from {', '.join(WORKLOADS)}")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError("input_len and output_len must be >= 1")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+        if self.prefix_len < 0:
+            raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
+        if not 0.0 < self.scale <= 64.0:
+            raise ValueError(f"scale must be in (0, 64], got {self.scale}")
+        if self.vocab_size <= FIRST_PLAIN_TOKEN_ID:
+            raise ValueError(f"vocab_size must be > {FIRST_PLAIN_TOKEN_ID}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+def generate(cfg: WorkloadConfig) -> list[BenchRequest]:
+    """The workload's requests, deterministic for (cfg)."""
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_prompts
+    prefix: list[int] = []
+    if cfg.name == "mixed":
+        in_lens = rng.integers(MIXED_INPUT_RANGE[0], MIXED_INPUT_RANGE[1] + 1, n)
+        out_lens = rng.integers(MIXED_OUTPUT_RANGE[0], MIXED_OUTPUT_RANGE[1] + 1, n)
+    elif cfg.name == "chat":
+        in_lens = _lognormal(rng, n, CHAT_INPUT_MEDIAN, CHAT_INPUT_SIGMA, CHAT_INPUT_CLIP)
+        out_lens = _lognormal(rng, n, CHAT_OUTPUT_MEDIAN, CHAT_OUTPUT_SIGMA, CHAT_OUTPUT_CLIP)
+    else:
+        ratio = cfg.range_ratio if cfg.name == "random" else 0.0
+        in_lens = _around(rng, n, cfg.input_len, ratio)
+        out_lens = _around(rng, n, cfg.output_len, ratio)
+        if cfg.name == "shared-prefix":
+            prefix_len = _scaled(cfg.prefix_len, cfg.scale) if cfg.prefix_len else 0
+            prefix = _token_ids(rng, prefix_len, cfg.vocab_size)
+    requests = []
+    for i in range(n):
+        in_len = _scaled(int(in_lens[i]), cfg.scale)
+        out_len = _scaled(int(out_lens[i]), cfg.scale)
+        if cfg.max_model_len is not None:
+            in_len, out_len = _fit(len(prefix) + in_len, out_len, cfg.max_model_len)
+            in_len -= len(prefix)
+        ids = prefix + _token_ids(rng, max(in_len, 1), cfg.vocab_size)
+        requests.append(BenchRequest(index=i, prompt_token_ids=ids, max_tokens=out_len))
+    return requests
+
+
+def _around(rng: np.random.Generator, n: int, center: int, ratio: float) -> np.ndarray:
+    """n integers uniform in [center * (1 - ratio), center * (1 + ratio)], at least 1."""
+    low = max(1, math.floor(center * (1.0 - ratio)))
+    high = max(low, math.ceil(center * (1.0 + ratio)))
+    return rng.integers(low, high + 1, n)
+
+
+def _lognormal(
+    rng: np.random.Generator, n: int, median: int, sigma: float, clip: tuple[int, int]
+) -> np.ndarray:
+    draws = rng.lognormal(mean=math.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(draws), clip[0], clip[1]).astype(np.int64)
+
+
+def _scaled(length: int, scale: float) -> int:
+    return max(1, round(length * scale))
+
+
+def _fit(prompt_len: int, out_len: int, max_model_len: int) -> tuple[int, int]:
+    """Cut the prompt (then, if need be, the output) so prompt + output <= max_model_len."""
+    out_len = max(1, min(out_len, max_model_len - 1))
+    prompt_len = min(prompt_len, max_model_len - out_len)
+    return prompt_len, out_len
+
+
+def _token_ids(rng: np.random.Generator, length: int, vocab_size: int) -> list[int]:
+    return rng.integers(FIRST_PLAIN_TOKEN_ID, vocab_size, length).tolist()
+
+
+def summarize(requests: list[BenchRequest]) -> dict[str, float]:
+    """Length statistics of a workload (for the report and the analytical model)."""
+    ins = [r.prompt_len for r in requests]
+    outs = [r.max_tokens for r in requests]
+    return {
+        "num_requests": float(len(requests)),
+        "mean_input_len": float(np.mean(ins)),
+        "max_input_len": float(max(ins)),
+        "mean_output_len": float(np.mean(outs)),
+        "max_output_len": float(max(outs)),
+        "total_input_tokens": float(sum(ins)),
+        "total_output_tokens": float(sum(outs)),
+    }
