@@ -1,0 +1,113 @@
+"""The step cost model of the simulated worker (docs/simulator.md has the formula).
+
+    time = launch_s + per_seq_s * B + max(compute, memory)
+    compute = linear FLOPs / dense_flops + attention FLOPs / attention_flops
+    memory  = (weight bytes + KV bytes read + KV bytes written) / bandwidth
+
+where, for a step over B sequences, sequence b having `s_b` tokens cached and computing `n_b`:
+    linear FLOPs    = 2 * P_layers * sum(n_b) + 2 * P_head * (sequences that sample)
+    attention FLOPs = 4 * L * H * D * sum_b (n_b * s_b + n_b * (n_b + 1) / 2)   (causal)
+    KV read         = kv_bytes_per_token * sum_b (s_b + n_b)   (paged attention reads the cache
+                      after the new K/V are written into it)
+    KV written      = kv_bytes_per_token * sum_b n_b
+One decode token costs 2 FLOPs per weight it meets; a query at position p meets p + 1 keys, each
+costing 2*H*D for QK^T and 2*H*D for PV per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from services.simworker.profiles import DeviceProfile, ModelShape
+from shared.protocol.worker_channel import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """The work of one step, independent of the device that runs it."""
+
+    num_seqs: int
+    num_tokens: int
+    linear_flops: float
+    attention_flops: float
+    weight_bytes: float
+    kv_bytes: float  # read + written
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A step's modelled time and its parts (all in seconds)."""
+
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.overhead_s + max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        """Which term decides the step: 'compute', 'memory' or 'overhead' (both zero)."""
+        if self.compute_s == 0 and self.memory_s == 0:
+            return "overhead"
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def step_work(
+    model: ModelShape,
+    start_positions: Sequence[int],
+    num_tokens: Sequence[int],
+    num_sampled: int,
+) -> StepWork:
+    """The FLOPs and bytes of one step: `start_positions[b]` tokens cached, `num_tokens[b]` new."""
+    total_tokens = 0
+    attn_pairs = 0.0  # sum over query tokens of the keys each attends to
+    kv_tokens_read = 0
+    for s, n in zip(start_positions, num_tokens, strict=True):
+        total_tokens += n
+        attn_pairs += n * s + n * (n + 1) / 2
+        kv_tokens_read += s + n
+    linear = 2.0 * model.num_layers * model.linear_params_per_layer * total_tokens
+    linear += 2.0 * model.lm_head_params * num_sampled
+    attention = 4.0 * model.num_layers * model.num_heads * model.head_dim * attn_pairs
+    kv_bytes = float(model.kv_bytes_per_token * (kv_tokens_read + total_tokens))
+    return StepWork(
+        num_seqs=len(num_tokens),
+        num_tokens=total_tokens,
+        linear_flops=linear,
+        attention_flops=attention,
+        weight_bytes=float(model.step_weight_bytes),
+        kv_bytes=kv_bytes,
+    )
+
+
+def plan_work(model: ModelShape, plan: StepPlan) -> StepWork:
+    """`step_work` of a step plan (the sequences with `sample` true sample one token each)."""
+    return step_work(model, plan.start_positions, plan.num_tokens, sum(plan.sample))
+
+
+def _over(amount: float, rate: Optional[float]) -> float:
+    return 0.0 if rate is None else amount / rate
+
+
+def step_cost(device: DeviceProfile, work: StepWork) -> StepCost:
+    """The modelled time of `work` on `device`; exactly 0 on the zero-cost profile."""
+    compute = _over(work.linear_flops, device.dense_flops)
+    compute += _over(work.attention_flops, device.attention_flops)
+    memory = _over(work.memory_bytes, device.bandwidth)
+    overhead = device.launch_s + device.per_seq_s * work.num_seqs
+    return StepCost(compute_s=compute, memory_s=memory, overhead_s=overhead)
+
+
+def step_seconds(device: DeviceProfile, model: ModelShape, plan: StepPlan) -> float:
+    """The modelled time of one plan; called by the runner once per step."""
+    if device.zero_cost:  # skip the per-sequence loop: the zero-cost run measures the engine
+        return 0.0
+    return step_cost(device, plan_work(model, plan)).total_s

@@ -1,0 +1,168 @@
+"""SimRunner: handshake, deterministic tokens (never eos, exact length), timing, plan checks."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from services.simworker.config import SimConfig
+from services.simworker.profiles import DEVICES, MODELS
+from services.simworker.runner import SimRunner, kv_capacity_blocks
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult
+
+ZERO = SimConfig(device="none", model="smollm2-135m")
+
+
+def _new(rid: str, prompt: Sequence[int], blocks: list[int], **params) -> NewSequence:
+    return NewSequence(rid, list(prompt), len(prompt), blocks, SamplingParams(**params))
+
+
+def _prefill(step: int, seqs: list[NewSequence]) -> StepPlan:
+    return StepPlan(
+        step_id=step,
+        new_seqs=seqs,
+        rids=[s.rid for s in seqs],
+        start_positions=[0] * len(seqs),
+        num_tokens=[len(s.token_ids) for s in seqs],
+        token_ids=[t for s in seqs for t in s.token_ids],
+        new_block_ids=[[] for _ in seqs],
+        sample=[True] * len(seqs),
+    )
+
+
+def _decode(step: int, rids: list[str], starts: list[int], last: list[int]) -> StepPlan:
+    n = len(rids)
+    return StepPlan(step, [], rids, starts, [1] * n, last, [[] for _ in rids], [True] * n)
+
+
+def _generate(runner: SimRunner, seq: NewSequence, max_tokens: int) -> list[int]:
+    """Drive one request as a scheduler would: one prefill, then decodes, max_tokens in all."""
+    out = runner.execute(_prefill(0, [seq])).token_ids
+    pos = len(seq.token_ids)
+    while len(out) < max_tokens:
+        out += runner.execute(_decode(len(out), [seq.rid], [pos], [out[-1]])).token_ids
+        pos += 1
+    return out
+
+
+def test_ready_message_says_simulated_and_fits_the_memory() -> None:
+    r = SimRunner(SimConfig(device="h200", model="llama-3-8b"))
+    ready = r.ready_message(rank=0)
+    assert ready.device == "sim:h200" and ready.model_name == "sim:llama-3-8b"
+    assert ready.eos_token_ids == [128001, 128009] and ready.vocab_size == 128256
+    # 141 GB * 0.9 * 0.95 usable - 16.06 GB of weights, over 16 tokens * 128 KiB per block
+    usable = 141e9 * 0.9 * 0.95 - MODELS["llama-3-8b"].weight_bytes
+    assert ready.num_blocks == int(usable // (16 * 131072))
+    assert ready.max_model_len == 8192
+
+
+def test_a_model_that_does_not_fit_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        SimRunner(SimConfig(device="h200", model="llama-3-70b"))
+    fp8 = SimRunner(SimConfig(device="h200", model="llama-3-70b", weight_dtype="float8"))
+    assert fp8.num_blocks == kv_capacity_blocks(DEVICES["h200"], fp8.model, 16)
+
+
+def test_tokens_are_deterministic_never_eos_and_exactly_max_tokens() -> None:
+    a, b = SimRunner(ZERO), SimRunner(ZERO)
+    seq = _new("req-1", range(10, 30), [0, 1, 2, 3], max_tokens=40, temperature=0.8)
+    out_a, out_b = _generate(a, seq, 40), _generate(b, seq, 40)
+    assert out_a == out_b and len(out_a) == 40
+    assert 2 not in out_a  # SmolLM2's eos
+    assert all(256 <= t < 32000 for t in out_a)
+    other = _generate(SimRunner(ZERO), _new("req-2", range(10, 30), [0, 1, 2, 3]), 40)
+    assert other != out_a  # no seed: the stream follows the request id
+
+
+def test_seed_and_greedy_streams() -> None:
+    seeded = [
+        _generate(SimRunner(ZERO), _new(rid, [5, 6, 7], [0], seed=42), 8) for rid in ("x", "y")
+    ]
+    assert seeded[0] == seeded[1]  # same seed, same tokens whatever the id
+    greedy = [
+        _generate(SimRunner(ZERO), _new(rid, [5, 6, 7], [0], temperature=0.0), 8)
+        for rid in ("x", "y")
+    ]
+    assert greedy[0] == greedy[1]  # greedy output depends only on the prompt
+    assert greedy[0] != seeded[0]
+
+
+def test_resumed_request_reproduces_its_tokens() -> None:
+    runner = SimRunner(ZERO)
+    prompt = list(range(100, 112))
+    first = _generate(runner, _new("r", prompt, [0, 1]), 6)
+    # preempted after 4 outputs: resumed with prompt + 4 outputs, recomputed in one chunk
+    resumed = NewSequence("r", prompt + first[:4], len(prompt), [3], SamplingParams())
+    again = runner.execute(
+        StepPlan(9, [resumed], ["r"], [0], [16], resumed.token_ids, [[]], [True], ["r"])
+    )
+    assert again.token_ids == [first[4]]
+
+
+def test_stop_ids_are_avoided_and_eos_only_when_asked() -> None:
+    tiny_range = SimConfig(device="none", model="smollm2-135m", token_id_low=300, token_id_high=302)
+    out = _generate(SimRunner(tiny_range), _new("s", [9], [0, 1], stop_token_ids=[300]), 20)
+    assert out == [301] * 20
+    eosy = SimConfig(device="none", model="smollm2-135m", eos_probability=0.5)
+    runner = SimRunner(eosy)
+    outs = [runner.execute(_prefill(i, [_new(f"e{i}", [9], [i])])).token_ids[0] for i in range(64)]
+    assert 10 < outs.count(2) < 54  # about half are eos
+    ignoring = [_new(f"i{i}", [9], [i], ignore_eos=True) for i in range(64)]
+    assert 2 not in SimRunner(eosy).execute(_prefill(0, ignoring)).token_ids
+
+
+def _timed(runner: SimRunner, plan: StepPlan) -> tuple[float, StepResult]:
+    start = time.perf_counter()
+    res = runner.execute(plan)
+    return time.perf_counter() - start, res
+
+
+def test_execute_takes_the_modelled_time(tmp_path) -> None:
+    profile = {
+        "name": "slow", "dense_flops": None, "attention_flops": None, "bandwidth": None,
+        "memory_bytes": 10**9, "launch_s": 0.03, "per_seq_s": 0.01,
+    }  # fmt: skip
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(profile))
+    runner = SimRunner(SimConfig(profile_path=path, model="smollm2-135m"))
+    seqs = [_new(f"t{i}", [7, 8], [i]) for i in range(3)]
+    elapsed, res = _timed(runner, _prefill(0, seqs))
+    assert 0.06 - 1e-4 <= elapsed < 0.06 + 0.05  # 30 ms + 3 * 10 ms; slack for a busy host
+    assert res.forward_s >= 0.06 - 1e-4
+    elapsed, _ = _timed(SimRunner(ZERO), _prefill(0, seqs))
+    assert elapsed < 0.02
+
+
+def test_logprobs_point_mass() -> None:
+    res = SimRunner(ZERO).execute(_prefill(0, [_new("l", [3, 4], [0], logprobs=3)]))
+    lp = res.logprobs["l"]
+    assert lp.logprob == 0.0 and lp.top_token_ids[0] == res.token_ids[0]
+    assert len(lp.top_token_ids) == 3 and lp.top_logprobs == [0.0, -100.0, -100.0]
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (_decode(1, ["ghost"], [0], [5]), "unknown request"),
+        (_decode(1, ["a"], [2], [5]), "starts at 2"),
+        (StepPlan(1, [], ["a"], [3], [14], [5] * 14, [[]], [True]), "past its block table"),
+        (StepPlan(1, [], ["a"], [3], [1], [5], [[10**6]], [True]), "out of range"),
+    ],
+)
+def test_plans_that_break_the_contract_are_refused(plan: StepPlan, message: str) -> None:
+    runner = SimRunner(ZERO)
+    runner.execute(_prefill(0, [_new("a", [1, 2, 3], [0])]))
+    with pytest.raises(ValueError, match=message):
+        runner.execute(plan)
+
+
+def test_released_requests_are_forgotten() -> None:
+    runner = SimRunner(ZERO)
+    runner.execute(_prefill(0, [_new("a", [1, 2, 3], [0])]))
+    runner.execute(StepPlan(1, [], [], [], [], [], [], [], released_rids=["a"]))
+    with pytest.raises(ValueError, match="unknown request"):
+        runner.execute(_decode(2, ["a"], [3], [5]))
