@@ -20,6 +20,22 @@ KNOWN: dict[str, str] = {
     "SCHEDULER_ADDR": "scheduler address the tokenizer services connect to",
     "WORKER_ADDR": "scheduler <-> worker address",
     "MODEL": "model: 'smollm2' (default), a .gguf file or a Hugging Face folder",
+    "LOG_FILE": "a service's own log file (the launcher sets logs/<service>.log)",
+    "NUM_WORKERS": "scheduler: worker ranks to wait for before admitting requests (default 1)",
+    "MAX_FRAME_BYTES": "largest frame a service accepts before answering frame_too_large",
+    "FRONTEND_TIMEOUT": "scheduler: seconds of frontend silence before its requests are aborted",
+    "DRAIN_TIMEOUT": "SIGTERM grace period (s) for in-flight requests before stopping",
+    "RANK": "worker: this process's rank (0 answers with results)",
+    "READY_FILE": "worker: a file created once the worker said ready (container healthcheck)",
+    # Every SchedulerConfig / WorkerConfig field is also CONVEYOR_<FIELD> (shared/config_flags.py)
+    "MAX_NUM_SEQS": "scheduler: requests running at once",
+    "MAX_NUM_BATCHED_TOKENS": "scheduler: token budget of one step",
+    "CHUNK_SIZE": "scheduler: prompt tokens of one request per step",
+    "BATCH_SIZE": "scheduler: dynamic/static batch size",
+    "POLICY": "scheduler: fcfs | priority | short-first",
+    "BATCHING": "scheduler: continuous | dynamic | static",
+    "DTYPE": "worker: float32 | bfloat16 | ...",
+    "KV_CACHE_MEMORY": "worker: memory for the KV cache",
 }
 
 

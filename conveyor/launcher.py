@@ -1,0 +1,256 @@
+"""LocalStack: the embedded default. Starts tokenizer, scheduler and worker (and the HTTP
+gateway) as child processes, internal sockets as ipc:// in a private run directory, the
+frontend on tcp://127.0.0.1:5557 unless told otherwise.
+
+    with LocalStack(StackSettings(...)) as stack:     # start() + wait_ready()
+        Client(stack.frontend_address).generate(...)
+                                                       # stop(): drains, then no process left
+`conveyor up` is a thin CLI over this class; the e2e tests use it directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+import msgpack
+import zmq
+
+from conveyor.procs import ServiceProcess, stop_in_order
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
+WORKER_KINDS = ("model", "sim")
+
+
+class StackError(RuntimeError):
+    """A service failed to start or died; the message names it and shows its last lines."""
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    model: Optional[str] = None  # None/"smollm2", a .gguf file or an HF folder
+    worker: str = "model"  # "model" (the real worker) or "sim" (services.simworker)
+    sim_device: Optional[str] = None
+    sim_model: Optional[str] = None
+    frontend_address: str = DEFAULT_FRONTEND
+    # `--flag value` pairs for each service, flag names without dashes: {"max_num_seqs": "8"}
+    scheduler_flags: dict[str, str] = field(default_factory=dict)
+    worker_flags: dict[str, str] = field(default_factory=dict)
+    tokenizer_flags: dict[str, str] = field(default_factory=dict)
+    gateway: bool = True  # start services.gateway when that package exists
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    log_dir: Path = Path("logs")
+    echo: Optional[TextIO] = None  # where prefixed service output goes (None: files only)
+    drain_timeout_s: float = 10.0  # SIGTERM grace for in-flight requests
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
+
+    def __post_init__(self) -> None:
+        if self.worker not in WORKER_KINDS:
+            raise ValueError(f"worker must be one of {', '.join(WORKER_KINDS)}")
+        if not 0 < self.http_port < 65536:
+            raise ValueError("http_port must be a TCP port")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+
+
+def gateway_available() -> bool:
+    return importlib.util.find_spec("services.gateway.__main__") is not None
+
+
+class LocalStack:
+    """The services of one engine on this machine. Not thread-safe; one owner."""
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.settings = settings
+        self.services: dict[str, ServiceProcess] = {}
+        self.run_dir: Optional[Path] = None
+        self.frontend_address = settings.frontend_address
+        self.log_dir = settings.log_dir.resolve()
+        self.with_gateway = settings.gateway and gateway_available()
+        self.http_url = (
+            f"http://{settings.http_host}:{settings.http_port}" if self.with_gateway else None
+        )
+
+    # ---- start -------------------------------------------------------------------------------
+
+    def start(self) -> LocalStack:
+        """Spawn every service (returns at once; `wait_ready` waits for the handshake)."""
+        if self.services:
+            raise StackError("already started")
+        self.run_dir = Path(tempfile.mkdtemp(prefix="conveyor-"))
+        sched_addr = f"ipc://{self.run_dir}/scheduler.sock"
+        worker_addr = f"ipc://{self.run_dir}/worker.sock"
+        s = self.settings
+        self._spawn("scheduler", "services.scheduler", {
+            "scheduler_addr": sched_addr, "worker_addr": worker_addr,
+            "drain_timeout": str(s.drain_timeout_s), **s.scheduler_flags,
+        })  # fmt: skip
+        self._spawn("worker", *self._worker_command(worker_addr))
+        self._spawn("tokenizer", "services.tokenizer", {
+            "frontend_addr": self.frontend_address, "scheduler_addr": sched_addr,
+            "frontend_id": f"fe-{uuid.uuid4().hex[:8]}", **self._model_flag(),
+            **s.tokenizer_flags,
+        })  # fmt: skip
+        if self.with_gateway:
+            self._spawn("gateway", "services.gateway", self._gateway_flags())
+        elif s.gateway:
+            self._note("gateway: services.gateway is not installed; HTTP API not started")
+        return self
+
+    def _model_flag(self) -> dict[str, str]:
+        return {"model": self.settings.model} if self.settings.model else {}
+
+    def _worker_command(self, worker_addr: str) -> tuple[str, dict[str, str]]:
+        s = self.settings
+        if s.worker == "sim":
+            flags = {"plan_addr": worker_addr}
+            if s.sim_device:
+                flags["sim_device"] = s.sim_device
+            if s.sim_model:
+                flags["sim_model"] = s.sim_model
+            return "services.simworker", {**flags, **s.worker_flags}
+        return "services.worker", {"worker_addr": worker_addr, **self._model_flag(),
+                                   **s.worker_flags}  # fmt: skip
+
+    def _gateway_flags(self) -> dict[str, str]:
+        s = self.settings
+        flags = {"frontend_addr": self.frontend_address, "host": s.http_host,
+                 "port": str(s.http_port)}  # fmt: skip
+        if s.api_key:
+            flags["api_key"] = s.api_key
+        if s.served_model_name:
+            flags["served_model_name"] = s.served_model_name
+        return flags
+
+    def _spawn(self, name: str, module: str, flags: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", module]
+        for key, value in flags.items():
+            argv += ["--" + key.replace("_", "-"), value]
+        self.services[name] = ServiceProcess(
+            name, argv, self._env(name), self.log_dir, self.settings.echo, cwd=ROOT
+        )
+        self._note(f"started {name} (pid {self.services[name].pid})")
+
+    def _env(self, name: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("CONVEYOR_LOG_FILE", None)  # the launcher writes logs/<service>.log itself
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        if name != "worker":  # only the worker computes: the others leave it the cores
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env.update(self.settings.env)
+        return env
+
+    def _note(self, text: str) -> None:
+        if self.settings.echo is not None:
+            self.settings.echo.write(f"{'conveyor':>9} | {text}\n")
+            self.settings.echo.flush()
+
+    # ---- readiness and liveness --------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until the frontend says ready (worker handshake done) and the gateway listens.
+
+        Raises StackError when a service exits first or the timeout passes.
+        """
+        deadline = time.monotonic() + timeout
+        while not probe_health(self.frontend_address, timeout=1.0):
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise StackError(f"engine not ready after {timeout:.0f} s")
+        while self.http_url is not None and not _port_open(
+            self.settings.http_host, self.settings.http_port
+        ):
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise StackError(f"gateway not listening after {timeout:.0f} s")
+            time.sleep(0.2)
+        self._note(f"ready: frontend {self.frontend_address}"
+                   + (f", HTTP {self.http_url}" if self.http_url else ""))  # fmt: skip
+
+    def dead_service(self) -> Optional[tuple[str, int]]:
+        """(name, exit code) of the first service that has exited, or None."""
+        for name, svc in self.services.items():
+            rc = svc.returncode()
+            if rc is not None:
+                return name, rc
+        return None
+
+    def _raise_if_dead(self) -> None:
+        dead = self.dead_service()
+        if dead is not None:
+            name, rc = dead
+            svc = self.services[name]
+            svc.join_output(1.0)
+            raise StackError(f"{name} exited with code {rc}; last lines:\n{svc.last_lines()}")
+
+    def pids(self) -> dict[str, int]:
+        return {name: svc.pid for name, svc in self.services.items()}
+
+    # ---- stop --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Drain and stop: frontends and scheduler first, then the worker; nothing survives."""
+        groups = [
+            [self.services[n] for n in ("gateway", "tokenizer") if n in self.services],
+            [self.services[n] for n in ("scheduler",) if n in self.services],
+            [self.services[n] for n in ("worker",) if n in self.services],
+        ]
+        stop_in_order(groups, timeout_s=self.settings.drain_timeout_s + 5.0)
+        self._note("stopped")
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def probe_health(address: str, timeout: float = 1.0) -> bool:
+    """Ask the frontend `health` (docs/protocol.md) over a fresh DEALER: True when ready."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(msgpack.packb({"type": "health", "v": 1, "id": "launcher"}))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                return False
+            reply = msgpack.unpackb(sock.recv(), raw=False)
+            if isinstance(reply, dict) and reply.get("type") == "health":
+                return reply.get("ready") is True
+        return False
+    finally:
+        sock.close()
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False

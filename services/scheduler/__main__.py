@@ -1,0 +1,111 @@
+"""`python -m services.scheduler`: the scheduler process (flags, else CONVEYOR_* variables).
+
+Never imports torch: this process keeps to one thread so the worker has the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Optional
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.server import SchedulerServer, ServerConfig
+from shared.config_flags import add_config_flags, config_from_args
+from shared.env import env_float, env_int, env_str
+from shared.logging import configure_logging
+from shared.protocol.worker_channel import WorkerReady
+
+DEFAULT_SCHEDULER_ADDR = "tcp://127.0.0.1:5556"
+DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.scheduler", description=__doc__)
+    p.add_argument(
+        "--scheduler-addr",
+        default=env_str("SCHEDULER_ADDR", DEFAULT_SCHEDULER_ADDR),
+        help="bind address for frontends (CONVEYOR_SCHEDULER_ADDR)",
+    )
+    p.add_argument(
+        "--worker-addr",
+        default=env_str("WORKER_ADDR", DEFAULT_WORKER_ADDR),
+        help="bind address for the worker rank(s) (CONVEYOR_WORKER_ADDR)",
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=env_int("NUM_WORKERS", 1),
+        help="worker ranks to wait for (CONVEYOR_NUM_WORKERS)",
+    )
+    p.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", 16 << 20))
+    p.add_argument(
+        "--frontend-timeout",
+        type=float,
+        default=env_float("FRONTEND_TIMEOUT", 3.0),
+        help="seconds of frontend silence before its requests are aborted",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=env_float("DRAIN_TIMEOUT", 30.0),
+        help="SIGTERM grace period for in-flight requests (CONVEYOR_DRAIN_TIMEOUT)",
+    )
+    p.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
+    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_config_flags(p, SchedulerConfig)
+    return p
+
+
+def _env_path(name: str) -> Optional[Path]:
+    value = env_str(name)
+    return Path(value) if value else None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sched_config = config_from_args(parser, args, SchedulerConfig)
+    try:
+        server_config = ServerConfig(
+            frontend_address=args.scheduler_addr,
+            worker_address=args.worker_addr,
+            num_workers=args.num_workers,
+            max_frame_bytes=args.max_frame_bytes,
+            frontend_timeout_s=args.frontend_timeout,
+            drain_timeout_s=args.drain_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    log = configure_logging("scheduler", args.log_level, args.log_file)
+    log.info("scheduler_config", **{k: v for k, v in vars(args).items() if k != "log_file"})
+
+    def make_scheduler(ready: WorkerReady):  # noqa: ANN202 - the core's own type
+        from services.scheduler.scheduler import Scheduler
+
+        return Scheduler(
+            sched_config,
+            ready.num_blocks,
+            ready.block_size,
+            ready.max_model_len,
+            list(ready.eos_token_ids),
+            clock=time.time,
+        )
+
+    server = SchedulerServer(server_config, make_scheduler, log)
+
+    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
+        log.info("signal", signum=signum)
+        server.request_drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

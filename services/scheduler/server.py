@@ -1,0 +1,459 @@
+"""The scheduler process loop: frontends <-> Scheduler core <-> worker rank(s), one thread.
+
+Sockets (both bound here):
+* frontends: ROUTER. Each frontend's DEALER identity keys its replies; `owners` maps every live
+  rid to the identity that submitted it, so tokens never go to another frontend. A frontend is
+  alive while it talks (FrontendHello every second); silent for `frontend_timeout_s`, gone from
+  the socket (ROUTER_MANDATORY) or saying FrontendBye, its requests are aborted.
+* workers: ROUTER, every rank's DEALER has identity "worker-<rank>". Each rank gets every plan;
+  rank 0 answers. ZMTP heartbeats plus the socket's monitor events detect a lost worker
+  (see shared/worker_server.py): then every live request fails and frontends hear EngineNotReady.
+
+Loop: schedule -> send plan -> poll (frontends keep flowing while the plan runs) -> result ->
+update -> send the next plan -> emit this step's outputs (so the worker is already busy while
+outputs are encoded). One plan is in flight at a time. SIGTERM drains (see `request_drain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from shared.protocol.codec import DecodeError, decode, encode
+from shared.protocol.engine_channel import (
+    AbortRequest,
+    EngineNotReady,
+    EngineReady,
+    EngineShutdown,
+    FrontendBye,
+    FrontendHello,
+    OutputBatch,
+    RequestOutput,
+    RequestRejected,
+    StatsQuery,
+    StatsReply,
+    SubmitRequest,
+)
+from shared.protocol.errors import ErrorCode
+from shared.protocol.worker_channel import (
+    StepPlan,
+    StepResult,
+    WorkerFailure,
+    WorkerReady,
+    WorkerShutdown,
+)
+from shared.worker_server import set_heartbeat, worker_identity
+
+HOUSEKEEPING_S = 0.5  # longest poll: frontend liveness and drain checks run at least this often
+MIN_POLL_S = 0.002  # floor for the core's timers, so a zero timeout never spins
+
+
+class SchedulerCore(Protocol):
+    """The parts of services.scheduler.Scheduler this loop uses (docs/design/contracts.md)."""
+
+    last_step_record: Any
+
+    def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]: ...
+    def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]: ...
+    def schedule(self) -> Optional[StepPlan]: ...
+    def update(self, result: StepResult) -> list[RequestOutput]: ...
+    def fail_all(self, code: str, message: str) -> list[RequestOutput]: ...
+    def next_timeout(self) -> Optional[float]: ...
+    def stats(self) -> dict[str, float]: ...
+
+
+# Builds the core once the worker handshake says how big the KV pool is.
+SchedulerFactory = Callable[[WorkerReady], SchedulerCore]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    frontend_address: str
+    worker_address: str
+    num_workers: int = 1  # ranks that must say WorkerReady before requests are admitted
+    max_frame_bytes: int = 16 << 20  # larger frames from a frontend are dropped with a log line
+    hard_max_frame_bytes: int = 256 << 20  # zmq.MAXMSGSIZE: the peer is disconnected
+    frontend_timeout_s: float = 3.0  # a frontend silent this long is gone
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        if not 0 < self.max_frame_bytes <= self.hard_max_frame_bytes:
+            raise ValueError("need 0 < max_frame_bytes <= hard_max_frame_bytes")
+        if self.frontend_timeout_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("frontend_timeout_s must be > 0 and drain_timeout_s >= 0")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    plan: StepPlan
+    record: dict[str, Any]  # the core's StepRecord for this plan, as log fields
+    sent_at: float  # time.time() when the plan left
+    gap_s: Optional[float]  # previous result -> this plan, when sent back to back
+
+
+class SchedulerServer:
+    """Owns the sockets and the core; `run()` is the process's whole life."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        make_scheduler: SchedulerFactory,
+        log: Any,
+        context: Optional[zmq.Context] = None,
+    ) -> None:
+        self.config = config
+        self._make_scheduler = make_scheduler
+        self.log = log
+        self._ctx = context or zmq.Context.instance()
+        self.sched: Optional[SchedulerCore] = None
+        self._ranks: dict[int, WorkerReady] = {}
+        self._owners: dict[str, bytes] = {}  # live rid -> frontend identity
+        self._frontends: dict[bytes, float] = {}  # identity -> last heard (monotonic)
+        self._in_flight: Optional[_InFlight] = None
+        self._last_result_at: Optional[float] = None
+        self._last_step_id = 0
+        self._num_steps = 0
+        self._drain_requested = False
+        self._draining_since: Optional[float] = None
+        self._stopped = False
+        self._open_sockets()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _open_sockets(self) -> None:
+        cfg = self.config
+        self.fe = self._ctx.socket(zmq.ROUTER)
+        self.fe.setsockopt(zmq.ROUTER_MANDATORY, 1)  # undeliverable -> error, not silent drop
+        self.fe.setsockopt(zmq.SNDHWM, 0)  # local frontends: never drop an output batch
+        self.fe.setsockopt(zmq.MAXMSGSIZE, cfg.hard_max_frame_bytes)
+        self.fe.setsockopt(zmq.LINGER, 500)
+        self.fe.bind(cfg.frontend_address)
+        self.wk = self._ctx.socket(zmq.ROUTER)
+        self.wk.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.wk.setsockopt(zmq.LINGER, 500)
+        set_heartbeat(self.wk)
+        self.wk_monitor = self.wk.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.wk.bind(cfg.worker_address)
+        self.poller = zmq.Poller()
+        for sock in (self.wk, self.wk_monitor, self.fe):
+            self.poller.register(sock, zmq.POLLIN)
+        self.log.info(
+            "scheduler_listening", frontend=cfg.frontend_address, worker=cfg.worker_address
+        )
+
+    def request_drain(self) -> None:
+        """Called from the SIGTERM handler: only sets a flag, the loop does the rest."""
+        self._drain_requested = True
+
+    def run(self) -> int:
+        """Serve until drained. Returns the process exit code."""
+        try:
+            while not self._stopped:
+                self._maybe_send_plan(back_to_back=False)
+                events = dict(self.poller.poll(self._poll_timeout_ms()))
+                if self.wk_monitor in events:
+                    self._on_monitor()
+                if self.wk in events:
+                    self._on_worker()
+                if self.fe in events:
+                    self._on_frontends()
+                self._housekeeping()
+        finally:
+            self.wk.disable_monitor()
+            for sock in (self.wk_monitor, self.wk, self.fe):
+                sock.close()
+        self.log.info("scheduler_stopped", num_steps=self._num_steps)
+        return 0
+
+    def _poll_timeout_ms(self) -> int:
+        timeout = HOUSEKEEPING_S
+        if self.sched is not None and self._in_flight is None:
+            core_timeout = self.sched.next_timeout()
+            if core_timeout is not None:
+                timeout = min(timeout, max(core_timeout, MIN_POLL_S))
+        return int(timeout * 1000) or 1
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def _maybe_send_plan(self, back_to_back: bool) -> None:
+        if self.sched is None or self._in_flight is not None or self._stopped:
+            return
+        plan = self.sched.schedule()
+        if plan is None:
+            return
+        frame = encode(plan)
+        sent_at = time.time()
+        if not self._send_workers(frame):
+            return
+        gap = sent_at - self._last_result_at if back_to_back and self._last_result_at else None
+        record = _as_fields(self.sched.last_step_record)
+        self._in_flight = _InFlight(plan=plan, record=record, sent_at=sent_at, gap_s=gap)
+
+    def _send_workers(self, frame: bytes) -> bool:
+        """Send one frame to every rank; a rank that is gone counts as a lost worker."""
+        try:
+            for rank in list(self._ranks):
+                self.wk.send_multipart([worker_identity(rank), frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._on_worker_lost(f"cannot reach the worker: {exc.strerror}")
+            return False
+        return True
+
+    def _on_worker(self) -> None:
+        while self.wk.poll(0, zmq.POLLIN):
+            ident, frame = self.wk.recv_multipart()[-2:]
+            try:
+                msg = decode(frame)
+            except DecodeError as exc:
+                self._on_step_failed(WorkerFailure(None, exc.code, f"bad worker frame: {exc}"))
+                continue
+            if isinstance(msg, WorkerReady):
+                self._on_worker_ready(msg)
+            elif isinstance(msg, StepResult):
+                self._on_result(msg)
+            elif isinstance(msg, WorkerFailure):
+                self._on_step_failed(msg)
+            else:
+                self.log.warning("unexpected_worker_message", type=type(msg).__name__, ident=ident)
+
+    def _on_worker_ready(self, ready: WorkerReady) -> None:
+        if self.sched is not None:  # a rank came back without us seeing it go: start afresh
+            self._on_worker_lost(f"rank {ready.rank} said ready again")
+        self._ranks[ready.rank] = ready
+        self.log.info("worker_ready", **_as_fields(ready))
+        if len(self._ranks) < self.config.num_workers:
+            return
+        first = self._ranks[min(self._ranks)]
+        small = min(self._ranks.values(), key=lambda r: r.num_blocks)
+        self.sched = self._make_scheduler(dataclasses.replace(first, num_blocks=small.num_blocks))
+        for ident in list(self._frontends):
+            self._send_frontend(ident, self._ready_message())
+        self.log.info("engine_ready", num_blocks=small.num_blocks, model=first.model_name)
+
+    def _ready_message(self) -> EngineReady | EngineNotReady:
+        if self.sched is None:
+            return EngineNotReady(reason="waiting for the worker")
+        first = self._ranks[min(self._ranks)]
+        return EngineReady(
+            model_name=first.model_name,
+            max_model_len=first.max_model_len,
+            vocab_size=first.vocab_size,
+            eos_token_ids=list(first.eos_token_ids),
+            num_blocks=min(r.num_blocks for r in self._ranks.values()),
+            block_size=first.block_size,
+        )
+
+    def _on_result(self, result: StepResult) -> None:
+        flight = self._in_flight
+        if self.sched is None or flight is None or flight.plan.step_id != result.step_id:
+            self.log.warning("stale_result", step_id=result.step_id)
+            return
+        now = time.time()
+        self._in_flight = None
+        self._last_result_at = now
+        self._last_step_id = result.step_id
+        self._num_steps += 1
+        outputs = self.sched.update(result)
+        self._log_step(flight, result, now, len(outputs))
+        self._maybe_send_plan(back_to_back=True)
+        self._emit(outputs, result.step_id)
+
+    def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
+        fields = dict(flight.record)
+        fields.update(
+            step_id=result.step_id,
+            num_seqs=flight.plan.num_seqs,
+            num_tokens=flight.plan.total_tokens,
+            num_outputs=n_out,
+            t_plan=flight.sent_at,
+            t_result=now,
+            step_s=now - flight.sent_at,
+            forward_s=result.forward_s,
+            gap_s=flight.gap_s,
+        )
+        self.log.info("step", **fields)
+
+    def _on_step_failed(self, failure: WorkerFailure) -> None:
+        self.log.error(
+            "step_failed", step_id=failure.step_id, code=failure.code, message=failure.message
+        )
+        self._in_flight = None
+        if self.sched is not None:
+            self._emit(
+                self.sched.fail_all(ErrorCode.WORKER_FAILED, failure.message), self._last_step_id
+            )
+
+    def _on_monitor(self) -> None:
+        while self.wk_monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self.wk_monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and self._ranks:
+                self._on_worker_lost("worker connection lost")
+            elif event["event"] == zmq.EVENT_ACCEPTED:
+                self.log.info("worker_connected")
+
+    def _on_worker_lost(self, reason: str) -> None:
+        self.log.error("worker_lost", reason=reason, num_live=len(self._owners))
+        if self.sched is not None:
+            self._emit(self.sched.fail_all(ErrorCode.WORKER_FAILED, reason), self._last_step_id)
+        self.sched = None
+        self._ranks.clear()
+        self._in_flight = None
+        self._owners.clear()
+        for ident in list(self._frontends):
+            self._send_frontend(ident, EngineNotReady(reason=reason))
+
+    # ---- frontend side -----------------------------------------------------------------------
+
+    def _on_frontends(self) -> None:
+        # Bounded so a flood of submits cannot starve the worker socket.
+        for _ in range(1024):
+            if not self.fe.poll(0, zmq.POLLIN):
+                return
+            parts = self.fe.recv_multipart()
+            ident, frame = parts[0], parts[-1]
+            self._frontends[ident] = time.monotonic()
+            try:
+                msg = decode(frame, max_size=self.config.max_frame_bytes)
+            except DecodeError as exc:
+                self.log.warning("bad_frontend_frame", code=exc.code, message=exc.message)
+                continue
+            self._on_frontend_message(ident, msg)
+
+    def _on_frontend_message(self, ident: bytes, msg: Any) -> None:
+        if isinstance(msg, SubmitRequest):
+            self._on_submit(ident, msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.rid, msg.reason)
+        elif isinstance(msg, FrontendHello):
+            self._send_frontend(ident, self._ready_message())
+        elif isinstance(msg, StatsQuery):
+            self._send_frontend(ident, StatsReply(query_id=msg.query_id, stats=self._stats()))
+        elif isinstance(msg, FrontendBye):
+            self._frontend_gone(ident, "frontend said bye")
+        else:
+            self.log.warning("unexpected_frontend_message", type=type(msg).__name__)
+
+    def _on_submit(self, ident: bytes, req: SubmitRequest) -> None:
+        rejection = None
+        if self._draining_since is not None:
+            rejection = (ErrorCode.SHUTTING_DOWN, "the engine is shutting down")
+        elif self.sched is None:
+            rejection = (ErrorCode.NOT_READY, "the worker is not ready")
+        elif req.rid in self._owners:
+            rejection = (ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already live")
+        if rejection is not None:
+            self._reject(ident, RequestRejected(req.rid, *rejection))
+            return
+        refused = self.sched.add_request(req)
+        if refused is not None:
+            self._reject(ident, refused)
+            return
+        self._owners[req.rid] = ident
+        self.log.info("request_admitted", rid=req.rid, num_prompt_tokens=len(req.prompt_token_ids))
+
+    def _reject(self, ident: bytes, rejected: RequestRejected) -> None:
+        self.log.info("request_rejected", rid=rejected.rid, code=rejected.code)
+        self._send_frontend(ident, rejected)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        """Idempotent: unknown or finished rids are ignored."""
+        if self.sched is None or rid not in self._owners:
+            return
+        final = self.sched.abort_request(rid, reason)
+        self.log.info("request_aborted", rid=rid, reason=reason)
+        if final is not None:
+            self._emit([final], self._last_step_id)
+        self._owners.pop(rid, None)
+
+    def _frontend_gone(self, ident: bytes, reason: str) -> None:
+        self._frontends.pop(ident, None)
+        rids = [rid for rid, owner in self._owners.items() if owner == ident]
+        self.log.warning("frontend_gone", frontend=ident, reason=reason, num_aborted=len(rids))
+        for rid in rids:
+            self._owners.pop(rid, None)  # first, so the final output is not sent back
+            if self.sched is not None:
+                self.sched.abort_request(rid, "frontend_gone")
+
+    def _emit(self, outputs: list[RequestOutput], step_id: int) -> None:
+        """Send each frontend its own outputs of one step; finished rids leave `owners`."""
+        batches: dict[bytes, list[RequestOutput]] = {}
+        for out in outputs:
+            owner = self._owners.get(out.rid)
+            if owner is None:
+                continue  # its frontend is gone
+            batches.setdefault(owner, []).append(out)
+            if out.finish_reason is not None:
+                del self._owners[out.rid]
+                self.log.info(
+                    "request_finished",
+                    rid=out.rid,
+                    finish_reason=out.finish_reason,
+                    num_output_tokens=out.num_output_tokens,
+                    error_code=out.error_code,
+                )
+        for ident, outs in batches.items():
+            self._send_frontend(ident, OutputBatch(step_id=step_id, outputs=outs))
+
+    def _send_frontend(self, ident: bytes, msg: Any) -> None:
+        try:
+            self.fe.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: that frontend disconnected
+            self._frontend_gone(ident, f"send failed: {exc.strerror}")
+
+    def _stats(self) -> dict[str, float]:
+        stats = dict(self.sched.stats()) if self.sched is not None else {}
+        stats.update(
+            ready=float(self.sched is not None),
+            draining=float(self._draining_since is not None),
+            num_frontends=float(len(self._frontends)),
+            num_workers_ready=float(len(self._ranks)),
+            num_live_requests=float(len(self._owners)),
+            num_steps=float(self._num_steps),
+        )
+        return stats
+
+    # ---- housekeeping ------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        limit = self.config.frontend_timeout_s
+        for ident, seen in list(self._frontends.items()):
+            if now - seen > limit:
+                self._frontend_gone(ident, f"silent for {limit:.0f} s")
+        if self._drain_requested and self._draining_since is None:
+            self._draining_since = now
+            self.log.info(
+                "draining", num_live=len(self._owners), grace_s=self.config.drain_timeout_s
+            )
+        if self._draining_since is not None:
+            expired = now - self._draining_since > self.config.drain_timeout_s
+            if not self._owners or expired:
+                self._finish_drain()
+
+    def _finish_drain(self) -> None:
+        for rid in list(self._owners):
+            self._abort(rid, "shutdown")
+        self._send_workers(encode(WorkerShutdown("drained")))
+        self.sched = None
+        for ident in list(self._frontends):
+            self._send_frontend(ident, EngineShutdown(reason="scheduler stopped"))
+        self._stopped = True
+
+
+def _as_fields(obj: Any) -> dict[str, Any]:
+    """A dataclass (or mapping) as flat log fields; anything else as one `record` field."""
+    if obj is None:
+        return {}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return dict(obj)
+    return {"record": repr(obj)}

@@ -1,0 +1,64 @@
+"""`python -m services.worker`: one worker rank (flags, else CONVEYOR_* variables).
+
+Every WorkerConfig field is a flag (`--dtype float32`, `--kv-cache-memory 1GiB`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from services.worker.config import WorkerConfig
+from services.worker.server import run_worker
+from shared.config_flags import add_config_flags, config_from_args
+from shared.env import env_int, env_str
+
+DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
+    p.add_argument(
+        "--worker-addr",
+        "--plan-addr",
+        dest="worker_addr",
+        default=env_str("WORKER_ADDR", DEFAULT_WORKER_ADDR),
+        help="the scheduler's worker address to connect to (CONVEYOR_WORKER_ADDR)",
+    )
+    p.add_argument("--rank", type=int, default=env_int("RANK", 0), help="(CONVEYOR_RANK)")
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=_env_path("READY_FILE"),
+        help="created once ready, removed on exit (CONVEYOR_READY_FILE)",
+    )
+    p.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", None))
+    p.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
+    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_config_flags(p, WorkerConfig)
+    return p
+
+
+def _env_path(name: str) -> Optional[Path]:
+    value = env_str(name)
+    return Path(value) if value else None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(parser, args, WorkerConfig)
+    if args.rank < 0:
+        parser.error("--rank must be >= 0")
+    from shared.logging import configure_logging
+
+    log = configure_logging("worker", args.log_level, args.log_file).bind(rank=args.rank)
+    return run_worker(
+        config, args.worker_addr, args.rank, log, args.ready_file, args.max_frame_bytes
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

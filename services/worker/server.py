@@ -1,0 +1,57 @@
+"""The worker process: WorkerConfig -> ModelRunner -> shared.worker_server.serve_worker.
+
+The loop itself lives in shared/worker_server.py so simulated workers run the very same one.
+SIGTERM/SIGINT set a stop event: the loop finishes the step it is in, then exits with 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+from services.worker.config import WorkerConfig
+from shared.worker_server import serve_worker
+
+EXIT_BAD_CONFIG = 2
+
+
+def run_worker(
+    config: WorkerConfig,
+    plan_address: str,
+    rank: int,
+    log: Any,
+    ready_file: Optional[Path] = None,
+    max_frame_bytes: Optional[int] = None,
+) -> int:
+    """Load the model, then serve plans until shutdown. Returns the process exit code."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
+        log.info("signal", signum=signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # Imported here so `--help` and config errors answer without loading torch.
+    from services.worker.runner import ModelRunner
+
+    log.info("loading_model", model=config.model, dtype=config.dtype, device=config.device)
+    try:
+        runner = ModelRunner(config)
+    except ValueError as exc:  # a config the model cannot honour (documented by ModelRunner)
+        log.error("bad_worker_config", message=str(exc))
+        return EXIT_BAD_CONFIG
+    if stop.is_set():
+        return 0
+    return serve_worker(
+        runner,
+        plan_address,
+        rank,
+        log,
+        stop=stop,
+        ready_file=ready_file,
+        max_frame_bytes=max_frame_bytes,
+    )

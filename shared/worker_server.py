@@ -1,0 +1,151 @@
+"""The loop every worker process runs (the real model worker and simulated ones).
+
+    connect (DEALER, identity "worker-<rank>") -> send WorkerReady
+    loop: StepPlan -> runner.execute -> StepResult (rank 0 only), until WorkerShutdown
+
+Liveness: both ends of the worker socket enable ZeroMQ's own heartbeats (ZMTP PING/PONG,
+`HEARTBEAT_IVL` / `HEARTBEAT_TIMEOUT`). libzmq answers them on its I/O thread, which needs no
+GIL, so a worker busy in a long forward pass stays "alive", while a killed, crashed or stopped
+process drops its connection: at once when the process dies (the kernel closes the socket), or
+after `HEARTBEAT_TIMEOUT_MS` when it hangs as a whole. The scheduler watches its socket's monitor
+events for that disconnect (services/scheduler/server.py), so no heartbeat message is needed.
+
+A runner exception fails only the step: the worker answers `WorkerFailure` and keeps serving.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import zmq
+
+from shared.protocol.codec import DecodeError, decode, encode
+from shared.protocol.errors import ErrorCode
+from shared.protocol.worker_channel import (
+    StepPlan,
+    StepResult,
+    WorkerFailure,
+    WorkerReady,
+    WorkerShutdown,
+)
+
+HEARTBEAT_IVL_MS = 1000  # ping the peer every second...
+HEARTBEAT_TIMEOUT_MS = 3000  # ...and drop the connection after 3 s without any traffic
+POLL_MS = 500  # how often the loop looks at its stop event while idle
+
+
+class StepRunner(Protocol):
+    """What serve_worker drives: services.worker.ModelRunner, or a simulated runner."""
+
+    def ready_message(self, rank: int = 0) -> WorkerReady: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+def worker_identity(rank: int) -> bytes:
+    """Routing identity of a rank's socket (the scheduler addresses plans with it)."""
+    return f"worker-{rank}".encode()
+
+
+def set_heartbeat(sock: zmq.Socket) -> None:
+    """Enable ZMTP heartbeats on a worker-channel socket (both ends call this)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def serve_worker(
+    runner: StepRunner,
+    plan_address: str,
+    rank: int,
+    log: Any,
+    *,
+    stop: Optional[threading.Event] = None,
+    ready_file: Optional[Path] = None,
+    max_frame_bytes: Optional[int] = None,
+    context: Optional[zmq.Context] = None,
+) -> int:
+    """Serve plans from the scheduler at `plan_address` until WorkerShutdown or `stop` is set.
+
+    Called once per worker process, after the runner has loaded the model and sized its KV
+    pool. Returns the process exit code (0 on an orderly shutdown). `ready_file`, when given,
+    is created after WorkerReady is sent (container healthchecks look at it).
+    """
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, worker_identity(rank))
+    sock.setsockopt(zmq.LINGER, 1000)
+    set_heartbeat(sock)
+    sock.connect(plan_address)
+    try:
+        ready = runner.ready_message(rank=rank)
+        sock.send(encode(ready))
+        log.info(
+            "worker_ready",
+            rank=rank,
+            address=plan_address,
+            num_blocks=ready.num_blocks,
+            block_size=ready.block_size,
+            max_model_len=ready.max_model_len,
+            device=ready.device,
+            dtype=ready.dtype,
+        )
+        if ready_file is not None:
+            ready_file.parent.mkdir(parents=True, exist_ok=True)
+            ready_file.write_text(plan_address + "\n")
+        return _serve_loop(sock, runner, rank, log, stop, max_frame_bytes)
+    finally:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+        sock.close()
+
+
+def _serve_loop(
+    sock: zmq.Socket,
+    runner: StepRunner,
+    rank: int,
+    log: Any,
+    stop: Optional[threading.Event],
+    max_frame_bytes: Optional[int],
+) -> int:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    num_steps = 0
+    while stop is None or not stop.is_set():
+        if not poller.poll(POLL_MS):
+            continue
+        frame = sock.recv()
+        try:
+            msg = decode(frame, max_size=max_frame_bytes)
+        except DecodeError as exc:
+            log.error("bad_frame", code=exc.code, message=exc.message)
+            sock.send(encode(WorkerFailure(step_id=None, code=exc.code, message=exc.message)))
+            continue
+        if isinstance(msg, WorkerShutdown):
+            log.info("worker_shutdown", reason=msg.reason, num_steps=num_steps)
+            return 0
+        if not isinstance(msg, StepPlan):
+            message = f"unexpected message {type(msg).__name__} on the worker channel"
+            log.error("bad_message", message=message)
+            sock.send(
+                encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message))
+            )
+            continue
+        reply = _run_step(runner, msg, log)
+        num_steps += 1
+        # Only rank 0 answers with results; every rank reports its own failures.
+        if rank == 0 or isinstance(reply, WorkerFailure):
+            sock.send(encode(reply))
+    log.info("worker_stopped", reason="signal", num_steps=num_steps)
+    return 0
+
+
+def _run_step(runner: StepRunner, plan: StepPlan, log: Any) -> StepResult | WorkerFailure:
+    """One plan -> its result; any runner error becomes a WorkerFailure for that step."""
+    try:
+        return runner.execute(plan)
+    except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
+        log.exception("step_failed", step_id=plan.step_id, error=repr(exc))
+        return WorkerFailure(step_id=plan.step_id, code=ErrorCode.WORKER_FAILED, message=repr(exc))
