@@ -1,0 +1,55 @@
+"""Worker settings: one frozen dataclass, validated when built (ValueError, never assert)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Measured on the 2-core CPU (see the README/PERFORMANCE): bf16 matmuls are ~4x faster and a
+# whole SmolLM2 step is faster in bf16 at every batch size we measured.
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small on a 24 GiB host
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: Optional[str] = None  # None/"smollm2", a .gguf file or an HF folder (prepare_model)
+    dtype: str = DEFAULT_DTYPE  # weights, activations and the KV cache
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: Optional[int] = None  # bytes for K and V of every layer
+    kv_cache_fraction: Optional[float] = None  # else this share of the device's free memory
+    max_model_len: Optional[int] = None  # None: the model's max positions
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not _pos_int(self.block_size):
+            raise ValueError(f"block_size must be an integer > 0, got {self.block_size!r}")
+        if self.kv_cache_memory is not None and not _pos_int(self.kv_cache_memory):
+            raise ValueError(
+                f"kv_cache_memory must be a byte count > 0, got {self.kv_cache_memory!r}"
+            )
+        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
+            raise ValueError("give kv_cache_memory or kv_cache_fraction, not both")
+        if self.max_model_len is not None and not _pos_int(self.max_model_len):
+            raise ValueError(f"max_model_len must be an integer > 0, got {self.max_model_len!r}")
+        if self.num_threads is not None and not _pos_int(self.num_threads):
+            raise ValueError(f"num_threads must be an integer > 0, got {self.num_threads!r}")
+
+
+def _pos_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0

@@ -1,0 +1,86 @@
+"""The paged KV cache: per layer K and V as [num_blocks, block_size, num_kv_heads, head_dim].
+
+K/V live only here: a sequence's tokens are found through its block table, never copied out
+between steps. The number of blocks follows from a byte budget, checked at start so that one
+sequence of max_model_len always fits (vLLM issue #2418 is what happens otherwise).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.worker.config import DEFAULT_KV_CACHE_MEMORY, WorkerConfig
+from services.worker.weights import ModelArgs
+
+
+def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+
+
+def kv_budget_bytes(config: WorkerConfig) -> int:
+    """The configured budget: explicit bytes, a fraction of free memory, or the 1 GiB default."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if config.kv_cache_fraction is not None:
+        return int(config.kv_cache_fraction * free_memory_bytes(config.device))
+    return DEFAULT_KV_CACHE_MEMORY
+
+
+def free_memory_bytes(device: str) -> int:
+    """Free memory of the device (CUDA: mem_get_info; CPU: MemAvailable of /proc/meminfo)."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError("cannot read MemAvailable from /proc/meminfo; set kv_cache_memory")
+
+
+def num_blocks_for(
+    args: ModelArgs, config: WorkerConfig, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """Blocks that fit the budget; ValueError (with the numbers) when one max-length
+    sequence would not fit."""
+    budget = kv_budget_bytes(config)
+    per_block = bytes_per_block(args, config.block_size, dtype)
+    num_blocks = budget // per_block
+    needed = -(-max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+            f"{config.block_size} tokens ({per_block} bytes each), but one sequence of "
+            f"max_model_len={max_model_len} needs {needed} blocks ({needed * per_block} bytes): "
+            f"raise --kv-cache-memory to at least {needed * per_block} or lower --max-model-len"
+        )
+    return int(num_blocks)
+
+
+class KVCache:
+    """The block pool of every layer, allocated once at start (zeros, so padding reads are
+    finite)."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        self._pool = torch.zeros(shape, dtype=dtype, device=device)
+        # [(k [N, bs, Hkv, D], v [N, bs, Hkv, D])] per layer, views into one allocation
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self._pool[i, 0], self._pool[i, 1]) for i in range(args.num_layers)
+        ]
+
+    def permute_blocks(self, order: torch.Tensor) -> None:
+        """Move physical block `order[i]` to slot i in every layer; called only by tests that
+        show K/V are found through block tables alone (remap the tables to match)."""
+        self._pool.copy_(self._pool[:, :, order])

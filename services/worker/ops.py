@@ -1,0 +1,168 @@
+"""TorchOps: the model's small kernels in plain torch (the CPU path; the reference on CUDA).
+
+The model calls these only through an ops object, so `services.worker.ops_triton.TritonOps`
+(same methods, same signatures: docs/design/contracts.md) can replace it.
+
+Paged attention is batched, never a loop over tokens: the sequences of a step are split into at
+most two groups, decodes (one query each) and chunks (several queries), and each group becomes one
+padded SDPA call over K/V gathered from the block pool by block table. The gather indices and masks
+depend only on the step's metadata, so they are built once per step and reused by every layer
+(memoized on the identity of the metadata tensors, which the runner builds once per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Sequences attended together: one SDPA call with padded queries and keys."""
+
+    q_index: torch.Tensor  # [Bg, Lq] int64 flat query row of each (seq, i); padding -> a valid row
+    q_valid: torch.Tensor  # [Bg, Lq] bool, false on padding
+    slots: torch.Tensor  # [Bg, L] int64 cache slot of each key position (padding -> slot 0)
+    mask: torch.Tensor  # [Bg, 1, Lq, L] bool, true where query i may attend to key j
+    out_rows: torch.Tensor  # [sum q_len] int64 == q_index[q_valid]
+
+
+class TorchOps:
+    """Plain-torch ops. Stateless except the per-step attention plan memo (see module doc)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._memo_key: Optional[tuple[torch.Tensor, ...]] = None
+        self._memo_groups: list[_Group] = []
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,  # [B+1] int32
+        seq_lens: torch.Tensor,  # [B] int32, context after this step
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        t, h, d = q.shape
+        hkv = k_cache.shape[2]
+        group_size = h // hkv
+        k_flat = k_cache.view(-1, hkv, d)
+        v_flat = v_cache.view(-1, hkv, d)
+        out = q.new_empty(t, h, d)
+        for g in self._groups(query_start_loc, seq_lens, block_tables, k_cache.shape[1]):
+            bg, lq = g.q_index.shape
+            # queries sharing a KV head become rows of one matrix: [Bg, Hkv, G*Lq, D]
+            qg = q[g.q_index].view(bg, lq, hkv, group_size, d).permute(0, 2, 3, 1, 4)
+            qg = qg.reshape(bg, hkv, group_size * lq, d)
+            kg = k_flat[g.slots].transpose(1, 2)  # [Bg, Hkv, L, D]
+            vg = v_flat[g.slots].transpose(1, 2)
+            mask = g.mask.expand(bg, group_size, lq, g.mask.shape[-1]).reshape(
+                bg, 1, group_size * lq, -1
+            )
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            og = og.view(bg, hkv, group_size, lq, d).permute(0, 3, 1, 2, 4).reshape(bg, lq, h, d)
+            out[g.out_rows] = og[g.q_valid]
+        return out
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, Hd]
+        weight: torch.Tensor,  # [Hd]
+        eps: float,
+        residual: Optional[torch.Tensor] = None,  # [T, Hd]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        res = x if residual is None else x + residual
+        xf = res.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype), res
+
+    def rotary(
+        self,
+        q: torch.Tensor,  # [T, H, D], rotated in place
+        k: torch.Tensor,  # [T, Hkv, D], rotated in place
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] = [cos(D/2) | sin(D/2)], float32
+    ) -> None:
+        half = cos_sin_cache.shape[1] // 2
+        cs = cos_sin_cache[positions]
+        cos = cs[:, None, :half]  # [T, 1, D/2]
+        sin = cs[:, None, half:]
+        for x in (q, k):
+            x1 = x[..., :half].float()
+            x2 = x[..., half:].float()
+            x[..., :half] = (x1 * cos - x2 * sin).to(x.dtype)
+            x[..., half:] = (x2 * cos + x1 * sin).to(x.dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        inter = x.shape[-1] // 2
+        return F.silu(x[:, :inter]) * x[:, inter:]
+
+    def _groups(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> list[_Group]:
+        key = (query_start_loc, seq_lens, block_tables)
+        memo = self._memo_key
+        if memo is not None and all(a is b for a, b in zip(key, memo, strict=True)):
+            return self._memo_groups
+        qsl = query_start_loc.long()
+        q_lens = qsl[1:] - qsl[:-1]
+        groups = []
+        for members in (q_lens == 1, q_lens > 1):
+            idx = members.nonzero().flatten()
+            if idx.numel() > 0:
+                groups.append(
+                    _build_group(
+                        qsl[idx], q_lens[idx], seq_lens[idx].long(), block_tables[idx], block_size
+                    )
+                )
+        # holding the tensors keeps their ids from being reused by a later step's tensors
+        self._memo_key, self._memo_groups = key, groups
+        return groups
+
+
+def _build_group(
+    starts: torch.Tensor,  # [Bg] first flat query row
+    q_lens: torch.Tensor,  # [Bg]
+    seq_lens: torch.Tensor,  # [Bg]
+    block_tables: torch.Tensor,  # [Bg, max_blocks]
+    block_size: int,
+) -> _Group:
+    lq = int(q_lens.max())
+    ctx = int(seq_lens.max())
+    i = torch.arange(lq)
+    q_valid = i[None, :] < q_lens[:, None]  # [Bg, Lq]
+    q_index = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
+    q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # absolute position of each query
+    j = torch.arange(ctx)
+    mask = j[None, None, :] <= q_pos[:, :, None]  # causal; also hides keys >= seq_len
+    blocks = block_tables[:, j // block_size].long()  # [Bg, L]
+    slots = blocks * block_size + (j % block_size)[None, :]
+    return _Group(
+        q_index=q_index,
+        q_valid=q_valid,
+        slots=slots,
+        mask=mask[:, None],
+        out_rows=q_index[q_valid],
+    )
