@@ -22,4 +22,5 @@ class ErrorCode:
     OVERLOADED = "overloaded"  # waiting queue full
     WORKER_FAILED = "worker_failed"  # the worker died or failed the step
     SHUTTING_DOWN = "shutting_down"  # draining: no new requests
+    ENGINE_UNREACHABLE = "engine_unreachable"  # scheduler lost, or a client's timeout expired
     INTERNAL = "internal_error"
