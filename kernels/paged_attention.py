@@ -1,0 +1,344 @@
+"""Unified paged attention for a mixed batch of prefill chunks and decode tokens.
+
+One launch per layer covers the whole flattened batch: sequence b owns query rows
+`query_start_loc[b]:query_start_loc[b+1]` and has `seq_lens[b]` tokens in the paged KV cache
+after this step (cached context + its new tokens). Query i of sequence b sits at position
+`seq_lens[b] - q_len[b] + i` and attends causally to every cached position <= its own, so a
+decode token (q_len 1) sees its whole context and a prefill chunk sees its context plus itself
+causally.
+
+Kernel layout (one program = a block of query tokens x all query heads of one KV head):
+* grid axis 0 walks query blocks of BLOCK_Q tokens. Sequence b's blocks are numbered from
+  `query_start_loc[b] // BLOCK_Q + b`, an upper bound that needs no host sync; a program finds
+  its sequence by counting how many sequences start at or before its block number.
+* grid axis 1 is the KV head. The program's rows are (token, query head) pairs of that KV
+  head's group (grouped-query attention), so each K/V tile is loaded once for the whole group
+  and a decode token still fills the rows of a matrix-unit tile.
+* grid axis 2 splits the KV range (split-KV): each split writes a partial result with its
+  running max and sum, and a second kernel merges them. One split writes the output directly.
+KV tiles of TILE_N tokens are independent of the cache block size: each tile's tokens are
+gathered through the block table. Softmax is online (running max and sum) in fp32, in base 2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import (
+    FLOAT_DTYPES,
+    check_dim,
+    check_out,
+    check_same_dtype,
+    check_tensor,
+    needs_fp32_compute,
+    next_pow2,
+)
+
+_LOG2E = 1.4426950408889634
+# A finite "minus infinity" for running maxima: exp2(-inf - this) is 0, never NaN.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+) -> torch.Tensor:  # [T, H, D], dtype of q
+    """Plain-torch reference: gather each sequence's K/V, masked softmax in fp32."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_b = q[starts[b] : starts[b + 1]].float()  # [q_len, H, D]
+        q_len = q_b.shape[0]
+        if q_len == 0:
+            continue
+        blocks = block_tables[b, : (seq_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, H, D]: query head h uses KV head h//g
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale  # [H, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _find_sequence(
+    query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr, SEQS_PAD: tl.constexpr
+):
+    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; the program's sequence
+    # is the last one whose first block is <= q_block_id (-1 when none is).
+    offs = tl.arange(0, SEQS_PAD)
+    valid = offs < num_seqs
+    starts = tl.load(query_start_loc_ptr + offs, mask=valid, other=0)
+    first_blocks = tl.where(valid, starts // BLOCK_Q + offs, 2147483647)
+    return tl.sum((first_blocks <= q_block_id).to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q, SEQS_PAD)
+    if seq < 0:
+        return
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_q = (q_block_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_q >= q_len:
+        return  # the upper-bound grid has a few spare blocks per sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # Rows are (token, head-of-group) pairs: row r = token r // GROUP, head r % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    tok = first_q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    d_ok = offs_d < HEAD_DIM
+    q_pos = context_len + tok  # [BLOCK_M] absolute positions
+    q_rows = (q_start + tok).to(tl.int64)
+    q_off = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this block needs: up to the position of its last query (causal).
+    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
+    kv_end = context_len + last_q + 1
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * TILE_N + offs_n  # [TILE_N]
+        kv_ok = kv_pos < kv_end
+        block = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        slot = kv_pos % BLOCK_SIZE
+        k_off = block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+        k = tl.load(  # [HEAD_DIM_PAD, TILE_N]
+            k_cache_ptr + kv_head * stride_kh + k_off,
+            mask=d_ok[:, None] & kv_ok[None, :],
+            other=0.0,
+        )
+        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
+        v = tl.load(  # [TILE_N, HEAD_DIM_PAD]
+            v_cache_ptr + kv_head * stride_vh + v_off,
+            mask=kv_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        o_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # Partial results: [T, H, NUM_SPLITS, HEAD_DIM_PAD] and (max, sum) [T, H, NUM_SPLITS, 2].
+        num_heads = tl.num_programs(1) * GROUP
+        part = (q_rows * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        p_off = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+        tl.store(part_out_ptr + p_off, out, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_ml_ptr, out_ptr,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    # One program per (token, head): weight each split by 2^(max_s - max) * sum_s.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=_NEG_BIG)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0)) * l_s
+    o_ptr = part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+    o = tl.load(o_ptr, mask=s_ok[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
+    o_off = token * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _check_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    dev = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev)
+    check_same_dtype(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    check_dim("k_cache", k_cache, 3, q.shape[2], "q's head_dim")
+    num_kv_heads = k_cache.shape[2]
+    if num_kv_heads == 0 or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"q's {q.shape[1]} heads are not a multiple of the cache's {num_kv_heads} KV heads"
+        )
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=dev)
+    check_dim("query_start_loc", query_start_loc, 0, seq_lens.shape[0] + 1, "len(seq_lens) + 1")
+    check_dim("block_tables", block_tables, 0, seq_lens.shape[0], "len(seq_lens)")
+    if not query_start_loc.is_contiguous() or not seq_lens.is_contiguous():
+        raise ValueError("query_start_loc and seq_lens must be contiguous")
+
+
+def _default_num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_kv: int) -> int:
+    # Split the KV range only for an all-decode batch (one query per sequence: T == B) that
+    # would not fill the GPU; the split count depends on shapes only, so no host sync.
+    if q.device.type != "cuda" or q.shape[0] != num_seqs or num_seqs == 0:
+        return 1
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    by_fill = math.ceil(2 * num_sms / programs)
+    by_len = math.ceil(max_kv / 512)  # keep >= ~512 keys per split
+    return max(1, min(16, by_fill, by_len))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32, query_start_loc[0] == 0
+    seq_lens: torch.Tensor,  # [B] int32, cached + new tokens per sequence
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    *,
+    num_splits: Optional[int] = None,
+    tile_n: Optional[int] = None,
+    block_m: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,  # [T, H, D], written in full when given
+) -> torch.Tensor:  # [T, H, D]
+    """Causal paged attention over a flattened mixed batch (see the module docstring).
+
+    `out` receives the result when given (tests poison it to prove every element is written).
+    `num_splits`, `tile_n` (keys per tile, a power of two) and `block_m` (rows per program, a
+    power of two >= the GQA group) override the shape-based defaults; tests use them to reach
+    every code path. Block-table entries and lengths are trusted (reading them would need a
+    host sync); every load is masked to the positions they describe.
+    """
+    _check_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    on_gpu = q.device.type == "cuda"
+    if block_m is None:
+        # Prefill-heavy batches (several queries per sequence) take taller blocks.
+        block_m = 64 if num_tokens > 4 * num_seqs or not on_gpu else 16
+    block_m = max(block_m, next_pow2(group), 16 if on_gpu else 1)
+    tile_n = tile_n if tile_n is not None else (64 if on_gpu else 128)
+    if tile_n != next_pow2(tile_n) or (on_gpu and tile_n < 16):
+        raise ValueError(f"tile_n must be a power of two (>= 16 on GPU), got {tile_n}")
+    if block_m != next_pow2(block_m):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    max_kv = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = _default_num_splits(q, num_seqs, num_kv_heads, max_kv)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    if out is None:
+        out = torch.empty_like(q)
+    check_out("out", out, q, tuple(q.shape))
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_q = block_m // group
+    head_dim_pad = next_pow2(head_dim)
+    part_out = part_ml = out  # unused placeholders when there is one split
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            (num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=q.device
+        )
+    upcast = needs_fp32_compute(q)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_out, part_ml,
+        query_start_loc, seq_lens, block_tables,
+        num_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        TILE_N=tile_n, SEQS_PAD=max(16, next_pow2(num_seqs)), NUM_SPLITS=num_splits,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_ml, out,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+        )  # fmt: skip
+    return out
