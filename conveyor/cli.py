@@ -1,0 +1,75 @@
+"""`conveyor` (and `python -m conveyor`): the command line.
+
+conveyor up [engine flags]        start the stack, show every service's log, Ctrl-C stops it
+conveyor demo                     up + answer one sample prompt, then keep serving
+conveyor generate "text" ...      raw completion streamed to stdout
+conveyor chat                     interactive chat with the model's chat template
+conveyor stats                    the frontend's and the engine's counters (JSON)
+conveyor logs --rid ID            one request's journey across the services
+conveyor model prepare [MODEL]    convert the model once into the cache
+conveyor bench ... / conveyor sim ...   the benchmark harness and the simulator
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Optional
+
+from conveyor.client_cmds import add_client_commands
+from conveyor.launcher import DEFAULT_FRONTEND
+from conveyor.logview import add_logs_command
+from conveyor.up import add_up_commands
+from shared.env import env_str
+
+PASSTHROUGH = {"bench": "conveyor.bench.cli", "sim": "conveyor.sim_cli"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="conveyor",
+        description="Conveyor: a continuous-batching LLM serving engine.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_up_commands(sub)
+    add_client_commands(sub)
+    add_logs_command(sub)
+    model = sub.add_parser("model", help="model files")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    prep = model_sub.add_parser("prepare", help="convert the model into the cache once")
+    prep.add_argument("model", nargs="?", default=env_str("MODEL"),
+                      help="'smollm2' (default), a .gguf file or an HF folder")  # fmt: skip
+    prep.set_defaults(func=_model_prepare)
+    for name in PASSTHROUGH:
+        sub.add_parser(name, help=f"`conveyor {name} --help` for its own flags", add_help=False)
+    return parser
+
+
+def default_address() -> str:
+    """The frontend `conveyor up` starts by default (or CONVEYOR_FRONTEND_ADDR)."""
+    return env_str("FRONTEND_ADDR", DEFAULT_FRONTEND) or DEFAULT_FRONTEND
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from shared.model_files import prepare_model
+
+    folder: Path = prepare_model(args.model)
+    print(folder)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:  # their own parsers own every flag after the name
+        module = importlib.import_module(PASSTHROUGH[argv[0]])
+        return int(module.main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""`conveyor up` and `conveyor demo`: a LocalStack in the foreground.
+
+Exit codes: 0 after Ctrl-C/SIGTERM (every service stopped), 1 when a service died (the worker,
+typically: in-flight requests already got an error; restarting is not done here), 2 when the
+stack did not become ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
+from shared.env import env_str
+
+# Engine flags of `up` -> the service that takes them (flag names as the services spell them).
+SCHEDULER_FLAGS = ("batching", "policy", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                   "batch_size")  # fmt: skip
+WORKER_FLAGS = ("dtype", "kv_cache_memory", "device", "max_model_len")
+SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
+DEATH_GRACE_S = 3.0  # a dead worker: let the scheduler fail in-flight requests before teardown
+
+
+def add_up_commands(sub: Any) -> None:
+    up = sub.add_parser("up", help="start tokenizer, scheduler, worker (and gateway)")
+    _add_stack_flags(up)
+    up.set_defaults(func=cmd_up)
+    demo = sub.add_parser("demo", help="up + answer a sample prompt, keep serving until Ctrl-C")
+    _add_stack_flags(demo)
+    demo.add_argument("--prompt", default=SAMPLE_PROMPT)
+    demo.set_defaults(func=cmd_demo)
+
+
+def _add_stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=env_str("MODEL"),
+                   help="'smollm2' (default), a .gguf file or an HF folder")  # fmt: skip
+    g = p.add_argument_group("engine (passed to the scheduler / worker; their defaults apply)")
+    g.add_argument("--dtype", help="worker dtype: float32 | bfloat16 | float16")
+    g.add_argument("--device", help="worker device: cpu | cuda | cuda:N")
+    g.add_argument("--batching", help="continuous | dynamic | static")
+    g.add_argument("--policy", help="fcfs | priority | short-first")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "batch_size",
+                 "max_model_len"):  # fmt: skip
+        g.add_argument("--" + name.replace("_", "-"), type=int)
+    g.add_argument("--kv-cache-memory", help="bytes for the KV cache, e.g. 1GiB")
+    w = p.add_argument_group("worker kind")
+    w.add_argument("--worker", choices=WORKER_KINDS, default="model",
+                   help="model: the real worker; sim: SIMULATED (services.simworker)")  # fmt: skip
+    w.add_argument("--sim-device", help="simulated device profile (with --worker sim)")
+    w.add_argument("--sim-model", help="simulated model shape (with --worker sim)")
+    a = p.add_argument_group("addresses, HTTP gateway and logs")
+    a.add_argument("--frontend-addr", default=env_str("FRONTEND_ADDR", "tcp://127.0.0.1:5557"))
+    a.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway")
+    a.add_argument("--http-host", default="127.0.0.1")
+    a.add_argument("--http-port", type=int, default=8000)
+    a.add_argument("--api-key", default=env_str("API_KEY"))
+    a.add_argument("--served-model-name")
+    a.add_argument("--log-dir", type=Path, default=Path(env_str("LOG_DIR", "logs") or "logs"))
+    a.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM")  # fmt: skip
+    a.add_argument("--ready-timeout", type=float, default=600.0)
+    a.add_argument("--quiet", action="store_true", help="logs to files only, not to stdout")
+
+
+def settings_from_args(args: argparse.Namespace) -> StackSettings:
+    def pick(names: tuple[str, ...]) -> dict[str, str]:
+        return {n: str(getattr(args, n)) for n in names if getattr(args, n) is not None}
+
+    worker_flags = pick(WORKER_FLAGS) if args.worker == "model" else {}
+    return StackSettings(
+        model=args.model,
+        worker=args.worker,
+        sim_device=args.sim_device,
+        sim_model=args.sim_model,
+        frontend_address=args.frontend_addr,
+        scheduler_flags=pick(SCHEDULER_FLAGS),
+        worker_flags=worker_flags,
+        gateway=not args.no_gateway,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_dir=args.log_dir,
+        echo=None if args.quiet else sys.stdout,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    return run_stack(settings_from_args(args), args.ready_timeout)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_stack(settings_from_args(args), args.ready_timeout, demo_prompt=args.prompt)
+
+
+def run_stack(
+    settings: StackSettings, ready_timeout: float, demo_prompt: Optional[str] = None
+) -> int:
+    """Start, wait for ready, (demo), then serve until a signal or a service's death."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = LocalStack(settings)
+    try:
+        stack.start()
+        if not _wait_ready(stack, ready_timeout, stop):
+            return 0 if stop.is_set() else 2
+        if demo_prompt is not None:
+            _answer(stack.frontend_address, demo_prompt)
+        print(f"serving on {stack.frontend_address}"
+              + (f" and {stack.http_url}" if stack.http_url else "")
+              + f"; logs in {stack.log_dir}; Ctrl-C stops", flush=True)  # fmt: skip
+        return _serve(stack, stop)
+    finally:
+        stack.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _wait_ready(stack: LocalStack, timeout: float, stop: threading.Event) -> bool:
+    try:
+        # In slices, so Ctrl-C during a slow model load is honoured promptly.
+        waited = 0.0
+        while not stop.is_set():
+            try:
+                stack.wait_ready(timeout=min(2.0, timeout - waited))
+                return True
+            except StackError:
+                waited += 2.0
+                if stack.dead_service() is not None or waited >= timeout:
+                    raise
+        return False
+    except StackError as exc:
+        print(f"conveyor: the engine did not start: {exc}", file=sys.stderr, flush=True)
+        return False
+
+
+def _serve(stack: LocalStack, stop: threading.Event) -> int:
+    while not stop.wait(0.5):
+        dead = stack.dead_service()
+        if dead is None:
+            continue
+        name, rc = dead
+        print(f"conveyor: {name} died (exit code {rc}); stopping the other services",
+              file=sys.stderr, flush=True)  # fmt: skip
+        stop.wait(DEATH_GRACE_S)  # the scheduler fails in-flight requests meanwhile
+        return 1
+    return 0
+
+
+def _answer(address: str, prompt: str) -> None:
+    from shared.client import Client, EngineError
+
+    print(f"\n> {prompt}\n", flush=True)
+    with Client(address, timeout=120.0) as client:
+        try:
+            for chunk in client.stream(messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=96, temperature=0.0):  # fmt: skip
+                print(chunk.text, end="", flush=True)
+        except EngineError as exc:
+            print(f"\nconveyor: the sample prompt failed: {exc}", file=sys.stderr)
+    print("\n", flush=True)
