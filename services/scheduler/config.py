@@ -1,0 +1,78 @@
+"""Scheduler settings: one frozen, validated dataclass; each field is also a command-line flag.
+
+Defaults are sized for the CPU this project runs on (2 threads, SmolLM2-135M, see
+shared/design/FACTS.md): the model's linear layers reach ~2.3k tok/s at 128 tokens per step and
+~3.6k at 512, while a 512-token step takes ~140 ms. A 256-token budget keeps most of that
+throughput and holds a running decode's inter-token gap near 100 ms even while a prompt is being
+prefilled beside it. 32 sequences is where llama.cpp's own server peaks on this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+POLICIES = ("fcfs", "priority", "short-first")
+BATCHING_MODES = ("continuous", "dynamic", "static")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # requests running at once (continuous); also caps batch_size
+    max_num_batched_tokens: int = 256  # token budget of one step, prefill chunks + decodes
+    chunk_size: int = 256  # at most this many prompt tokens of one request per step
+    batch_size: Optional[int] = None  # dynamic/static batch size; None: max_num_seqs
+    batch_timeout: float = 0.05  # s: dynamic/static start a partial batch after this wait
+    max_wait: float = 5.0  # s: short-first promotes a request that waited this long
+    max_waiting: int = 4096  # waiting-queue bound; beyond it requests are rejected (overloaded)
+    policy: str = "fcfs"  # fcfs | priority | short-first
+    batching: str = "continuous"  # continuous | dynamic | static
+    # Fraction of the KV pool new admissions must leave free, so that running decodes can grow
+    # for a while before anyone must be preempted.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        problems = config_problems(self)
+        if problems:
+            raise ValueError("invalid scheduler config: " + "; ".join(problems))
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.max_num_seqs if self.batch_size is None else self.batch_size
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def config_problems(c: SchedulerConfig) -> list[str]:
+    """Every reason `c` is invalid; empty when valid."""
+    out: list[str] = []
+    for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_waiting"):
+        v = getattr(c, name)
+        if not _is_int(v) or v < 1:
+            out.append(f"{name} must be an integer >= 1")
+    if out:
+        return out
+    # Every running decode must get its token every step: the budget must cover them all.
+    if c.max_num_batched_tokens < c.max_num_seqs:
+        out.append("max_num_batched_tokens must be >= max_num_seqs")
+    if c.batch_size is not None and (
+        not _is_int(c.batch_size) or not 1 <= c.batch_size <= c.max_num_seqs
+    ):
+        out.append("batch_size must be an integer in [1, max_num_seqs] (or None)")
+    for name in ("batch_timeout", "max_wait"):
+        v = getattr(c, name)
+        if not _is_num(v) or v < 0:
+            out.append(f"{name} must be a number >= 0")
+    if not _is_num(c.watermark) or not 0.0 <= c.watermark < 1.0:
+        out.append("watermark must be in [0, 1)")
+    if c.policy not in POLICIES:
+        out.append(f"policy must be one of {', '.join(POLICIES)}")
+    if c.batching not in BATCHING_MODES:
+        out.append(f"batching must be one of {', '.join(BATCHING_MODES)}")
+    return out

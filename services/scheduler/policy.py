@@ -1,0 +1,122 @@
+"""Scheduling policies: the order of the waiting queue and the choice of a preemption victim.
+
+* `fcfs`: arrival order.
+* `priority`: lower `priority` first, ties by arrival.
+* `short-first`: shortest prompt first (the seeds' "prefill_first"), with aging: a request that
+  has waited `max_wait` seconds goes before every un-aged one, oldest first, so no request waits
+  much past `max_wait` because of the order (only for a free slot, budget or blocks).
+
+Requests preempted under fcfs or short-first go back to the head of the queue (their work is
+partly done and they arrived earlier than anyone behind them). Under priority they rejoin by
+their key, so a preempted low-priority request cannot jump ahead of a higher-priority one.
+
+The victim is the request the policy ranks last: the latest arrival (fcfs, short-first) or the
+worst (priority, arrival) (priority).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from services.scheduler.request import Request
+
+
+def victim_key(policy: str, req: Request) -> tuple[int, int]:
+    """Larger is a better victim."""
+    if policy == "priority":
+        return (req.priority, req.seq_no)
+    return (0, req.seq_no)
+
+
+def pick_victim(policy: str, candidates: Iterable[Request]) -> Request | None:
+    """The unprotected candidate ranked last by `policy`, else the last protected one.
+
+    A request just resumed after preemption is protected until it samples again, so it is not
+    thrown out right after paying for its recompute (preemption thrash).
+    """
+    best: Request | None = None
+    best_protected: Request | None = None
+    for req in candidates:
+        if req.protected:
+            if best_protected is None or victim_key(policy, req) > victim_key(
+                policy, best_protected
+            ):
+                best_protected = req
+        elif best is None or victim_key(policy, req) > victim_key(policy, best):
+            best = req
+    return best if best is not None else best_protected
+
+
+class WaitingQueue:
+    """Requests waiting for admission, iterated in policy order by `ordered(now)`.
+
+    Add and remove are O(1) for fcfs and O(log n) + a memmove for the sorted policies.
+    """
+
+    def __init__(self, policy: str, max_wait: float) -> None:
+        self.policy = policy
+        self.max_wait = max_wait
+        self._head: deque[Request] = deque()  # preempted (fcfs, short-first), oldest first
+        self._by_arrival: dict[str, Request] = {}  # everyone not in _head, in arrival order
+        self._sorted: list[tuple[int, int, Request]] = []  # (key, seq_no, req) for sorted policies
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._by_arrival)
+
+    def __contains__(self, req: Request) -> bool:
+        return req.rid in self._by_arrival or req in self._head
+
+    def _key(self, req: Request) -> int:
+        return req.priority if self.policy == "priority" else req.num_prompt_tokens
+
+    def add(self, req: Request) -> None:
+        """A new request: joins in policy order."""
+        self._by_arrival[req.rid] = req
+        if self.policy != "fcfs":
+            bisect.insort(self._sorted, (self._key(req), req.seq_no, req))
+
+    def add_preempted(self, req: Request) -> None:
+        """A preempted request: back to the head (fcfs, short-first) or by its key (priority)."""
+        if self.policy == "priority":
+            self.add(req)
+            return
+        i = 0  # keep the head in arrival order when several are preempted
+        while i < len(self._head) and self._head[i].seq_no < req.seq_no:
+            i += 1
+        self._head.insert(i, req)
+
+    def remove(self, req: Request) -> None:
+        if self._by_arrival.pop(req.rid, None) is None:
+            self._head.remove(req)
+            return
+        if self.policy != "fcfs":
+            item = (self._key(req), req.seq_no, req)
+            i = bisect.bisect_left(self._sorted, item[:2], key=lambda t: t[:2])
+            del self._sorted[i]
+
+    def oldest_arrival(self) -> float | None:
+        times = [self._head[0].arrival_time] if self._head else []  # head is in arrival order
+        first = next(iter(self._by_arrival.values()), None)
+        if first is not None:
+            times.append(first.arrival_time)
+        return min(times) if times else None
+
+    def ordered(self, now: float) -> Iterator[Request]:
+        """Waiting requests, best first. Do not add or remove while iterating."""
+        yield from self._head
+        if self.policy == "fcfs":
+            yield from self._by_arrival.values()
+            return
+        aged: set[str] = set()
+        if self.policy == "short-first":
+            deadline = now - self.max_wait
+            for req in self._by_arrival.values():  # arrival order: the aged form a prefix
+                if req.arrival_time > deadline:
+                    break
+                aged.add(req.rid)
+                yield req
+        for _, _, req in self._sorted:
+            if req.rid not in aged:
+                yield req

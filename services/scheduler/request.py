@@ -1,0 +1,74 @@
+"""One request's scheduling state, owned by the scheduler alone.
+
+There is no prefill or decode phase field: `num_computed_tokens` catches up to `len(token_ids)`.
+After (re)admission the request is in prefill while `num_computed_tokens < prefill_len`; once the
+last prompt chunk has been computed it samples, and from then on each step computes the one token
+sampled last (a decode).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from shared.protocol.engine_channel import RequestTimings
+from shared.protocol.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue (new, or preempted and waiting to recompute)
+    RUNNING = "running"  # holds a slot in the batch (and blocks once it has been scheduled)
+    FINISHED = "finished"  # stop, length, abort or error; no longer live
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    rid: str
+    token_ids: list[int]  # prompt, then every output token sampled so far
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    priority: int
+    seq_no: int  # admission order at add_request: breaks ties, defines "arrival" order
+    arrival_time: float  # scheduler clock
+    max_len: int  # finishes ("length") once len(token_ids) reaches this
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) and sampling.stop_token_ids
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (as of the last plan)
+    prefill_len: int = 0  # len(token_ids) when (re)admitted: work up to here is prefill
+    block_ids: list[int] = field(default_factory=list)  # its block table
+    num_sent_blocks: int = 0  # how many of block_ids the worker already knows
+    known_to_worker: bool = False  # the worker holds state for it (sent, not yet released)
+    protected: bool = False  # just resumed after preemption: not the next victim
+    padding: bool = False  # static batching: finished, but keeps its slot and is still computed
+    preempted_at_step: Optional[int] = None  # the schedule() round that preempted it
+    num_preemptions: int = 0
+    first_scheduled: Optional[float] = None
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+    finish_reason: Optional[str] = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prefill_len
+
+    def timings(self) -> RequestTimings:
+        return RequestTimings(
+            arrival=self.arrival_time,
+            first_scheduled=self.first_scheduled,
+            first_token=self.first_token,
+            finished=self.finished,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_for_recompute(self) -> None:
+        """Called on preemption after its blocks were freed: it restarts from token 0."""
+        self.num_computed_tokens = 0
+        self.prefill_len = len(self.token_ids)
+        self.block_ids = []
+        self.num_sent_blocks = 0
+        self.known_to_worker = False

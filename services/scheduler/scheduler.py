@@ -1,0 +1,555 @@
+"""The scheduler core: waiting queue, running batch, KV block pool and block tables.
+
+Pure Python and single-threaded; the process loop (server.py) calls it: `add_request` and
+`abort_request` as messages arrive, then `schedule()` -> worker -> `update()`, one plan in flight
+at a time. Invariants kept after every call (checked by `check_integrity()`):
+
+* the block pool's free + used == total and each used block belongs to exactly one table;
+* only running requests hold blocks; running <= max_num_seqs; tokens per step <= the budget;
+* a request is live (waiting or running) until its one final output has been returned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Optional
+
+from services.scheduler.batching import BatchingRules
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.policy import WaitingQueue, pick_victim
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.stats import Counters, StepRecord
+from services.scheduler.step import StepBuilder
+from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
+from shared.protocol.errors import ErrorCode
+from shared.protocol.worker_channel import StepPlan, StepResult
+
+RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2 (one prompt token and one output)")
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.pool = BlockPool(num_blocks, block_size, config.watermark)
+        # A request alone may fill the whole pool: num_blocks * block_size computed positions,
+        # plus its last sampled token, which is never computed. Past that it ends as "length"
+        # instead of preempting itself forever.
+        self._max_len = min(max_model_len, num_blocks * block_size + 1)
+        self._eos_ids = frozenset(eos_token_ids)
+        self._clock = clock
+        self._rules = BatchingRules.from_config(config)
+        self._waiting = WaitingQueue(config.policy, config.max_wait)
+        self._running: dict[str, Request] = {}  # batch order (admission order)
+        self._live: dict[str, Request] = {}  # waiting + running, not finished
+        self._released: list[str] = []  # for the next plan's released_rids
+        self._inflight: Optional[dict[str, Request]] = None  # sampling requests of the plan
+        self._inflight_step: Optional[int] = None
+        self._step_id = 0
+        self._round = 0  # schedule() passes; a request preempted in this one waits for the next
+        self._seq_no = 0
+        self.counters = Counters()
+        self.last_step_record: Optional[StepRecord] = None
+
+    # ---- admission and abort -----------------------------------------------------------------
+
+    def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]:
+        """Called for each SubmitRequest; None when queued, else why it was refused."""
+        problem = self._admission_problem(req)
+        if problem is not None:
+            self.counters.num_rejected += 1
+            return RequestRejected(req.rid, problem[0], problem[1])
+        stop_ids = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            stop_ids |= self._eos_ids
+        self._seq_no += 1
+        request = Request(
+            rid=req.rid,
+            token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            sampling=req.sampling,
+            priority=req.priority,
+            seq_no=self._seq_no,
+            arrival_time=self._clock(),
+            max_len=self._max_len,
+            stop_ids=frozenset(stop_ids),
+        )
+        self._live[req.rid] = request
+        self._waiting.add(request)
+        self.counters.num_admitted += 1
+        return None
+
+    def _admission_problem(self, req: SubmitRequest) -> Optional[tuple[str, str]]:
+        num = len(req.prompt_token_ids)
+        if req.rid in self._live or req.rid in self._running:
+            return ErrorCode.DUPLICATE_ID, f"request id {req.rid!r} is already in flight"
+        if num == 0:
+            return ErrorCode.INVALID_PROMPT, "the prompt has no tokens"
+        if num + 1 > self.max_model_len:
+            return ErrorCode.PROMPT_TOO_LONG, (
+                f"the prompt has {num} tokens; max_model_len {self.max_model_len} leaves room "
+                f"for at most {self.max_model_len - 1} prompt tokens and one output token"
+            )
+        capacity = self.pool.num_blocks * self.block_size
+        if num > capacity:
+            return ErrorCode.PROMPT_TOO_LONG, (
+                f"the prompt has {num} tokens but the whole KV cache holds {capacity}"
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            return ErrorCode.OVERLOADED, (
+                f"{len(self._waiting)} requests are waiting (max_waiting); try again later"
+            )
+        return None
+
+    def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]:
+        """Idempotent; frees the request's blocks at once. Its final output if it was live.
+
+        `reason` is not sent to the client (the finish reason is "abort"); it is kept on the
+        request for logs.
+        """
+        req = self._live.get(rid)
+        if req is None:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self._waiting.remove(req)
+        else:
+            self._drop_running(req)
+        self._mark_finished(req, "abort", self._clock())
+        req.finish_reason = reason
+        return RequestOutput(
+            rid, [], "abort", [], req.num_prompt_tokens, req.num_output_tokens, req.timings()
+        )
+
+    def fail_all(self, code: str, message: str) -> list[RequestOutput]:
+        """The worker is lost: every live request ends with an error; all state is reset."""
+        now = self._clock()
+        outputs = []
+        for req in list(self._live.values()):
+            self._mark_finished(req, "error", now)
+            outputs.append(
+                RequestOutput(
+                    req.rid,
+                    [],
+                    "error",
+                    [],
+                    req.num_prompt_tokens,
+                    req.num_output_tokens,
+                    req.timings(),
+                    code,
+                    message,
+                )
+            )
+        self._waiting = WaitingQueue(self.config.policy, self.config.max_wait)
+        self._running.clear()
+        self._released.clear()
+        self.pool = BlockPool(self.pool.num_blocks, self.block_size, self.config.watermark)
+        self._inflight = None
+        self._inflight_step = None
+        return outputs
+
+    # ---- one iteration -----------------------------------------------------------------------
+
+    def schedule(self) -> Optional[StepPlan]:
+        """Called when no plan is in flight. Decides this step; None when nothing can run now.
+
+        Recipe: end a drained static batch; form a new dynamic/static batch if due; give every
+        running decode its token (preempting by policy when blocks run out); continue running
+        prefills in chunks; then, in continuous mode and if nobody was preempted this step,
+        admit waiting requests in policy order while slots, budget and blocks last.
+        """
+        if self._inflight_step is not None:
+            raise RuntimeError("schedule() called while a plan is in flight")
+        now = self._clock()
+        self._round += 1
+        step = StepBuilder(self.config.max_num_batched_tokens)
+        self._end_static_batch_if_done()
+        if self._rules.should_form_batch(now, self._waiting, len(self._running)):
+            self._form_batch(now)
+        self._schedule_decodes(step)
+        self._schedule_running_prefills(step)
+        if self._rules.admits_every_step and step.num_preemptions == 0:
+            self._admit_waiting(step, now)
+        if len(step) == 0 and step.num_preemptions > 0:
+            # Everyone was preempted: the pool is free now, so start again rather than
+            # return None while work is waiting (the loop would sleep on it).
+            self._round += 1
+            self._schedule_running_prefills(step)
+            if self._rules.admits_every_step:
+                self._admit_waiting(step, now)
+        if len(step) == 0:
+            self.last_step_record = None
+            return None
+        self._step_id += 1
+        built = step.build(self._step_id, self._released)
+        self._released = []
+        for req in built.plan.new_seqs:
+            if req.rid in self._live and self._live[req.rid].first_scheduled is None:
+                self._live[req.rid].first_scheduled = now
+        self._inflight = built.sampled
+        self._inflight_step = self._step_id
+        self._record_step(built.plan, built.is_prefill, step.num_preemptions, now)
+        return built.plan
+
+    def _schedule_decodes(self, step: StepBuilder) -> None:
+        """Every running decode gets one token; budget always suffices (config guarantees
+        max_num_batched_tokens >= max_num_seqs). Static padding comes after live requests."""
+        block_size = self.block_size
+        padding: list[Request] = []
+        for req in list(self._running.values()):
+            if req.num_computed_tokens < req.prefill_len or req.rid not in self._running:
+                continue  # in prefill, or preempted earlier in this loop
+            if req.padding:
+                padding.append(req)
+                continue
+            if req.num_computed_tokens >= len(req.block_ids) * block_size:
+                if not self._grow(req, req.num_computed_tokens + 1, step):
+                    continue  # it was preempted itself
+            step.add(req, 1, False)
+        for req in padding:
+            self._schedule_padding(req, step)
+
+    def _schedule_padding(self, req: Request, step: StepBuilder) -> None:
+        """Static batching computes a finished member while blocks are free; never preempts."""
+        if not req.known_to_worker or req.rid not in self._running:
+            return  # evicted: it only holds its slot now
+        if len(req.token_ids) >= self._max_len:
+            return
+        if req.num_computed_tokens >= len(req.block_ids) * self.block_size:
+            blocks = self.pool.allocate(1)
+            if blocks is None:
+                return
+            req.block_ids.extend(blocks)
+        step.add(req, 1, False)
+
+    def _schedule_running_prefills(self, step: StepBuilder) -> None:
+        """Running requests still in prefill get a chunk each, in batch order, while budget
+        and blocks last. Only when nothing live is scheduled does a stuck prefill preempt."""
+        chunk_size = self.config.chunk_size
+        for req in list(self._running.values()):
+            if step.budget_left == 0:
+                return
+            if (
+                req.num_computed_tokens >= req.prefill_len
+                or req.padding
+                or req.rid not in self._running
+                or req.preempted_at_step == self._round
+            ):
+                continue
+            start = req.num_computed_tokens
+            n = min(req.prefill_len - start, chunk_size, step.budget_left)
+            # Shrink the chunk to the blocks that are free rather than preempt someone.
+            fit = (len(req.block_ids) + self.pool.num_free) * self.block_size - start
+            if fit <= 0 and step.num_live == 0:
+                if not self._grow(req, start + n, step):
+                    continue
+                fit = n
+            n = min(n, fit)
+            if n <= 0:
+                continue
+            self._grow(req, start + n, step)
+            step.add(req, n, True)
+
+    def _admit_waiting(self, step: StepBuilder, now: float) -> None:
+        """Continuous mode: waiting requests join in policy order. Stops at the first that does
+        not fit (no skipping ahead: that is what keeps fcfs fair and aging effective)."""
+        admitted: list[Request] = []
+        chunk_size = self.config.chunk_size
+        for req in self._waiting.ordered(now):
+            if len(self._running) >= self.config.max_num_seqs or step.budget_left == 0:
+                break
+            n = min(len(req.token_ids), chunk_size, step.budget_left)
+            need = self.pool.blocks_needed(0, n)
+            # The watermark protects running requests; with none running anyone may start.
+            if not self.pool.can_allocate(need, keep_watermark=bool(self._running)):
+                break
+            blocks = self.pool.allocate(need)
+            assert blocks is not None  # can_allocate said so
+            self._start_running(req)
+            req.block_ids = blocks
+            admitted.append(req)
+            step.add(req, n, True)
+        for req in admitted:
+            self._waiting.remove(req)
+
+    def _form_batch(self, now: float) -> None:
+        """Dynamic/static: the next batch's members leave the queue together."""
+        members: list[Request] = []
+        for req in self._waiting.ordered(now):
+            if len(members) == self._rules.batch_size:
+                break
+            members.append(req)
+        for req in members:
+            self._waiting.remove(req)
+            self._start_running(req)
+
+    def _start_running(self, req: Request) -> None:
+        req.status = RUNNING
+        req.prefill_len = len(req.token_ids)
+        self._running[req.rid] = req
+
+    def _end_static_batch_if_done(self) -> None:
+        """Static: once no member is live, the padding leaves and the next batch may form."""
+        if not self._rules.keeps_finished_as_padding or not self._running:
+            return
+        if any(not r.padding for r in self._running.values()):
+            return
+        for req in list(self._running.values()):
+            self._drop_running(req)
+
+    # ---- blocks and preemption ---------------------------------------------------------------
+
+    def _grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
+        """Extend `req`'s table to cover `num_positions`, preempting by policy while blocks are
+        short. False when `req` itself was the one preempted."""
+        need = self.pool.blocks_needed(len(req.block_ids), num_positions)
+        if need == 0:
+            return True
+        while not self.pool.can_allocate(need, keep_watermark=False):
+            victim = self._choose_victim()
+            if victim is None:
+                return False  # cannot happen: req itself holds blocks or the pool is empty
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        blocks = self.pool.allocate(need)
+        assert blocks is not None
+        req.block_ids.extend(blocks)
+        return True
+
+    def _choose_victim(self) -> Optional[Request]:
+        """Static padding first (its tokens are thrown away anyway), then the policy's last."""
+        candidates = [r for r in self._running.values() if r.block_ids]
+        for req in candidates:
+            if req.padding:
+                return req
+        return pick_victim(self.config.policy, candidates)
+
+    def _preempt(self, req: Request, step: StepBuilder) -> None:
+        """Free `req`'s blocks; it recomputes later with its generated tokens kept."""
+        step.drop(req)
+        self.pool.free(req.block_ids)
+        if req.known_to_worker:
+            self._released.append(req.rid)
+        req.reset_for_recompute()
+        if req.padding:
+            return  # an evicted padding slot: never computed again
+        step.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        req.num_preemptions += 1
+        req.preempted_at_step = self._round
+        req.protected = True  # until it samples again: not the next victim
+        if self._rules.preempts_to_queue:
+            del self._running[req.rid]
+            req.status = RequestStatus.WAITING
+            self._waiting.add_preempted(req)
+
+    def _drop_running(self, req: Request) -> None:
+        """Take `req` out of the batch and free its blocks (finished, aborted, batch over)."""
+        del self._running[req.rid]
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        if req.known_to_worker:
+            self._released.append(req.rid)
+            req.known_to_worker = False
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[RequestOutput]:
+        """Called with the in-flight plan's result: append sampled tokens, finish requests
+        (stop token, max_tokens, max_model_len) and free their blocks. Tokens of requests that
+        are no longer live (aborted while the plan was in flight) are ignored."""
+        if self._inflight is None or result.step_id != self._inflight_step:
+            raise ValueError(
+                f"result for step {result.step_id} but step {self._inflight_step} is in flight"
+            )
+        if len(result.rids) != len(result.token_ids):
+            raise ValueError("step result rids and token_ids differ in length")
+        inflight = self._inflight
+        self._inflight = None
+        self._inflight_step = None
+        now = self._clock()
+        outputs: list[RequestOutput] = []
+        logprobs = result.logprobs
+        num_applied = 0
+        for rid, token in zip(result.rids, result.token_ids, strict=True):
+            req = inflight.get(rid)
+            if req is None or len(req.token_ids) != req.num_computed_tokens:
+                continue  # not sampled in this plan, or a duplicate
+            if req.status is not RUNNING:
+                if req.padding:
+                    req.token_ids.append(token)
+                    num_applied += 1
+                continue  # aborted while in flight
+            num_applied += 1
+            req.token_ids.append(token)
+            req.protected = False
+            if req.first_token is None:
+                req.first_token = now
+            lps = [logprobs[rid]] if logprobs and rid in logprobs else []
+            reason = self._finish_reason(req, token)
+            if reason is None:
+                outputs.append(
+                    RequestOutput(
+                        rid,
+                        [token],
+                        None,
+                        lps,
+                        req.num_prompt_tokens,
+                        len(req.token_ids) - req.num_prompt_tokens,
+                    )
+                )
+            else:
+                self._finish(req, reason, now)
+                outputs.append(
+                    RequestOutput(
+                        rid,
+                        [token],
+                        reason,
+                        lps,
+                        req.num_prompt_tokens,
+                        req.num_output_tokens,
+                        req.timings(),
+                    )
+                )
+        self.counters.num_output_tokens += len(outputs)
+        if num_applied < len(inflight):
+            outputs.extend(self._fail_missing(inflight.values(), now))
+        return outputs
+
+    def _finish_reason(self, req: Request, token: int) -> Optional[str]:
+        if token in req.stop_ids:
+            return "stop"
+        if len(req.token_ids) - req.num_prompt_tokens >= req.sampling.max_tokens:
+            return "length"
+        if len(req.token_ids) >= req.max_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        self._mark_finished(req, reason, now)
+        if self._rules.keeps_finished_as_padding:
+            req.padding = True  # keeps its slot and blocks until the whole batch is done
+        else:
+            self._drop_running(req)
+
+    def _mark_finished(self, req: Request, reason: str, now: float) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished = now
+        del self._live[req.rid]
+        self.counters.count_finish(reason)
+
+    def _fail_missing(self, sampled: Iterable[Request], now: float) -> list[RequestOutput]:
+        """The worker returned no token for a sequence that sampled: a worker bug. End those
+        requests with an error rather than leave them waiting for a token forever."""
+        outputs = []
+        for req in list(sampled):
+            if len(req.token_ids) != req.num_computed_tokens:
+                continue
+            if req.padding and req.rid in self._running:
+                self._preempt(req, StepBuilder(0))  # evict: it only holds its slot now
+            elif req.status is RUNNING:
+                self._drop_running(req)
+                self._mark_finished(req, "error", now)
+                outputs.append(
+                    RequestOutput(
+                        req.rid,
+                        [],
+                        "error",
+                        [],
+                        req.num_prompt_tokens,
+                        req.num_output_tokens,
+                        req.timings(),
+                        ErrorCode.WORKER_FAILED,
+                        "the worker returned no token",
+                    )
+                )
+        return outputs
+
+    # ---- observability -----------------------------------------------------------------------
+
+    def _record_step(
+        self, plan: StepPlan, is_prefill: list[bool], num_preempted: int, now: float
+    ) -> None:
+        record = StepRecord(
+            step_id=plan.step_id,
+            time=now,
+            rids=plan.rids,
+            num_tokens=plan.num_tokens,
+            is_prefill=is_prefill,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            batch_utilization=len(self._running) / self.config.max_num_seqs,
+            num_kv_blocks_used=self.pool.num_used,
+            num_kv_blocks_total=self.pool.num_blocks,
+            num_preemptions=num_preempted,
+            num_released=len(plan.released_rids),
+        )
+        num_prefill = record.num_prefill_tokens
+        self.counters.num_steps += 1
+        self.counters.num_prefill_tokens += num_prefill
+        self.counters.num_decode_tokens += plan.total_tokens - num_prefill
+        self.last_step_record = record
+
+    def next_timeout(self) -> Optional[float]:
+        """Seconds until a timer may change what schedule() does (a partial batch forming)."""
+        return self._rules.next_timeout(self._clock(), self._waiting, len(self._running))
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        out: dict[str, float] = {
+            "num_waiting": len(self._waiting),
+            "num_running": len(self._running),
+            "batch_utilization": len(self._running) / self.config.max_num_seqs,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_usage": self.pool.num_used / self.pool.num_blocks,
+            "num_steps": c.num_steps,
+            "num_preemptions": c.num_preemptions,
+            "num_prefill_tokens": c.num_prefill_tokens,
+            "num_decode_tokens": c.num_decode_tokens,
+            "num_output_tokens": c.num_output_tokens,
+            "num_admitted": c.num_admitted,
+            "num_rejected": c.num_rejected,
+        }
+        for reason, n in c.num_finished.items():
+            out[f"num_finished_{reason}"] = n
+        return out
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def has_work(self) -> bool:
+        """True while anything waits or runs (static padding included)."""
+        return bool(self._live) or bool(self._running)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an invariant is broken. O(total blocks): tests only."""
+        tables = [r.block_ids for r in self._running.values()]
+        self.pool.check_integrity(tables)
+        assert len(self._running) <= self.config.max_num_seqs, "too many running"
+        for req in self._live.values():
+            if req.status is RequestStatus.WAITING:
+                assert not req.block_ids and req in self._waiting, f"{req.rid} waiting wrongly"
+            else:
+                assert req.status is RUNNING and req.rid in self._running, f"{req.rid} lost"
+        for req in self._running.values():
+            assert req.padding or req.rid in self._live, f"{req.rid} runs but is not live"
+            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
+        assert len(self._waiting) + sum(not r.padding for r in self._running.values()) == len(
+            self._live
+        ), "live requests are neither waiting nor running"

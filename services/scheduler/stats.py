@@ -1,0 +1,69 @@
+"""What the scheduler reports: one `StepRecord` per plan (the server logs it as the step log,
+from which the benchmark draws its timeline picture) and running totals for `stats()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one `schedule()` decided. The lists are parallel, in batch order, and shared with
+    the plan (read-only by convention)."""
+
+    step_id: int
+    time: float  # scheduler clock when the plan was built
+    rids: list[str]
+    num_tokens: list[int]
+    is_prefill: list[bool]  # False: a decode (the token sampled last step)
+    num_waiting: int  # after this step's admissions
+    num_running: int  # slots held, static padding included
+    batch_utilization: float  # num_running / max_num_seqs
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_preemptions: int  # in this step
+    num_released: int  # requests the worker drops before this step
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for n, p in zip(self.num_tokens, self.is_prefill, strict=True) if p)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for n, p in zip(self.num_tokens, self.is_prefill, strict=True) if not p)
+
+    def to_dict(self) -> dict[str, object]:
+        """A flat map for one JSON log line."""
+        return {
+            "step_id": self.step_id,
+            "time": self.time,
+            "rids": self.rids,
+            "num_tokens": self.num_tokens,
+            "is_prefill": self.is_prefill,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "batch_utilization": self.batch_utilization,
+            "num_kv_blocks_used": self.num_kv_blocks_used,
+            "num_kv_blocks_total": self.num_kv_blocks_total,
+            "num_preemptions": self.num_preemptions,
+            "num_released": self.num_released,
+        }
+
+
+@dataclass(slots=True)
+class Counters:
+    """Running totals since start (monotonic, like Prometheus counters)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_output_tokens: int = 0
+    num_admitted: int = 0
+    num_rejected: int = 0
+    num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+    def count_finish(self, reason: str) -> None:
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1

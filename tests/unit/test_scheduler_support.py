@@ -1,0 +1,215 @@
+"""A hand-made worker and a driver for the scheduler tests (plus tests of the worker itself).
+
+`CheckingWorker` plays the worker's side of the step contract strictly: it keeps each request's
+tokens and block table only from what plans say, writes every computed token into a simulated
+paged KV cache and, before sampling, reads the whole context back through the block table. A
+block table that points at someone else's blocks, a wrong position or a wrong token fails loudly.
+Its sampled token depends only on (request id, output index), like the real worker's seeded
+draw, so recomputation after preemption must reproduce every output.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+
+from services.scheduler import Scheduler, SchedulerConfig
+from shared.protocol.engine_channel import RequestOutput, SubmitRequest
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import StepPlan, StepResult, check_plan
+
+
+def token_for(rid: str, index: int, vocab_size: int) -> int:
+    """The deterministic 'model': output token number `index` of request `rid`."""
+    return zlib.crc32(f"{rid}:{index}".encode()) % vocab_size
+
+
+@dataclass
+class _Seq:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_cached: int = 0
+
+
+class CheckingWorker:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.kv: list[Optional[tuple[str, int, int]]] = [None] * (num_blocks * block_size)
+        self.seqs: dict[str, _Seq] = {}
+        self.num_steps = 0
+
+    def _slot(self, seq: _Seq, pos: int) -> int:
+        return seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        check_plan(plan)
+        self.num_steps += 1
+        for rid in plan.released_rids:
+            assert rid in self.seqs, f"released {rid} that the worker does not hold"
+            del self.seqs[rid]
+        for ns in plan.new_seqs:
+            assert ns.rid in plan.rids, "a new sequence that is not scheduled"
+            assert ns.rid not in self.seqs, f"{ns.rid} sent as new while the worker holds it"
+            self.seqs[ns.rid] = _Seq(list(ns.token_ids), ns.num_prompt_tokens, list(ns.block_ids))
+        offset = 0
+        for i, rid in enumerate(plan.rids):  # every sequence writes its KV first, as per layer
+            seq = self.seqs[rid]
+            start, n = plan.start_positions[i], plan.num_tokens[i]
+            assert start == seq.num_cached, f"{rid}: start {start} != cached {seq.num_cached}"
+            seq.block_ids.extend(plan.new_block_ids[i])
+            chunk = plan.token_ids[offset : offset + n]
+            offset += n
+            assert chunk == seq.token_ids[start : start + n], f"{rid}: wrong tokens"
+            assert len(seq.block_ids) * self.block_size >= start + n, f"{rid}: table too short"
+            for pos in range(start, start + n):
+                self.kv[self._slot(seq, pos)] = (rid, pos, seq.token_ids[pos])
+            seq.num_cached = start + n
+        rids: list[str] = []
+        tokens: list[int] = []
+        for i, rid in enumerate(plan.rids):  # then attention reads, then sampling
+            seq = self.seqs[rid]
+            self._check_context(rid, seq)
+            if plan.sample[i]:
+                assert seq.num_cached == len(seq.token_ids), f"{rid}: samples too early"
+                index = len(seq.token_ids) - seq.num_prompt_tokens
+                token = token_for(rid, index, self.vocab_size)
+                seq.token_ids.append(token)
+                rids.append(rid)
+                tokens.append(token)
+        return StepResult(plan.step_id, rids, tokens)
+
+    def _check_context(self, rid: str, seq: _Seq) -> None:
+        """Attention reads every cached position through the table: each must hold this
+        request's own token (another request writing into our blocks shows up here)."""
+        for pos in range(seq.num_cached):
+            got = self.kv[self._slot(seq, pos)]
+            assert got == (rid, pos, seq.token_ids[pos]), f"{rid}@{pos}: KV holds {got}"
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+
+def submit(rid: str, prompt_len: int, max_tokens: int, **kw: object) -> SubmitRequest:
+    priority = int(kw.pop("priority", 0))  # type: ignore[call-overload]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+    prompt = [(zlib.crc32(rid.encode()) + i) % 997 + 3 for i in range(prompt_len)]
+    return SubmitRequest(rid, prompt, sampling, priority=priority)
+
+
+@dataclass
+class Run:
+    """What a driven run produced: per rid its outputs, in order."""
+
+    outputs: dict[str, list[RequestOutput]] = field(default_factory=dict)
+    plans: list[StepPlan] = field(default_factory=list)
+    records: list[object] = field(default_factory=list)
+
+    def add(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            self.outputs.setdefault(out.rid, []).append(out)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for out in self.outputs[rid] for t in out.new_token_ids]
+
+    def final(self, rid: str) -> RequestOutput:
+        finals = [o for o in self.outputs[rid] if o.finish_reason is not None]
+        assert len(finals) == 1, f"{rid} finished {len(finals)} times"
+        assert self.outputs[rid][-1] is finals[0], f"{rid} has output after its final one"
+        return finals[0]
+
+
+def drive(
+    sched: Scheduler,
+    worker: CheckingWorker,
+    clock: FakeClock,
+    max_steps: int = 10_000,
+    step_time: float = 0.01,
+    before_step: Optional[Callable[[int], None]] = None,
+    run: Optional[Run] = None,
+) -> Run:
+    """Schedule -> worker -> update until nothing is left, checking integrity each step."""
+    run = run if run is not None else Run()
+    for i in range(max_steps):
+        if before_step is not None:
+            before_step(i)
+        plan = sched.schedule()
+        sched.check_integrity()
+        if plan is None:
+            if not sched.has_work():
+                if before_step is None:
+                    return run
+                clock.advance(step_time)
+                continue
+            timeout = sched.next_timeout()
+            assert timeout is not None, "work left, nothing scheduled and no timer: stuck"
+            clock.advance(max(timeout, step_time))
+            continue
+        assert plan.total_tokens <= sched.config.max_num_batched_tokens
+        run.plans.append(plan)
+        run.records.append(sched.last_step_record)
+        clock.advance(step_time)
+        run.add(sched.update(worker.execute(plan)))
+        sched.check_integrity()
+    if sched.has_work():
+        raise AssertionError(f"not done after {max_steps} steps")
+    return run
+
+
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    eos: tuple[int, ...] = (),
+    **config: object,
+) -> tuple[Scheduler, CheckingWorker, FakeClock]:
+    clock = FakeClock()
+    sched = Scheduler(
+        SchedulerConfig(**config),
+        num_blocks,
+        block_size,
+        max_model_len,  # type: ignore[arg-type]
+        list(eos),
+        clock=clock,
+    )
+    return sched, CheckingWorker(num_blocks, block_size), clock
+
+
+# ---- tests of the checking worker itself: it must catch what it is there to catch ------------
+
+
+def test_worker_detects_a_block_shared_by_two_requests() -> None:
+    from shared.protocol.worker_channel import NewSequence
+
+    worker = CheckingWorker(num_blocks=2, block_size=4)
+    sp = SamplingParams(temperature=0.0)
+    plan = StepPlan(
+        1,
+        [NewSequence("a", [1, 2], 2, [0], sp), NewSequence("b", [3, 4], 2, [0], sp)],
+        ["a", "b"],
+        [0, 0],
+        [2, 2],
+        [1, 2, 3, 4],
+        [[], []],
+        [True, True],
+    )
+    with pytest.raises(AssertionError, match="KV holds"):
+        worker.execute(plan)
+
+
+def test_worker_tokens_depend_only_on_rid_and_index() -> None:
+    assert token_for("r1", 3, 1000) == token_for("r1", 3, 1000)
+    assert len({token_for("r1", i, 1000) for i in range(50)}) > 10
