@@ -1,0 +1,41 @@
+"""`python -m services.gateway`: the OpenAI-compatible HTTP gateway, one asyncio process."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import uvicorn
+
+from services.gateway.app import create_app
+from services.gateway.config import parse_args
+from shared.logging import configure_logging
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    config = parse_args(argv)
+    log = configure_logging("gateway", config.log_level, config.log_file)
+    app = create_app(config, log)
+    log.info(
+        "gateway_start",
+        http_host=config.http_host,
+        http_port=config.http_port,
+        engine_addr=config.engine_addr,
+        model=config.served_model_name,
+        auth=config.api_key is not None,
+    )
+    # Our own structured log line per request replaces uvicorn's access log.
+    uvicorn.run(
+        app,
+        host=config.http_host,
+        port=config.http_port,
+        access_log=False,
+        log_level=config.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    log.info("gateway_stop")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

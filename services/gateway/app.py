@@ -1,0 +1,262 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics; one engine client for the whole process.
+
+Each HTTP request becomes one streaming engine request per choice (fanout.py). Non-streaming
+requests collect the streams; streaming ones forward them as server-sent events. Either way, a
+client that disconnects gets its engine requests aborted: streaming through Starlette's
+disconnect listener (which cancels the response), non-streaming through `_until_disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any, Optional, TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from services.gateway.auth import ApiKeyMiddleware
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError, from_engine_error, from_validation_errors
+from services.gateway.events import ChoiceEnd
+from services.gateway.fanout import ChoiceRuns
+from services.gateway.metrics import GatewayMetrics, StatsPoller
+from services.gateway.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    EngineCallPlan,
+    GatewayLimits,
+    plan_chat,
+    plan_completion,
+)
+from services.gateway.responses import ChoiceState, Kind, ResponseMeta, full_body, usage
+from services.gateway.streaming import ClosingStreamingResponse, sse_body
+from shared.client import AsyncClient, EngineError
+
+T = TypeVar("T")
+HEALTH_TIMEOUT_S = 5.0
+STATS_TIMEOUT_S = 2.0
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, logs do
+
+
+class Gateway:
+    """Route handlers and the live objects they share (engine client, metrics)."""
+
+    def __init__(self, config: GatewayConfig, log: Any) -> None:
+        self.config = config
+        self.log = log
+        self.client = AsyncClient(config.engine_addr, timeout=config.engine_timeout_s)
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry)
+        self.poller = StatsPoller(
+            self.client, self.metrics.engine, config.stats_interval_s, STATS_TIMEOUT_S
+        )
+        self.limits = GatewayLimits(
+            config.served_model_name, config.max_choices, config.default_max_tokens
+        )
+        self.started_at = int(time.time())
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self._serve("completion", plan_completion(body, self.limits), request)
+
+    async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
+        return await self._serve("chat", plan_chat(body, self.limits), request)
+
+    async def models(self) -> Response:
+        name = self.config.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "conveyor",
+            "root": name,
+            "parent": None,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self) -> Response:
+        """200 when the engine accepts requests, else 503 with the engine's reason."""
+        try:
+            reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineError) as exc:
+            message = getattr(exc, "message", "") or "no answer from the engine"
+            return error_response(from_engine_error("engine_unreachable", message))
+        if not reply.get("ready"):
+            reason = reply.get("reason") or "unknown"
+            return error_response(from_engine_error("not_ready", f"engine not ready: {reason}"))
+        return _json(
+            {
+                "status": "ok",
+                "model": reply.get("model"),
+                "max_model_len": reply.get("max_model_len"),
+            }
+        )
+
+    async def metrics_text(self) -> Response:
+        await self.poller.refresh()  # fresh engine gauges; on failure the last values stay
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- one OpenAI request ------------------------------------------------------------------
+
+    async def _serve(
+        self, kind: Kind, plan: EngineCallPlan | ApiError, request: Request
+    ) -> Response:
+        if isinstance(plan, ApiError):
+            return error_response(plan)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        meta = ResponseMeta(
+            kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
+        )
+        calls = [
+            replace(c, kwargs={**c.kwargs, "request_id": f"{meta.id}-{c.index}"})
+            for c in plan.calls
+        ]
+        plan = replace(plan, calls=calls)
+        self.log.info("request", rid=meta.id, kind=kind, num_choices=len(calls), stream=plan.stream)
+        runs = ChoiceRuns(
+            self.client, calls, self.metrics.observe_end, self.metrics.observe_aborted
+        )
+        runs.start()
+        if plan.stream:
+            return await self._stream(request, meta, plan, runs)  # the response closes runs
+        try:
+            return await self._whole(request, meta, plan, runs)
+        finally:
+            await runs.aclose()
+
+    async def _stream(
+        self, request: Request, meta: ResponseMeta, plan: EngineCallPlan, runs: ChoiceRuns
+    ) -> Response:
+        """Wait for every choice's first event so that a refusal is a real HTTP error."""
+        handed_over = False  # once the response owns `runs`, it closes them
+        try:
+            gone, failed = await _until_disconnect(request, runs.first_error())
+            if gone:
+                return Response(status_code=CLIENT_GONE_STATUS)
+            if failed is not None:
+                return self._failure(meta, failed)
+            body = sse_body(meta, plan, runs, self.metrics.observe_error)
+            handed_over = True
+            return ClosingStreamingResponse(body, on_close=runs.aclose)
+        finally:
+            if not handed_over:
+                await runs.aclose()
+
+    async def _whole(
+        self, request: Request, meta: ResponseMeta, plan: EngineCallPlan, runs: ChoiceRuns
+    ) -> Response:
+        states = [ChoiceState() for _ in plan.calls]
+        gone, failed = await _until_disconnect(request, _collect(runs, states))
+        if gone:
+            self.log.info("client_gone", rid=meta.id)
+            return Response(status_code=CLIENT_GONE_STATUS)
+        if failed is not None:
+            return self._failure(meta, failed)
+        body = full_body(meta, states, plan.calls, plan.num_logprobs is not None)
+        self.log.info(
+            "request_done",
+            rid=meta.id,
+            usage=usage(plan.calls, [s.end for s in states if s.end is not None]),
+        )
+        return _json(body)
+
+    def _failure(self, meta: ResponseMeta, failed: ChoiceEnd) -> Response:
+        err = failed.error or ApiError(500, "request failed", "server_error")
+        self.metrics.observe_error(err.code)
+        self.log.info(
+            "request_failed", rid=meta.id, status=err.status, code=err.code, message=err.message
+        )
+        return error_response(err)
+
+
+async def _collect(runs: ChoiceRuns, states: list[ChoiceState]) -> Optional[ChoiceEnd]:
+    """Every choice's text and logprobs into `states`; the failed choice's end, if one failed."""
+    async for event in runs.events():
+        st = states[event.index]
+        if isinstance(event, ChoiceEnd):
+            if event.error is not None:
+                return event
+            st.end = event
+        else:
+            st.add(event)
+    return None
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, Optional[T]]:
+    """Run `work` unless the HTTP client disconnects first: (gone, result)."""
+    work_task = asyncio.ensure_future(work)
+    gone_task = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work_task, gone_task):
+            task.cancel()
+        await asyncio.gather(work_task, gone_task, return_exceptions=True)
+    if work_task.cancelled():
+        return True, None
+    return False, work_task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """The body was read already, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def error_response(err: ApiError) -> Response:
+    return Response(orjson.dumps(err.body()), status_code=err.status, media_type="application/json")
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def create_app(config: GatewayConfig, log: Any) -> FastAPI:
+    """The ASGI app; the engine client connects lazily, the stats poller runs while it serves."""
+    gw = Gateway(config, log)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        poll = asyncio.create_task(gw.poller.run())
+        try:
+            yield
+        finally:
+            poll.cancel()
+            await asyncio.gather(poll, return_exceptions=True)
+            await gw.client.close()
+
+    app = FastAPI(title="Conveyor OpenAI-compatible gateway", lifespan=lifespan)
+    app.state.gateway = gw
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
+        ("/v1/completions", gw.completions, "POST"),
+        ("/v1/chat/completions", gw.chat_completions, "POST"),
+        ("/v1/models", gw.models, "GET"),
+        ("/health", gw.health, "GET"),
+        ("/metrics", gw.metrics_text, "GET"),
+    ]
+    for path, handler, method in routes:
+        app.add_api_route(path, handler, methods=[method], response_class=Response)
+    return app
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+    return error_response(from_validation_errors(exc.errors()))
+
+
+async def _on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(ApiError(exc.status_code, str(exc.detail), kind))

@@ -1,0 +1,52 @@
+"""Bearer-token check for /v1/*, as a plain ASGI middleware.
+
+It answers 401 before the route reads the body (so an unauthenticated client learns nothing
+about validation), and, being plain ASGI, it leaves streaming responses and client-disconnect
+signals untouched. /health and /metrics stay open, as on vLLM, for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.gateway.errors import unauthorized
+
+PROTECTED_PREFIX = "/v1"
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self._app(scope, receive, send)
+            return
+        if self._authorized(scope):
+            await self._app(scope, receive, send)
+            return
+        err = unauthorized()
+        body = orjson.dumps(err.body())
+        await send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                # constant-time: the key must not leak through response timing
+                return hmac.compare_digest(value, self._expected)
+        return False

@@ -1,0 +1,129 @@
+"""The gateway's settings: flags, else CONVEYOR_* variables (shared/env.py), else defaults."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from shared.env import env_float, env_int, env_str
+
+DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5557"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    engine_addr: str = DEFAULT_ENGINE_ADDR  # the tokenizer service's client-facing address
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    api_key: Optional[str] = None  # None: no authentication
+    served_model_name: str = "smollm2"  # the `model` clients send and /v1/models lists
+    max_choices: int = 16  # prompts x n per HTTP request
+    default_max_tokens: Optional[int] = None  # None: the engine's default (16)
+    engine_timeout_s: float = 60.0  # silence from the engine (no reply, no heartbeat) tolerated
+    stats_interval_s: float = 2.0  # how often /metrics' engine gauges are refreshed
+    log_level: str = "info"
+    log_file: Optional[Path] = None
+
+    def __post_init__(self) -> None:
+        if not self.engine_addr:
+            raise ValueError("engine_addr must not be empty")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it out to disable authentication)")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.max_choices < 1:
+            raise ValueError("max_choices must be >= 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if self.engine_timeout_s <= 0 or self.stats_interval_s <= 0:
+            raise ValueError("engine_timeout_s and stats_interval_s must be > 0")
+
+
+def default_model_name() -> str:
+    """The name of CONVEYOR_MODEL as users would write it: 'smollm2', or a file/folder stem."""
+    spec = env_str("MODEL", "smollm2") or "smollm2"
+    return Path(spec).stem if spec.endswith(".gguf") else Path(spec).name or "smollm2"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
+    """Command line -> GatewayConfig; a bad value exits with the parser's usage message."""
+    p = argparse.ArgumentParser(
+        prog="python -m services.gateway", description="OpenAI-compatible HTTP gateway"
+    )
+    # The second spellings are the ones `conveyor up` (conveyor/launcher.py) passes.
+    p.add_argument(
+        "--engine-addr",
+        "--frontend-addr",
+        dest="engine_addr",
+        default=env_str("FRONTEND_ADDR", DEFAULT_ENGINE_ADDR),
+        help="frontend (tokenizer service) address [CONVEYOR_FRONTEND_ADDR]",
+    )
+    p.add_argument(
+        "--http-host",
+        "--host",
+        dest="http_host",
+        default=env_str("HTTP_HOST", "127.0.0.1"),
+        help="[CONVEYOR_HTTP_HOST]",
+    )
+    p.add_argument(
+        "--http-port",
+        "--port",
+        dest="http_port",
+        type=int,
+        default=env_int("HTTP_PORT", 8000),
+        help="[CONVEYOR_HTTP_PORT]",
+    )
+    p.add_argument(
+        "--api-key",
+        default=env_str("API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* [CONVEYOR_API_KEY]",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=env_str("SERVED_MODEL_NAME"),
+        help="model name clients use [CONVEYOR_SERVED_MODEL_NAME]",
+    )
+    p.add_argument("--max-choices", type=int, default=16, help="prompts x n per request")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens when a request gives none (default: the engine's)",
+    )
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=60.0,
+        help="seconds of engine silence before a request fails",
+    )
+    p.add_argument(
+        "--stats-interval",
+        type=float,
+        default=env_float("STATS_INTERVAL", 2.0),
+        help="seconds between engine stats polls [CONVEYOR_STATS_INTERVAL]",
+    )
+    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    p.add_argument(
+        "--log-file", default=env_str("LOG_FILE"), help="also log there [CONVEYOR_LOG_FILE]"
+    )
+    a = p.parse_args(argv)
+    try:
+        return GatewayConfig(
+            engine_addr=a.engine_addr,
+            http_host=a.http_host,
+            http_port=a.http_port,
+            api_key=a.api_key,
+            served_model_name=a.served_model_name or default_model_name(),
+            max_choices=a.max_choices,
+            default_max_tokens=a.default_max_tokens,
+            engine_timeout_s=a.engine_timeout,
+            stats_interval_s=a.stats_interval,
+            log_level=a.log_level,
+            log_file=Path(a.log_file) if a.log_file else None,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
