@@ -1,7 +1,9 @@
 """`python -m services.simworker --sim-device h200 --sim-model llama-3-8b --plan-addr ADDR`.
 
 A SIMULATED worker process: the same handshake, plans and results as the real worker, with no
-model behind them (docs/simulator.md). Never the launcher's default.
+model behind them (docs/simulator.md). Never the launcher's default. The process flags
+(`--plan-addr`/`--worker-addr`, `--rank`, `--ready-file`, `--log-file`, ...) are the real
+worker's; the `--sim-*` flags choose what is simulated.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Optional
 from services.simworker.config import WEIGHT_DTYPE_BYTES, SimConfig
 from services.simworker.profiles import DEVICES, MODELS
 from services.simworker.runner import SimRunner
-from shared.env import env_str
+from shared.env import env_int, env_str
 from shared.logging import configure_logging
 from shared.worker_server import serve_worker
+
+DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"  # as the real worker's
+EXIT_BAD_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,45 +31,55 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m services.simworker",
         description="SIMULATED worker: answers step plans after a modelled step time.",
     )
-    p.add_argument("--sim-device", default="h200", choices=sorted(DEVICES))
-    p.add_argument("--sim-model", default="llama-3-8b", choices=sorted(MODELS))
-    p.add_argument(
+    sim = p.add_argument_group("simulation")
+    sim.add_argument("--sim-device", default="h200", choices=sorted(DEVICES))
+    sim.add_argument("--sim-model", default="llama-3-8b", choices=sorted(MODELS))
+    sim.add_argument(
         "--sim-profile",
         type=Path,
         default=None,
-        help="device profile JSON (from `conveyor sim calibrate`); overrides --sim-device",
+        help="device profile JSON (`conveyor sim calibrate`); overrides --sim-device",
     )
-    p.add_argument("--sim-weight-dtype", default="bfloat16", choices=sorted(WEIGHT_DTYPE_BYTES))
-    p.add_argument("--sim-block-size", type=int, default=16)
-    p.add_argument(
+    sim.add_argument("--sim-weight-dtype", default="bfloat16", choices=sorted(WEIGHT_DTYPE_BYTES))
+    sim.add_argument("--sim-block-size", type=int, default=16)
+    sim.add_argument(
         "--sim-num-blocks",
         type=int,
         default=None,
         help="KV blocks to report (default: what fits in the device's memory)",
     )
-    p.add_argument("--sim-max-model-len", type=int, default=None)
-    p.add_argument(
+    sim.add_argument("--sim-max-model-len", type=int, default=None)
+    sim.add_argument(
         "--sim-eos-probability",
         type=float,
         default=0.0,
         help="chance each output token is end-of-sequence (default 0: never)",
     )
-    p.add_argument(
+    sim.add_argument(
         "--sim-report-every",
         type=int,
         default=200,
         help="decode steps per batch size between engine-gap log lines",
     )
-    p.add_argument(
+    proc = p.add_argument_group("process (as the real worker's)")
+    proc.add_argument(
         "--plan-addr",
-        default=env_str("WORKER_ADDR"),
-        help="the scheduler's worker address (default $CONVEYOR_WORKER_ADDR)",
+        "--worker-addr",
+        dest="plan_addr",
+        default=env_str("WORKER_ADDR", DEFAULT_WORKER_ADDR),
+        help="the scheduler's worker address (CONVEYOR_WORKER_ADDR)",
     )
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
-    p.add_argument("--log-file", type=Path, default=None)
-    p.add_argument("--ready-file", type=Path, default=None)
-    return p
+    proc.add_argument("--rank", type=int, default=env_int("RANK", 0))
+    proc.add_argument("--ready-file", type=Path, default=_env_path("READY_FILE"))
+    proc.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", None))
+    proc.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
+    proc.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    return p  # fmt: skip
+
+
+def _env_path(name: str) -> Optional[Path]:
+    value = env_str(name)
+    return Path(value) if value else None
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -84,23 +99,26 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.plan_addr:
-        parser.error("--plan-addr is required (or set CONVEYOR_WORKER_ADDR)")
-    log_file = args.log_file
-    if log_file is None and env_str("LOG_DIR"):
-        log_file = Path(env_str("LOG_DIR") or ".") / "worker.log"
-    log = configure_logging("simworker", args.log_level, log_file).bind(simulated=True)
-    try:
-        runner = SimRunner(config_from_args(args), log)
-    except ValueError as exc:
-        log.error("sim_worker_config", message=str(exc))
-        print(f"SIMULATED worker: {exc}", file=sys.stderr)
-        return 2
+    if args.rank < 0:
+        parser.error("--rank must be >= 0")
+    log = configure_logging("simworker", args.log_level, args.log_file)
+    log = log.bind(rank=args.rank, simulated=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        runner = SimRunner(config_from_args(args), log)
+    except ValueError as exc:  # a bad flag value or a model that does not fit the device
+        log.error("bad_worker_config", message=f"SIMULATED worker: {exc}")
+        return EXIT_BAD_CONFIG
     return serve_worker(
-        runner, args.plan_addr, args.rank, log, stop=stop, ready_file=args.ready_file
+        runner,
+        args.plan_addr,
+        args.rank,
+        log,
+        stop=stop,
+        ready_file=args.ready_file,
+        max_frame_bytes=args.max_frame_bytes,
     )
 
 

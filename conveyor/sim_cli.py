@@ -1,0 +1,338 @@
+"""`conveyor sim ...`: the simulated worker's tools (docs/simulator.md).
+
+    conveyor sim measure   -o timings.json     time the REAL worker's steps on this machine
+    conveyor sim calibrate timings.json -o profile.json   fit a device profile to them
+    conveyor sim predict   --sim-device h200 --sim-model llama-3-8b   modelled step times
+
+`measure` loads the real model and runs it at full speed: run it when the machine is quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+from services.simworker.calibrate import TIMINGS_FORMAT, FitResult, fit_profile, load_timings
+from services.simworker.cost_model import step_cost, step_work
+from services.simworker.profiles import DEVICES, MODELS, get_device, load_device
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import NewSequence, StepPlan
+
+MAX_ERROR = 0.15  # the issue's bar: simulated within 15% of measured
+PROMPT_TOKEN_RANGE = (256, 32000)  # ordinary tokens: what real prompts are made of
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1,2,4") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("every value must be a positive integer")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="conveyor sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="sim_command", required=True)
+    m = sub.add_parser("measure", help="time the real worker's steps (loads the model)")
+    m.add_argument("-o", "--out", type=Path, default=Path("results/sim/timings.json"))
+    m.add_argument("--model", default=None, help="real model spec (default smollm2)")
+    m.add_argument(
+        "--sim-model",
+        default="smollm2-135m",
+        choices=sorted(MODELS),
+        help="the model shape the timings are fitted with",
+    )
+    m.add_argument("--dtype", default=None, help="worker dtype (default: the worker's)")
+    m.add_argument("--num-threads", type=int, default=None)
+    m.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))
+    m.add_argument(
+        "--context-lens",
+        type=_ints,
+        default=_ints("128,512"),
+        help="cached tokens per sequence for the decode samples",
+    )
+    m.add_argument("--prefill-lens", type=_ints, default=_ints("16,64,128,256,512"))
+    m.add_argument(
+        "--prefill-batch",
+        type=int,
+        default=4,
+        help="also time prefills of this many prompts at once",
+    )
+    m.add_argument("--repeats", type=int, default=3)
+    m.set_defaults(func=cmd_measure)
+    c = sub.add_parser("calibrate", help="fit a device profile to measured timings")
+    c.add_argument("timings", type=Path)
+    c.add_argument("-o", "--out", type=Path, required=True)
+    c.add_argument("--name", default="cpu-smollm2-calibrated")
+    c.add_argument(
+        "--base-device",
+        default="cpu-smollm2",
+        choices=sorted(DEVICES),
+        help="where the memory size comes from",
+    )
+    c.add_argument(
+        "--max-error",
+        type=float,
+        default=MAX_ERROR,
+        help="exit 1 when a sample's relative error exceeds this",
+    )
+    c.set_defaults(func=cmd_calibrate)
+    r = sub.add_parser("predict", help="print modelled step times")
+    r.add_argument("--sim-device", default="h200", choices=sorted(DEVICES))
+    r.add_argument("--sim-profile", type=Path, default=None)
+    r.add_argument("--sim-model", default="llama-3-8b", choices=sorted(MODELS))
+    r.add_argument("--batch-sizes", type=_ints, default=_ints("1,8,32,64,128,256"))
+    r.add_argument("--context-len", type=int, default=512)
+    r.add_argument("--prefill-lens", type=_ints, default=_ints("128,512,2048"))
+    r.set_defaults(func=cmd_predict)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad files or configs: one clear line, not a traceback
+        print(f"conveyor sim: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---- predict -----------------------------------------------------------------------------------
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    device = load_device(args.sim_profile) if args.sim_profile else get_device(args.sim_device)
+    model = MODELS[args.sim_model]
+    print(f"SIMULATED step times: {model.name} on {device.name} ({device.source})")
+    print(f"{'step':<28}{'ms':>10}{'bound':>10}{'tok/s':>12}")
+    ctx = args.context_len
+    for b in args.batch_sizes:
+        cost = step_cost(device, step_work(model, [ctx] * b, [1] * b, b))
+        _row(f"decode B={b} ctx={ctx}", cost.total_s, cost.bound, b)
+    for n in args.prefill_lens:
+        cost = step_cost(device, step_work(model, [0], [n], 1))
+        _row(f"prefill {n} tokens", cost.total_s, cost.bound, n)
+    return 0
+
+
+def _row(label: str, seconds: float, bound: str, tokens: int) -> None:
+    rate = f"{tokens / seconds:12.0f}" if seconds > 0 else f"{'inf':>12}"
+    print(f"{label:<28}{1e3 * seconds:10.3f}{bound:>10}{rate}")
+
+
+# ---- calibrate ---------------------------------------------------------------------------------
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    model, timings = load_timings(args.timings)
+    source = f"calibrated by `conveyor sim calibrate` from {args.timings} ({len(timings)} steps)"
+    result = fit_profile(model, timings, get_device(args.base_device), args.name, source)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(result.profile.to_json())
+    _print_fit(result, timings_shapes(timings))
+    print(f"wrote {args.out}; use it with --sim-profile {args.out}")
+    if result.max_abs_error > args.max_error:
+        print(f"max error {result.max_abs_error:.1%} exceeds {args.max_error:.0%}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def timings_shapes(timings: list[Any]) -> list[str]:
+    """A short label per sample: B sequences, tokens computed, mean cached context."""
+    labels = []
+    for t in timings:
+        b, n = len(t.num_tokens), sum(t.num_tokens)
+        ctx = sum(t.start_positions) // b
+        labels.append(f"B={b} tokens={n} ctx={ctx}")
+    return labels
+
+
+def _print_fit(result: FitResult, labels: list[str]) -> None:
+    p = result.profile
+    print("fitted profile (SIMULATED device):")
+    for key in ("dense_flops", "attention_flops", "bandwidth", "launch_s", "per_seq_s"):
+        print(f"  {key:<16} {getattr(p, key)}")
+    print(f"{'sample':<34}{'measured ms':>12}{'model ms':>10}{'error':>8}")
+    for label, m, pr, e in zip(
+        labels, result.measured, result.predicted, result.relative_errors, strict=True
+    ):
+        print(f"{label:<34}{1e3 * m:12.2f}{1e3 * pr:10.2f}{e:8.1%}")
+    print(f"max |error| {result.max_abs_error:.1%}")
+
+
+# ---- measure -----------------------------------------------------------------------------------
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    """Time the real worker: decode steps across batch sizes and contexts, prefills by length."""
+    # The worker (torch, the model) is imported only here: predict and calibrate stay light.
+    from services.worker.config import WorkerConfig
+    from services.worker.runner import ModelRunner
+
+    kwargs: dict[str, Any] = {"model": args.model, "num_threads": args.num_threads}
+    if args.dtype:
+        kwargs["dtype"] = args.dtype
+    config = WorkerConfig(**kwargs)
+    runner = ModelRunner(config)
+    ready = runner.ready_message(0)
+    bench = _Bench(runner, ready.block_size, ready.num_blocks)
+    samples: list[dict[str, Any]] = []
+    for ctx in args.context_lens:
+        for b in args.batch_sizes:
+            samples += bench.decode_samples(b, ctx, args.repeats)
+            print(f"measured decode B={b} ctx={ctx}: {_ms(samples[-1])}", flush=True)
+    for n in args.prefill_lens:
+        for b in sorted({1, args.prefill_batch}):
+            samples.append(bench.prefill_sample(b, n, args.repeats))
+            print(f"measured prefill B={b} len={n}: {_ms(samples[-1])}", flush=True)
+    out = {
+        "format": TIMINGS_FORMAT,
+        "model": args.sim_model,
+        "worker": {
+            "model": str(runner.folder),
+            "dtype": config.dtype,
+            "device": config.device,
+            "num_threads": args.num_threads,
+            "block_size": ready.block_size,
+        },
+        "host": {"machine": platform.machine(), "python": platform.python_version()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "samples": samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out} ({len(samples)} samples)")
+    return 0
+
+
+def _ms(sample: dict[str, Any]) -> str:
+    return ", ".join(f"{1e3 * s:.1f}" for s in sample["seconds"]) + " ms"
+
+
+class _Bench:
+    """Builds step plans for the real runner the way the scheduler would, and times them."""
+
+    def __init__(self, runner: Any, block_size: int, num_blocks: int) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.rng = random.Random(0)
+        self.step_id = 0
+        self.serial = 0
+
+    def _plan(self, **fields: Any) -> StepPlan:
+        self.step_id += 1
+        return StepPlan(step_id=self.step_id, **fields)
+
+    def _run(self, plan: StepPlan) -> tuple[float, dict[str, int]]:
+        """Execute one plan; (wall seconds, rid -> sampled token)."""
+        start = time.perf_counter()
+        result = self.runner.execute(plan)
+        seconds = time.perf_counter() - start
+        return seconds, dict(zip(result.rids, result.token_ids, strict=True))
+
+    def _new_seqs(self, batch: int, prompt_len: int, max_len: int) -> list[NewSequence]:
+        blocks_each = -(-max_len // self.block_size)
+        if batch * blocks_each > self.num_blocks:
+            raise ValueError(f"{batch} x {max_len} tokens exceed the worker's KV pool")
+        seqs = []
+        for i in range(batch):
+            self.serial += 1
+            prompt = [self.rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(prompt_len)]
+            blocks = list(range(i * blocks_each, (i + 1) * blocks_each))
+            params = SamplingParams(max_tokens=max_len, temperature=0.0, ignore_eos=True)
+            seqs.append(NewSequence(f"m{self.serial}", prompt, prompt_len, blocks, params))
+        return seqs
+
+    def _prefill_plan(self, seqs: list[NewSequence], released: list[str]) -> StepPlan:
+        return self._plan(
+            new_seqs=seqs,
+            rids=[s.rid for s in seqs],
+            start_positions=[0] * len(seqs),
+            num_tokens=[len(s.token_ids) for s in seqs],
+            token_ids=[t for s in seqs for t in s.token_ids],
+            new_block_ids=[[] for _ in seqs],
+            sample=[True] * len(seqs),
+            released_rids=released,
+        )
+
+    def _release(self, rids: list[str]) -> None:
+        self._run(
+            self._plan(
+                new_seqs=[],
+                rids=[],
+                start_positions=[],
+                num_tokens=[],
+                token_ids=[],
+                new_block_ids=[],
+                sample=[],
+                released_rids=rids,
+            )
+        )
+
+    def prefill_sample(self, batch: int, prompt_len: int, repeats: int) -> dict[str, Any]:
+        """`repeats` timed prefills of `batch` fresh prompts of `prompt_len` tokens."""
+        seconds = []
+        for _ in range(repeats + 1):  # the first is a warm-up for this shape
+            seqs = self._new_seqs(batch, prompt_len, prompt_len + 1)
+            seconds.append(self._run(self._prefill_plan(seqs, []))[0])
+            self._release([s.rid for s in seqs])
+        return {
+            "kind": "prefill",
+            "start_positions": [0] * batch,
+            "num_tokens": [prompt_len] * batch,
+            "num_sampled": batch,
+            "seconds": seconds[1:],
+        }
+
+    def decode_samples(self, batch: int, ctx: int, repeats: int) -> list[dict[str, Any]]:
+        """Prefill `batch` prompts of `ctx` tokens (untimed), then time `repeats` decodes."""
+        seqs = self._new_seqs(batch, ctx, ctx + repeats + 2)
+        last: dict[str, int] = {}
+        for chunk in _chunks(seqs, max(1, 4096 // ctx)):
+            last.update(self._run(self._prefill_plan(chunk, []))[1])
+        rids = [s.rid for s in seqs]
+        samples = []
+        for step in range(repeats + 1):  # the first decode is a warm-up for this shape
+            pos = ctx + step
+            plan = self._plan(
+                new_seqs=[],
+                rids=rids,
+                start_positions=[pos] * batch,
+                num_tokens=[1] * batch,
+                token_ids=[last[r] for r in rids],
+                new_block_ids=[[] for _ in rids],
+                sample=[True] * batch,
+            )
+            t, sampled = self._run(plan)
+            last.update(sampled)
+            if step:
+                samples.append(
+                    {
+                        "kind": "decode",
+                        "start_positions": [pos] * batch,
+                        "num_tokens": [1] * batch,
+                        "num_sampled": batch,
+                        "seconds": [t],
+                    }
+                )
+        self._release(rids)
+        return samples
+
+
+def _chunks(items: list[NewSequence], size: int) -> Iterator[list[NewSequence]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

@@ -1,0 +1,176 @@
+"""Fit a device profile's free coefficients to measured step timings (least squares).
+
+The cost model is  t = launch + per_seq * B + max(lin / dense + attn / attention, bytes / bw).
+With the inverse rates as unknowns, each branch of the max is linear, so the fit alternates:
+assign every sample to the branch that decides it, solve one non-negative least-squares problem
+over relative errors, re-assign, until the assignment stops changing. It starts from every split
+of the samples by arithmetic intensity (FLOPs per byte) and keeps the best, since the branch
+boundary is not known beforehand. A coefficient fitted to 0 becomes a rate of None (that term
+never decided a measured step).
+
+Timings file (written by `conveyor sim measure`):
+    {"format": "conveyor-sim-timings/1", "model": "smollm2-135m", ...,
+     "samples": [{"start_positions": [...], "num_tokens": [...], "num_sampled": k,
+                  "seconds": [t, ...]}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from services.simworker.cost_model import StepWork, step_cost, step_work
+from services.simworker.profiles import DeviceProfile, ModelShape, get_model
+
+TIMINGS_FORMAT = "conveyor-sim-timings/1"
+MAX_ALTERNATIONS = 50
+# columns of the design matrix: launch, per_seq, 1/dense, 1/attention, 1/bandwidth
+NUM_COEFFS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One measured step shape and its time (the median of its repeats)."""
+
+    start_positions: list[int]
+    num_tokens: list[int]
+    num_sampled: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    profile: DeviceProfile
+    predicted: list[float]  # [N] seconds, in sample order
+    measured: list[float]  # [N]
+
+    @property
+    def relative_errors(self) -> list[float]:
+        return [(p - m) / m for p, m in zip(self.predicted, self.measured, strict=True)]
+
+    @property
+    def max_abs_error(self) -> float:
+        return max(abs(e) for e in self.relative_errors)
+
+
+def load_timings(path: Path) -> tuple[ModelShape, list[Timing]]:
+    """Parse a timings file; ValueError with the reason when it is malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read timings {path}: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != TIMINGS_FORMAT:
+        raise ValueError(f"{path}: not a {TIMINGS_FORMAT} file")
+    model = get_model(str(data.get("model")))
+    samples = [_timing(s, i) for i, s in enumerate(data.get("samples") or [])]
+    if len(samples) < NUM_COEFFS:
+        raise ValueError(f"{path}: need at least {NUM_COEFFS} samples, got {len(samples)}")
+    return model, samples
+
+
+def _timing(s: Any, i: int) -> Timing:
+    try:
+        t = Timing(
+            [int(x) for x in s["start_positions"]],
+            [int(x) for x in s["num_tokens"]],
+            int(s["num_sampled"]),
+            float(statistics.median(float(x) for x in s["seconds"])),
+        )
+    except (KeyError, TypeError, ValueError, statistics.StatisticsError) as e:
+        raise ValueError(f"sample {i} is malformed: {e!r}") from None
+    if len(t.start_positions) != len(t.num_tokens) or not t.num_tokens or t.seconds <= 0:
+        raise ValueError(f"sample {i}: empty, ragged or non-positive time")
+    return t
+
+
+def _work(model: ModelShape, t: Timing) -> StepWork:
+    return step_work(model, t.start_positions, t.num_tokens, t.num_sampled)
+
+
+def _design(works: list[StepWork], memory_branch: np.ndarray) -> np.ndarray:
+    """[N, 5] rows: [1, B, lin, attn, 0] where compute decides, [1, B, 0, 0, bytes] elsewhere."""
+    rows = np.zeros((len(works), NUM_COEFFS))
+    for i, w in enumerate(works):
+        rows[i, 0], rows[i, 1] = 1.0, w.num_seqs
+        if memory_branch[i]:
+            rows[i, 4] = w.memory_bytes
+        else:
+            rows[i, 2], rows[i, 3] = w.linear_flops, w.attention_flops
+    return rows
+
+
+def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| with x >= 0: drop the most negative coefficient and re-solve.
+
+    Columns are scaled to unit norm first (FLOPs and bytes differ by 10+ orders of magnitude).
+    """
+    norms = np.linalg.norm(a, axis=0)
+    active = [j for j in range(a.shape[1]) if norms[j] > 0]
+    x = np.zeros(a.shape[1])
+    while active:
+        scaled = a[:, active] / norms[active]
+        sol, *_ = np.linalg.lstsq(scaled, b, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol / norms[active]
+            return x
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+def _fit_branches(works: list[StepWork], y: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Alternate branch assignment and least squares from one starting assignment."""
+    memory_branch = start.copy()
+    coeffs = np.zeros(NUM_COEFFS)
+    for _ in range(MAX_ALTERNATIONS):
+        a = _design(works, memory_branch) / y[:, None]  # relative error: rows over t
+        coeffs = nonneg_lstsq(a, np.ones(len(y)))
+        compute = np.array([coeffs[2] * w.linear_flops + coeffs[3] * w.attention_flops
+                            for w in works])  # fmt: skip
+        memory = np.array([coeffs[4] * w.memory_bytes for w in works])
+        new = memory > compute
+        if (new == memory_branch).all():
+            break
+        memory_branch = new
+    return coeffs
+
+
+def _profile(coeffs: np.ndarray, base: DeviceProfile, name: str, source: str) -> DeviceProfile:
+    def rate(c: float) -> Optional[float]:
+        return 1.0 / c if c > 0 else None
+
+    return DeviceProfile(
+        name=name,
+        dense_flops=rate(coeffs[2]),
+        attention_flops=rate(coeffs[3]),
+        bandwidth=rate(coeffs[4]),
+        memory_bytes=base.memory_bytes,
+        launch_s=float(coeffs[0]),
+        per_seq_s=float(coeffs[1]),
+        memory_utilization=base.memory_utilization,
+        source=source,
+    )
+
+
+def fit_profile(
+    model: ModelShape, timings: list[Timing], base: DeviceProfile, name: str, source: str
+) -> FitResult:
+    """The profile minimizing squared relative error over `timings` (memory from `base`)."""
+    works = [_work(model, t) for t in timings]
+    y = np.array([t.seconds for t in timings])
+    intensity = np.array([(w.linear_flops + w.attention_flops) / w.memory_bytes for w in works])
+    order = np.argsort(intensity)
+    candidates: list[tuple[float, DeviceProfile]] = []
+    for split in range(len(works) + 1):  # the least intense `split` samples start memory-bound
+        start = np.zeros(len(works), dtype=bool)
+        start[order[:split]] = True
+        profile = _profile(_fit_branches(works, y, start), base, name, source)
+        pred = np.array([step_cost(profile, w).total_s for w in works])
+        candidates.append((float(np.sum(((pred - y) / y) ** 2)), profile))
+    profile = min(candidates, key=lambda c: c[0])[1]
+    predicted = [step_cost(profile, w).total_s for w in works]
+    return FitResult(profile, predicted, [t.seconds for t in timings])

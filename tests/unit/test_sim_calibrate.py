@@ -1,0 +1,118 @@
+"""Calibration recovers known coefficients from synthetic timings (both branches of the max)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from conveyor.sim_cli import main
+from services.simworker.calibrate import TIMINGS_FORMAT, fit_profile, load_timings
+from services.simworker.cost_model import step_cost, step_work
+from services.simworker.profiles import MODELS, DeviceProfile, load_device
+
+MODEL = MODELS["smollm2-135m"]
+# Small decodes are memory-bound (269 MB of weights at 50 GB/s = 5.4 ms), large prefills
+# compute-bound (512 tokens * 212 MFLOP at 1 TFLOP/s = 109 ms): both branches get samples.
+TRUE = DeviceProfile(
+    "truth", dense_flops=1e12, attention_flops=2e11, bandwidth=5e10, memory_bytes=10**9,
+    launch_s=5e-3, per_seq_s=2e-4,
+)  # fmt: skip
+
+
+def _shapes() -> list[tuple[list[int], list[int], int]]:
+    shapes = []
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        for ctx in (16, 256, 1024):
+            shapes.append(([ctx] * batch, [1] * batch, batch))  # decodes
+    for prompt in (16, 64, 128, 256, 512):
+        for batch in (1, 4):
+            shapes.append(([0] * batch, [prompt] * batch, batch))  # prefills
+    shapes.append(([0, 300, 300], [200, 1, 1], 3))  # a mixed step
+    return shapes
+
+
+def _write(tmp_path, noise: float, seed: int = 0):
+    rng = random.Random(seed)
+    samples = []
+    for starts, tokens, sampled in _shapes():
+        t = step_cost(TRUE, step_work(MODEL, starts, tokens, sampled)).total_s
+        reps = [t * (1 + rng.uniform(-noise, noise)) for _ in range(3)]
+        samples.append(
+            {"start_positions": starts, "num_tokens": tokens, "num_sampled": sampled,
+             "seconds": reps}
+        )  # fmt: skip
+    path = tmp_path / "timings.json"
+    path.write_text(json.dumps({"format": TIMINGS_FORMAT, "model": MODEL.name, "samples": samples}))
+    return path
+
+
+def test_both_branches_are_exercised() -> None:
+    bounds = {step_cost(TRUE, step_work(MODEL, *s)).bound for s in _shapes()}
+    assert bounds == {"compute", "memory"}
+
+
+def test_recovers_exact_coefficients(tmp_path) -> None:
+    model, timings = load_timings(_write(tmp_path, noise=0.0))
+    fit = fit_profile(model, timings, TRUE, "fit", "test").profile
+    assert fit.dense_flops == pytest.approx(1e12, rel=1e-6)
+    assert fit.attention_flops == pytest.approx(2e11, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(5e10, rel=1e-6)
+    assert fit.launch_s == pytest.approx(5e-3, rel=1e-6)
+    assert fit.per_seq_s == pytest.approx(2e-4, rel=1e-6)
+
+
+def test_noisy_timings_fit_within_fifteen_percent(tmp_path) -> None:
+    model, timings = load_timings(_write(tmp_path, noise=0.08, seed=3))
+    result = fit_profile(model, timings, TRUE, "fit", "test")
+    assert result.max_abs_error < 0.15
+    assert result.profile.dense_flops == pytest.approx(1e12, rel=0.1)
+
+
+def test_a_term_that_never_decides_becomes_free(tmp_path) -> None:
+    no_memory = DeviceProfile("c", 1e12, 2e11, None, 10**9, launch_s=5e-3, per_seq_s=2e-4)
+    samples = [
+        {"start_positions": s, "num_tokens": n, "num_sampled": k,
+         "seconds": [step_cost(no_memory, step_work(MODEL, s, n, k)).total_s]}
+        for s, n, k in _shapes()
+    ]  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": TIMINGS_FORMAT, "model": MODEL.name, "samples": samples}))
+    fit = fit_profile(*load_timings(path), no_memory, "fit", "test")
+    assert fit.profile.bandwidth is None
+    assert fit.max_abs_error < 1e-6
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"format": "other"}, "not a conveyor-sim-timings"),
+        ({"format": TIMINGS_FORMAT, "model": "smollm2-135m", "samples": []}, "at least"),
+        ({"format": TIMINGS_FORMAT, "model": "gpt-9", "samples": []}, "unknown simulated model"),
+    ],
+)
+def test_malformed_timings_are_refused(tmp_path, content, message) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        load_timings(path)
+
+
+def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys) -> None:
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", str(_write(tmp_path, noise=0.0)), "-o", str(out)]) == 0
+    fitted = load_device(out)
+    assert fitted.dense_flops == pytest.approx(1e12, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(5e10, rel=1e-6)
+    assert "max |error| 0.0%" in capsys.readouterr().out
+    # a fit that misses by more than --max-error fails the command (the profile is still written)
+    assert main(["calibrate", str(_write(tmp_path, noise=0.3, seed=1)), "-o", str(out),
+                 "--max-error", "0.01"]) == 1  # fmt: skip
+
+
+def test_predict_command_prints_simulated_times(capsys) -> None:
+    assert main(["predict", "--sim-device", "h200", "--batch-sizes", "1,64"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("SIMULATED step times: llama-3-8b on h200")
+    assert "decode B=64 ctx=512" in text and "memory" in text
