@@ -16,6 +16,7 @@ import orjson
 
 from conveyor.bench.metrics import RequestTrace
 from conveyor.bench.workloads import BenchRequest
+from shared.client import AsyncClient, EngineError
 
 BACKENDS = ("conveyor", "openai")
 
@@ -89,33 +90,37 @@ class ConveyorBackend:
 
     name = "conveyor"
 
-    def __init__(self, address: str, timeout: float = 600.0) -> None:
-        from shared.client import AsyncClient
-
+    def __init__(self, address: str, timeout: float = 600.0, id_prefix: str = "bench") -> None:
+        # `timeout` bounds the wait for each reply; a request queued behind a long static batch
+        # can legitimately wait minutes for its first token.
         self._client = AsyncClient(address=address, timeout=timeout)
+        self._id_prefix = id_prefix
+
+    def request_id(self, req: BenchRequest) -> str:
+        """The client id of a workload request (the step log's rids embed it)."""
+        return f"{self._id_prefix}-{req.index}"
 
     async def send(self, req: BenchRequest, sampling: SamplingChoice) -> RequestTrace:
-        from shared.client import EngineError
-
         clock = _Clock(req)
-        rid: Optional[str] = None
+        rid = self.request_id(req)
+        stream = self._client.stream(
+            prompt_token_ids=req.prompt_token_ids,
+            request_id=rid,
+            max_tokens=req.max_tokens,
+            temperature=sampling.temperature,
+            ignore_eos=sampling.ignore_eos,
+            seed=sampling.seed,
+        )
         try:
-            stream = self._client.stream(
-                prompt_token_ids=req.prompt_token_ids,
-                max_tokens=req.max_tokens,
-                temperature=sampling.temperature,
-                ignore_eos=sampling.ignore_eos,
-                seed=sampling.seed,
-            )
             async for chunk in stream:
-                rid = chunk.id
                 clock.chunk(len(chunk.token_ids))
         except EngineError as exc:
             return clock.fail(f"{exc.code}: {exc.message}", rid)
-        return clock.finish(rid=rid)
+        usage = stream.done.usage if stream.done is not None else {}
+        return clock.finish(output_len=usage.get("completion_tokens"), rid=rid)
 
     async def aclose(self) -> None:
-        self._client.close()
+        await self._client.close()
 
 
 class OpenAIBackend:
@@ -177,9 +182,11 @@ async def _read_sse(resp: httpx.Response, clock: _Clock) -> tuple[Optional[str],
     return rid, usage_tokens
 
 
-def make_backend(name: str, *, address: str, base_url: str, model: str) -> Backend:
+def make_backend(
+    name: str, *, address: str, base_url: str, model: str, id_prefix: str = "bench"
+) -> Backend:
     if name == "conveyor":
-        return ConveyorBackend(address)
+        return ConveyorBackend(address, id_prefix=id_prefix)
     if name == "openai":
         return OpenAIBackend(base_url, model)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -1,0 +1,255 @@
+"""`conveyor bench`: measure a running server, or compare the engine's batching modes.
+
+    conveyor bench --workload mixed --num-prompts 200 --request-rate 4 --out results/run1
+    conveyor bench --backend openai --base-url http://127.0.0.1:8000 --model smollm2 ...
+    conveyor bench --sweep max-concurrency:1,4,16,64 --out results/sweep
+    conveyor bench --compare-batching --out results/bench      (starts its own engines)
+
+Writes <out>/result.json (fields named as `vllm bench serve` names them, plus the command that
+produced them) and PNGs: latency CDFs, the run's timeline (when the scheduler's step log is
+readable), throughput/latency against the swept quantity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import orjson
+
+from conveyor.bench.arrivals import ArrivalConfig
+from conveyor.bench.backends import BACKENDS, SamplingChoice, make_backend
+from conveyor.bench.metrics import compute_metrics, parse_slos, per_request_fields
+from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
+from conveyor.bench.report import ProgressBar, format_result, format_table
+from conveyor.bench.runner import RunOutcome, run_workload
+from conveyor.bench.steplog import engine_view, read_step_log
+from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
+from shared.env import env_str
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+SWEEPABLE = ("max-concurrency", "request-rate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="conveyor bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    t = p.add_argument_group("target")
+    t.add_argument("--backend", choices=BACKENDS, default="conveyor")
+    t.add_argument("--address", default=env_str("FRONTEND_ADDR", DEFAULT_ADDRESS),
+                   help="Conveyor frontend (CONVEYOR_FRONTEND_ADDR)")  # fmt: skip
+    t.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
+    t.add_argument(
+        "--model",
+        default=None,
+        help="model name (openai backend); model to load (--compare-batching)",
+    )
+    t.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path("logs"),
+        help="the engine's log folder; its scheduler.log draws the timeline",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default="random")
+    w.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="default 100 (--compare-batching: 32 per scenario)",
+    )
+    w.add_argument("--input-len", type=int, default=256)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--range-ratio", type=float, default=0.0)
+    w.add_argument("--prefix-len", type=int, default=256, help="shared-prefix workload")
+    w.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="multiply every length; default 1 (--compare-batching: 0.5)",
+    )
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--ignore-eos", action="store_true", help="outputs exactly max_tokens long")
+    w.add_argument("--temperature", type=float, default=0.0)
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    a.add_argument("--max-concurrency", type=int, default=None)
+    a.add_argument("--num-warmups", type=int, default=0)
+    a.add_argument(
+        "--sweep",
+        default=None,
+        metavar="NAME:V1,V2,...",
+        help=f"repeat the run for each value of one of: {', '.join(SWEEPABLE)}",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("results/bench"))
+    o.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS", help="SLOs (ms)")
+    o.add_argument("--percentiles", default="90,99")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+    from conveyor.bench.compare import add_compare_flags  # compare imports the launcher
+
+    add_compare_flags(p)
+    return p  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`conveyor bench ...`; returns the exit status (1 when any request failed)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = "conveyor bench " + shlex.join(argv)
+    try:
+        if args.compare_batching:
+            from conveyor.bench.compare import run_compare
+
+            return run_compare(args, command)
+        if args.sweep:
+            return _run_sweep(args, command)
+        result = run_once(args, command, args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0 if result["failed"] == 0 else 1
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(
+        name=args.workload, num_prompts=100 if args.num_prompts is None else args.num_prompts,
+        seed=args.seed, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+        scale=1.0 if args.scale is None else args.scale,
+    )  # fmt: skip
+
+
+def arrivals_from_args(args: argparse.Namespace) -> ArrivalConfig:
+    return ArrivalConfig(
+        request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, seed=args.seed,
+    )  # fmt: skip
+
+
+def percentiles_from_args(args: argparse.Namespace) -> list[float]:
+    try:
+        return [float(p) for p in args.percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--percentiles: {args.percentiles!r} is not a list of numbers") from None
+
+
+def execute(
+    args: argparse.Namespace, workload: WorkloadConfig, arrivals: ArrivalConfig, label: str
+) -> RunOutcome:
+    """Send the workload to the configured backend; a fresh client per run."""
+    requests = generate(workload)
+    sampling = SamplingChoice(temperature=args.temperature, ignore_eos=args.ignore_eos)
+    progress = None if args.no_progress else ProgressBar(len(requests), label)
+
+    async def go() -> RunOutcome:
+        backend = make_backend(
+            args.backend, address=args.address, base_url=args.base_url,
+            model=args.model or "default", id_prefix=f"bench-{uuid.uuid4().hex[:8]}",
+        )  # fmt: skip
+        try:
+            return await run_workload(backend, requests, arrivals, sampling, progress)
+        finally:
+            await backend.aclose()
+
+    return asyncio.run(go())
+
+
+def run_once(args: argparse.Namespace, command: str, out: Path) -> dict[str, Any]:
+    """One run: execute, compute, print, save JSON and pictures; returns the result map."""
+    workload, arrivals = workload_from_args(args), arrivals_from_args(args)
+    percentiles = percentiles_from_args(args)
+    slos = parse_slos(args.goodput)
+    outcome = execute(args, workload, arrivals, label=args.workload)
+    metrics = compute_metrics(outcome.traces, outcome.duration_s, percentiles, slos)
+    print(format_result(metrics, percentiles))
+    result: dict[str, Any] = {
+        "command": command,
+        "date": time.strftime("%Y%m%d-%H%M%S", time.gmtime()),
+        "backend": args.backend,
+        "model_id": args.model,
+        "workload": asdict(workload),
+        "num_prompts": workload.num_prompts,
+        "request_rate": _json_rate(arrivals.request_rate),
+        "burstiness": arrivals.burstiness,
+        "max_concurrency": arrivals.max_concurrency,
+        "ignore_eos": args.ignore_eos,
+        **metrics,
+    }
+    if not args.no_plots:
+        result["figures"] = _pictures(args, outcome, out)
+    result.update(per_request_fields(outcome.traces))
+    write_json(out / "result.json", result)
+    print(f"results: {out / 'result.json'}")
+    return result
+
+
+def _pictures(args: argparse.Namespace, outcome: RunOutcome, out: Path) -> dict[str, Any]:
+    figures: dict[str, Any] = {
+        "latency_cdf": str(plot_latency_cdfs({args.workload: outcome.traces}, out / "cdf.png"))
+    }
+    steps = read_step_log(args.log_dir / "scheduler.log", outcome.start_wall, outcome.end_wall)
+    if steps:
+        arrivals, lens = engine_view(steps, outcome.traces)
+        rows = plot_timeline(steps, arrivals, out / "timeline.png", lens)
+        figures.update(timeline=str(out / "timeline.png"), timeline_rows=rows)
+    else:
+        print(f"no step log in {args.log_dir}/scheduler.log for this run: no timeline",
+              file=sys.stderr)  # fmt: skip
+    return figures
+
+
+def _run_sweep(args: argparse.Namespace, command: str) -> int:
+    name, _, raw = args.sweep.partition(":")
+    if name not in SWEEPABLE or not raw:
+        raise ValueError(f"--sweep: use NAME:V1,V2 with NAME one of {', '.join(SWEEPABLE)}")
+    values = [float(v) for v in raw.split(",")]
+    results = []
+    for value in values:
+        if name == "max-concurrency":
+            args.max_concurrency = int(value)
+        else:
+            args.request_rate = value
+        print(f"--- {name} = {value:g}", file=sys.stderr)
+        results.append(run_once(args, command, args.out / f"{name}-{value:g}"))
+    headers = [name, "req/s", "out tok/s", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms",
+               "mean E2EL ms", "failed"]  # fmt: skip
+    rows = [[v, r["request_throughput"], r["output_throughput"], r["mean_ttft_ms"],
+             r["p99_ttft_ms"], r["mean_tpot_ms"], r["mean_e2el_ms"], r["failed"]]
+            for v, r in zip(values, results, strict=True)]  # fmt: skip
+    print(format_table(headers, rows))
+    summary = {"command": command, "sweep": name, "values": values,
+               "results": [_scalars(r) for r in results]}  # fmt: skip
+    if not args.no_plots:
+        summary["figure"] = str(plot_sweep(values, results, name, args.out / "sweep.png"))
+    write_json(args.out / "sweep.json", summary)
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _scalars(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if not isinstance(v, list)}
+
+
+def _json_rate(rate: float) -> Any:
+    return "inf" if math.isinf(rate) else rate
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The scheduler's step log read back, request spans, and the pictures drawn from them.
+
+Runtime ~5-20 s (matplotlib's import and PNG rendering on a shared 2-core machine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conveyor.bench.metrics import RequestTrace
+from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
+from conveyor.bench.steplog import (
+    engine_view,
+    match_rids,
+    read_step_log,
+    request_spans,
+    step_summary,
+    useful_slot_fraction,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# Two slots. A: 2 prefill chunks then 3 decodes (4 outputs). B: one chunk then 1 decode
+# (2 outputs) and one padding step (static keeps its slot). C arrives late and joins when B leaves.
+SCHEDULE = [
+    (["fe1:A", "fe1:B"], [True, True]),
+    (["fe1:A", "fe1:B"], [True, False]),
+    (["fe1:A", "fe1:B"], [False, False]),
+    (["fe1:A", "fe1:C"], [False, True]),
+    (["fe1:A", "fe1:C"], [False, False]),
+]
+
+
+def write_log(path: Path, t0: float = 1000.0) -> None:
+    lines = [orjson.dumps({"event": "engine_ready", "service": "scheduler"})]
+    t = t0
+    for i, (rids, prefill) in enumerate(SCHEDULE):
+        record = {
+            "event": "step", "service": "scheduler", "step_id": i + 1, "time": t, "rids": rids,
+            "num_tokens": len(rids), "is_prefill": prefill, "num_waiting": 1 if i < 3 else 0,
+            "num_running": 2, "batch_utilization": 1.0, "t_plan": t, "t_result": t + 0.1,
+        }  # fmt: skip
+        lines.append(orjson.dumps(record))
+        t += 0.125
+    path.write_bytes(b"\n".join(lines) + b"\n{torn half line")
+
+
+@pytest.fixture()
+def log(tmp_path: Path) -> Path:
+    path = tmp_path / "scheduler.log"
+    write_log(path)
+    return path
+
+
+def test_read_step_log_parses_steps_and_skips_other_lines(log: Path) -> None:
+    steps = read_step_log(log)
+    assert [s.step_id for s in steps] == [1, 2, 3, 4, 5]
+    assert steps[0].rids == ("fe1:A", "fe1:B") and steps[0].is_prefill == (True, True)
+    assert steps[2].is_decode_only and not steps[3].is_decode_only
+    assert steps[0].step_s == pytest.approx(0.1)
+    assert [s.step_id for s in read_step_log(log, since=1000.2, until=1000.4)] == [3, 4]
+    assert read_step_log(log.parent / "missing.log") == []
+
+
+def test_spans_split_prefill_decode_and_static_padding(log: Path) -> None:
+    steps = read_step_log(log)
+    spans = {s.rid: s for s in request_spans(steps, {"fe1:C": 1000.05}, {"fe1:A": 4,
+                                                                        "fe1:B": 2})}  # fmt: skip
+    a, b, c = spans["fe1:A"], spans["fe1:B"], spans["fe1:C"]
+    assert (len(a.prefill), len(a.decode), len(a.idle)) == (2, 3, 0)
+    assert (len(b.prefill), len(b.decode), len(b.idle)) == (1, 1, 1)
+    assert c.arrival == 1000.05 and c.first_scheduled == pytest.approx(1000.375)
+    assert a.arrival == a.first_scheduled == 1000.0  # no arrival known: no wait bar
+    # 10 slot-steps, B's padding step wasted one
+    assert useful_slot_fraction(steps, {"fe1:A": 4, "fe1:B": 2}, slots=2) == pytest.approx(0.9)
+
+
+def test_step_summary(log: Path) -> None:
+    s = step_summary(read_step_log(log))
+    assert s["num_steps"] == 5
+    assert s["mean_step_ms"] == pytest.approx(100.0)
+    assert s["mean_num_seqs"] == 2 and s["mean_batch_utilization"] == 1.0
+    assert step_summary([])["mean_step_ms"] is None
+
+
+def test_match_rids_finds_the_client_id_inside_the_engine_rid() -> None:
+    got = match_rids(["fe1:bench-3", "bench-31@fe2", "bench-4", "fe1:other"],
+                     ["bench-3", "bench-31", "bench-4"])  # fmt: skip
+    assert got == {"fe1:bench-3": "bench-3", "bench-31@fe2": "bench-31", "bench-4": "bench-4"}
+
+
+def test_timeline_png_has_one_row_per_request(log: Path, tmp_path: Path) -> None:
+    steps = read_step_log(log)
+    lens_by_id = [("A", 4), ("B", 2), ("C", 2)]
+    traces = [
+        RequestTrace(i, 8, True, n, start_wall=999.9 + i / 100, ttft=0.2, latency=0.5, rid=rid)
+        for i, (rid, n) in enumerate(lens_by_id)
+    ]
+    arrivals, lens = engine_view(steps, traces)
+    assert arrivals == {"fe1:A": 999.9, "fe1:B": 999.91, "fe1:C": 999.92}
+    assert lens == {"fe1:A": 4, "fe1:B": 2, "fe1:C": 2}
+    rows = plot_timeline(steps, arrivals, tmp_path / "t.png", lens)
+    assert rows == 3
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+    # only the run's own requests get rows when arrivals are known
+    assert plot_timeline(steps, {"fe1:C": 999.92}, tmp_path / "t2.png") == 1
+
+
+def test_cdf_and_sweep_pngs(tmp_path: Path) -> None:
+    traces = [RequestTrace(i, 8, True, 4, ttft=0.1 * i, latency=0.2 + 0.1 * i,
+                           itls=(0.03, 0.04, 0.05)) for i in range(1, 6)]  # fmt: skip
+    cdf = plot_latency_cdfs({"run": traces}, tmp_path / "cdf.png")
+    assert cdf.read_bytes()[:8] == PNG_MAGIC
+    results = [{"output_throughput": 10.0 * k, "total_token_throughput": 30.0 * k,
+                "mean_ttft_ms": 5.0 * k, "p99_ttft_ms": 9.0 * k} for k in (1, 2, 3)]  # fmt: skip
+    sweep = plot_sweep([1, 4, 16], results, "max-concurrency", tmp_path / "sweep.png")
+    assert sweep.read_bytes()[:8] == PNG_MAGIC
