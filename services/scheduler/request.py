@@ -12,8 +12,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from shared.protocol.engine_channel import RequestTimings
+from shared.protocol.engine_channel import RequestOutput, RequestTimings
 from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +64,27 @@ class Request:
             first_token=self.first_token,
             finished=self.finished,
             num_preemptions=self.num_preemptions,
+        )
+
+    def output(
+        self,
+        new_token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        finish_reason: Optional[str] = None,
+        error_code: Optional[str] = None,
+        error_message: Optional[str] = None,
+    ) -> RequestOutput:
+        """What the frontend gets for this request now; the final one carries timings."""
+        return RequestOutput(
+            self.rid,
+            new_token_ids,
+            finish_reason,
+            logprobs,
+            self.num_prompt_tokens,
+            len(self.token_ids) - self.num_prompt_tokens,
+            None if finish_reason is None else self.timings(),
+            error_code,
+            error_message,
         )
 
     def reset_for_recompute(self) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Optional
 
+from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
@@ -68,7 +69,15 @@ class Scheduler:
 
     def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]:
         """Called for each SubmitRequest; None when queued, else why it was refused."""
-        problem = self._admission_problem(req)
+        problem = admission_problem(
+            req.rid,
+            len(req.prompt_token_ids),
+            is_duplicate=req.rid in self._live or req.rid in self._running,
+            max_model_len=self.max_model_len,
+            kv_capacity=self.pool.num_blocks * self.block_size,
+            num_waiting=len(self._waiting),
+            max_waiting=self.config.max_waiting,
+        )
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
@@ -92,28 +101,6 @@ class Scheduler:
         self.counters.num_admitted += 1
         return None
 
-    def _admission_problem(self, req: SubmitRequest) -> Optional[tuple[str, str]]:
-        num = len(req.prompt_token_ids)
-        if req.rid in self._live or req.rid in self._running:
-            return ErrorCode.DUPLICATE_ID, f"request id {req.rid!r} is already in flight"
-        if num == 0:
-            return ErrorCode.INVALID_PROMPT, "the prompt has no tokens"
-        if num + 1 > self.max_model_len:
-            return ErrorCode.PROMPT_TOO_LONG, (
-                f"the prompt has {num} tokens; max_model_len {self.max_model_len} leaves room "
-                f"for at most {self.max_model_len - 1} prompt tokens and one output token"
-            )
-        capacity = self.pool.num_blocks * self.block_size
-        if num > capacity:
-            return ErrorCode.PROMPT_TOO_LONG, (
-                f"the prompt has {num} tokens but the whole KV cache holds {capacity}"
-            )
-        if len(self._waiting) >= self.config.max_waiting:
-            return ErrorCode.OVERLOADED, (
-                f"{len(self._waiting)} requests are waiting (max_waiting); try again later"
-            )
-        return None
-
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]:
         """Idempotent; frees the request's blocks at once. Its final output if it was live.
 
@@ -129,9 +116,7 @@ class Scheduler:
             self._drop_running(req)
         self._mark_finished(req, "abort", self._clock())
         req.finish_reason = reason
-        return RequestOutput(
-            rid, [], "abort", [], req.num_prompt_tokens, req.num_output_tokens, req.timings()
-        )
+        return req.output([], [], "abort")
 
     def fail_all(self, code: str, message: str) -> list[RequestOutput]:
         """The worker is lost: every live request ends with an error; all state is reset."""
@@ -139,19 +124,7 @@ class Scheduler:
         outputs = []
         for req in list(self._live.values()):
             self._mark_finished(req, "error", now)
-            outputs.append(
-                RequestOutput(
-                    req.rid,
-                    [],
-                    "error",
-                    [],
-                    req.num_prompt_tokens,
-                    req.num_output_tokens,
-                    req.timings(),
-                    code,
-                    message,
-                )
-            )
+            outputs.append(req.output([], [], "error", code, message))
         self._waiting = WaitingQueue(self.config.policy, self.config.max_wait)
         self._running.clear()
         self._released.clear()
@@ -400,30 +373,9 @@ class Scheduler:
                 req.first_token = now
             lps = [logprobs[rid]] if logprobs and rid in logprobs else []
             reason = self._finish_reason(req, token)
-            if reason is None:
-                outputs.append(
-                    RequestOutput(
-                        rid,
-                        [token],
-                        None,
-                        lps,
-                        req.num_prompt_tokens,
-                        len(req.token_ids) - req.num_prompt_tokens,
-                    )
-                )
-            else:
+            if reason is not None:
                 self._finish(req, reason, now)
-                outputs.append(
-                    RequestOutput(
-                        rid,
-                        [token],
-                        reason,
-                        lps,
-                        req.num_prompt_tokens,
-                        req.num_output_tokens,
-                        req.timings(),
-                    )
-                )
+            outputs.append(req.output([token], lps, reason))
         self.counters.num_output_tokens += len(outputs)
         if num_applied < len(inflight):
             outputs.extend(self._fail_missing(inflight.values(), now))
@@ -464,19 +416,8 @@ class Scheduler:
             elif req.status is RUNNING:
                 self._drop_running(req)
                 self._mark_finished(req, "error", now)
-                outputs.append(
-                    RequestOutput(
-                        req.rid,
-                        [],
-                        "error",
-                        [],
-                        req.num_prompt_tokens,
-                        req.num_output_tokens,
-                        req.timings(),
-                        ErrorCode.WORKER_FAILED,
-                        "the worker returned no token",
-                    )
-                )
+                message = "the worker returned no token"
+                outputs.append(req.output([], [], "error", ErrorCode.WORKER_FAILED, message))
         return outputs
 
     # ---- observability -----------------------------------------------------------------------
@@ -509,7 +450,7 @@ class Scheduler:
         return self._rules.next_timeout(self._clock(), self._waiting, len(self._running))
 
     def stats(self) -> dict[str, float]:
-        c = self.counters
+        """Gauges now and counters since start, for the stats reply and /metrics."""
         out: dict[str, float] = {
             "num_waiting": len(self._waiting),
             "num_running": len(self._running),
@@ -517,16 +458,8 @@ class Scheduler:
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_usage": self.pool.num_used / self.pool.num_blocks,
-            "num_steps": c.num_steps,
-            "num_preemptions": c.num_preemptions,
-            "num_prefill_tokens": c.num_prefill_tokens,
-            "num_decode_tokens": c.num_decode_tokens,
-            "num_output_tokens": c.num_output_tokens,
-            "num_admitted": c.num_admitted,
-            "num_rejected": c.num_rejected,
         }
-        for reason, n in c.num_finished.items():
-            out[f"num_finished_{reason}"] = n
+        out.update(self.counters.as_stats())
         return out
 
     @property

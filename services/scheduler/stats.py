@@ -67,3 +67,17 @@ class Counters:
 
     def count_finish(self, reason: str) -> None:
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+
+    def as_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_admitted": self.num_admitted,
+            "num_rejected": self.num_rejected,
+        }
+        for reason, n in self.num_finished.items():
+            out[f"num_finished_{reason}"] = n
+        return out

@@ -176,6 +176,7 @@ def make(
     eos: tuple[int, ...] = (),
     **config: object,
 ) -> tuple[Scheduler, CheckingWorker, FakeClock]:
+    config.setdefault("max_num_seqs", 8)
     clock = FakeClock()
     sched = Scheduler(
         SchedulerConfig(**config),
