@@ -88,6 +88,7 @@ class ModelRunner:
             device=self.config.device,
         )
 
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """One step: one forward over every scheduled token, then sampling. Raises ValueError
         on a plan inconsistent with the worker's state (the loop reports a WorkerFailure)."""
@@ -100,6 +101,7 @@ class ModelRunner:
         logits = self.model.forward(step, self.kv_cache.layers)  # [S, V] float32
         return self._finish(plan, sampled, logits, start)
 
+    @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> torch.Tensor:
         """Like `execute` without sampling: the float32 logits [S, V] of the sampling rows.
         For tests and tools; it updates request state the same way (histories excepted)."""
