@@ -1,0 +1,59 @@
+"""`python -m services.tokenizer`: the frontend process (flags, else CONVEYOR_* variables).
+
+Keeps to one thread (no torch; the tokenizer's own thread pool is switched off) so that the
+worker has the cores. SIGTERM or SIGINT drains: new requests get `shutting_down`, in-flight ones
+may finish within the grace period, then the scheduler hears FrontendBye and the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers is imported
+
+import signal  # noqa: E402
+import sys  # noqa: E402
+from types import FrameType  # noqa: E402
+from typing import Optional  # noqa: E402
+
+import zmq  # noqa: E402
+
+from services.tokenizer.config import build_parser, config_from_args  # noqa: E402
+from services.tokenizer.server import FrontendServer  # noqa: E402
+from services.tokenizer.text_codec import load_text_codec  # noqa: E402
+from shared.logging import configure_logging  # noqa: E402
+from shared.model_files import prepare_model  # noqa: E402
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    log = configure_logging("tokenizer", args.log_level, args.log_file)
+    log.info("loading_tokenizer", model=config.model or "smollm2")
+    try:
+        codec = load_text_codec(prepare_model(config.model))
+    except ValueError as exc:
+        log.error("model_failed", error=str(exc))
+        return 2
+    server = FrontendServer(config, codec, log)
+
+    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
+        log.info("signal", signal=signal.Signals(signum).name)
+        server.request_drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.open()
+    except zmq.ZMQError as exc:
+        log.error("bind_failed", address=config.frontend_address, error=exc.strerror)
+        return 2
+    return server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The tokenizer service's settings: flags, else CONVEYOR_* variables, else defaults."""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from shared.env import env_float, env_int, env_str
+from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
+
+DEFAULT_FRONTEND_ADDR = "tcp://127.0.0.1:5557"
+DEFAULT_SCHEDULER_ADDR = "tcp://127.0.0.1:5556"
+DEFAULT_HARD_CAP_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    frontend_address: str = DEFAULT_FRONTEND_ADDR  # ROUTER for clients (bound)
+    scheduler_address: str = DEFAULT_SCHEDULER_ADDR  # the scheduler's ROUTER (connected)
+    frontend_id: str = field(default_factory=lambda: f"fe-{uuid.uuid4().hex[:8]}")  # in rids
+    model: Optional[str] = None  # for shared.model_files.prepare_model
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # answered with frame_too_large above
+    hard_cap_bytes: int = DEFAULT_HARD_CAP_BYTES  # zmq.MAXMSGSIZE: the peer is dropped above
+    heartbeat_s: float = 1.0  # FrontendHello and client heartbeats
+    scheduler_timeout_s: float = 10.0  # scheduler silence before it counts as lost
+    stats_timeout_s: float = 2.0  # wait for the scheduler's StatsReply
+    drain_timeout_s: float = 30.0  # SIGTERM grace for in-flight requests
+    send_hwm: int = 100_000  # queued frames per client before it counts as gone
+
+    def __post_init__(self) -> None:
+        if not self.frontend_address or not self.scheduler_address:
+            raise ValueError("frontend and scheduler addresses must be set")
+        if not self.frontend_id:
+            raise ValueError("frontend_id must not be empty")
+        if self.max_frame_bytes <= 0:
+            raise ValueError("max_frame_bytes must be > 0")
+        if self.hard_cap_bytes < self.max_frame_bytes:
+            raise ValueError("the hard cap must be >= max_frame_bytes")
+        for name in ("heartbeat_s", "scheduler_timeout_s", "stats_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+        if self.send_hwm <= 0:
+            raise ValueError("send_hwm must be > 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m services.tokenizer",
+        description="Conveyor's frontend: client protocol (docs/protocol.md), tokenization, "
+        "detokenization, stop strings.",
+    )
+    p.add_argument(
+        "--frontend-addr",
+        default=env_str("FRONTEND_ADDR", DEFAULT_FRONTEND_ADDR),
+        help="bind address for clients (CONVEYOR_FRONTEND_ADDR)",
+    )
+    p.add_argument(
+        "--scheduler-addr",
+        default=env_str("SCHEDULER_ADDR", DEFAULT_SCHEDULER_ADDR),
+        help="the scheduler's address (CONVEYOR_SCHEDULER_ADDR)",
+    )
+    p.add_argument(
+        "--frontend-id",
+        default=env_str("FRONTEND_ID", ""),
+        help="this frontend's id, unique per engine (CONVEYOR_FRONTEND_ID; default random)",
+    )
+    p.add_argument(
+        "--model",
+        default=env_str("MODEL"),
+        help="'smollm2' (default), a .gguf file or an HF folder (CONVEYOR_MODEL)",
+    )
+    p.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=env_int("MAX_FRAME_BYTES", DEFAULT_MAX_FRAME_BYTES),
+        help="larger client frames get frame_too_large (CONVEYOR_MAX_FRAME_BYTES)",
+    )
+    p.add_argument(
+        "--hard-cap-bytes",
+        type=int,
+        default=env_int("HARD_CAP_BYTES", DEFAULT_HARD_CAP_BYTES),
+        help="zmq.MAXMSGSIZE: larger frames drop the peer (CONVEYOR_HARD_CAP_BYTES)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=env_float("DRAIN_TIMEOUT", 30.0),
+        help="SIGTERM grace period in seconds (CONVEYOR_DRAIN_TIMEOUT)",
+    )
+    p.add_argument("--log-file", type=Path, default=Path(v) if (v := env_str("LOG_FILE")) else None)
+    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    """Raises ValueError on an invalid combination."""
+    frontend_id = args.frontend_id or f"fe-{uuid.uuid4().hex[:8]}"
+    return FrontendConfig(
+        frontend_address=args.frontend_addr,
+        scheduler_address=args.scheduler_addr,
+        frontend_id=frontend_id,
+        model=args.model,
+        max_frame_bytes=args.max_frame_bytes,
+        hard_cap_bytes=max(args.hard_cap_bytes, args.max_frame_bytes),
+        drain_timeout_s=args.drain_timeout,
+    )

@@ -1,0 +1,146 @@
+"""One client request inside the frontend: from the scheduler's token ids to client replies.
+
+Owns the request's detokenizer, stop strings, the text generated so far and its timings. The
+server calls `on_output` for each RequestOutput of the request, in order, and `abort` when the
+client aborts; both return the frames to send to the client. Keeps no sockets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.stop_strings import StopStrings
+from shared.protocol.client_channel import (
+    Timings,
+    Usage,
+    chunk_reply,
+    done_reply,
+    error_reply,
+)
+from shared.protocol.engine_channel import RequestOutput, RequestTimings
+from shared.protocol.errors import ErrorCode
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What one output did: frames for the client; whether the request is over; whether the
+    scheduler must still be told to stop it (a stop string ended it before the engine did)."""
+
+    frames: list[bytes]
+    finished: bool = False
+    abort_in_engine: bool = False
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class ClientRequest:
+    """Mutable per-request state; lives from admission until its terminal reply is sent."""
+
+    rid: str  # globally unique (embeds the frontend id); the scheduler's key
+    client_id: str  # the client's `id` on its connection
+    identity: bytes  # the client's ZeroMQ routing identity
+    stream: bool
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    stops: StopStrings
+    received_at: float = field(default_factory=time.monotonic)
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    text: str = ""  # generated text so far, cut at a stop string
+    num_text_sent: int = 0  # characters of `text` already streamed
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_ids_sent: int = 0  # token ids already streamed
+
+    def on_output(self, out: RequestOutput, now: float) -> Progress:
+        """Apply one step's new tokens; the frames to send, in order."""
+        if out.new_token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.token_ids.extend(out.new_token_ids)
+            self.logprobs.extend(out.logprobs)
+        if out.finish_reason == "error":
+            code = out.error_code or ErrorCode.WORKER_FAILED
+            message = out.error_message or "the engine failed the request"
+            return Progress([error_reply(code, message, self.client_id)], True, False, "error")
+        engine_done = out.finish_reason is not None
+        old_len = len(self.text)
+        self.text += self.detokenizer.push(out.new_token_ids, final=engine_done)
+        match = self.stops.find(self.text, old_len)
+        if match is not None:
+            self.text = self.text[: match.start]
+            frames = self._final_frames("stop", match.stop, out.timings, now)
+            return Progress(frames, True, not engine_done, "stop")
+        if engine_done:
+            reason = out.finish_reason or "stop"
+            frames = self._final_frames(reason, self._stop_token(reason), out.timings, now)
+            return Progress(frames, True, False, reason)
+        if not self.stream:
+            return Progress([])
+        safe_len = len(self.text) - self.stops.holdback(self.text)
+        return Progress([self._chunk(safe_len)])
+
+    def abort(self, now: float) -> list[bytes]:
+        """The client aborted: the `done` that ends the request (text so far, usage so far)."""
+        return self._final_frames("abort", None, None, now)
+
+    def error(self, code: str, message: str) -> bytes:
+        return error_reply(code, message, self.client_id)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _stop_token(self, reason: str) -> Optional[int]:
+        """The stop token id that ended the request (None for end-of-sequence or length)."""
+        last = self.token_ids[-1] if self.token_ids else None
+        if reason == "stop" and last is not None and last in self.sampling.stop_token_ids:
+            return last
+        return None
+
+    def _chunk(self, text_end: int) -> bytes:
+        text = self.text[self.num_text_sent : text_end]
+        ids = self.token_ids[self.num_ids_sent :]
+        logprobs = None
+        if self.sampling.logprobs is not None:
+            logprobs = self.logprobs[self.num_ids_sent :]
+        self.num_text_sent = max(self.num_text_sent, text_end)
+        self.num_ids_sent = len(self.token_ids)
+        return chunk_reply(self.client_id, text, ids, logprobs)
+
+    def _final_frames(
+        self,
+        reason: str,
+        stop_reason: Union[str, int, None],
+        engine_timings: Optional[RequestTimings],
+        now: float,
+    ) -> list[bytes]:
+        frames: list[bytes] = []
+        whole = None
+        if self.stream:
+            if len(self.text) > self.num_text_sent or len(self.token_ids) > self.num_ids_sent:
+                frames.append(self._chunk(len(self.text)))
+        else:
+            logprobs = self.logprobs if self.sampling.logprobs is not None else None
+            whole = (self.text, self.token_ids, logprobs)
+        usage = Usage(self.num_prompt_tokens, len(self.token_ids))
+        timings = self.timings(engine_timings, now)
+        frames.append(done_reply(self.client_id, reason, stop_reason, usage, timings, whole))
+        return frames
+
+    def timings(self, engine: Optional[RequestTimings], now: float) -> Timings:
+        """Durations seen by the frontend; the queue time comes from the scheduler's clock."""
+        queue_s = None
+        if engine is not None and engine.first_scheduled is not None:
+            queue_s = max(0.0, engine.first_scheduled - engine.arrival)
+        ttft_s = tpot_s = None
+        if self.first_token_at is not None:
+            ttft_s = self.first_token_at - self.received_at
+            if self.last_token_at is not None and len(self.token_ids) > 1:
+                tpot_s = (self.last_token_at - self.first_token_at) / (len(self.token_ids) - 1)
+        return Timings(queue_s, ttft_s, tpot_s, now - self.received_at)
