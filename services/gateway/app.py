@@ -40,6 +40,7 @@ from services.gateway.openai_schema import (
 from services.gateway.responses import ChoiceState, Kind, ResponseMeta, full_body, usage
 from services.gateway.streaming import ClosingStreamingResponse, sse_body
 from shared.client import AsyncClient, EngineError
+from shared.protocol.errors import ErrorCode
 
 T = TypeVar("T")
 HEALTH_TIMEOUT_S = 5.0
@@ -90,10 +91,12 @@ class Gateway:
             reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineError) as exc:
             message = getattr(exc, "message", "") or "no answer from the engine"
-            return error_response(from_engine_error("engine_unreachable", message))
+            return error_response(from_engine_error(ErrorCode.ENGINE_UNREACHABLE, message))
         if not reply.get("ready"):
             reason = reply.get("reason") or "unknown"
-            return error_response(from_engine_error("not_ready", f"engine not ready: {reason}"))
+            return error_response(
+                from_engine_error(ErrorCode.NOT_READY, f"engine not ready: {reason}")
+            )
         return _json(
             {
                 "status": "ok",

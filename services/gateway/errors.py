@@ -24,10 +24,8 @@ _STATUS_BY_ENGINE_CODE: dict[str, int] = {
     ErrorCode.NOT_READY: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.WORKER_FAILED: 503,
+    ErrorCode.ENGINE_UNREACHABLE: 503,  # also what the protocol client raises on silence
 }
-
-# The engine can't be reached or didn't answer in time (codes the protocol client raises).
-_UNREACHABLE_CODES = frozenset({"unreachable", "timeout", "connection_lost", "closed"})
 
 _TYPE_BY_STATUS: dict[int, str] = {
     400: "invalid_request_error",
@@ -73,7 +71,7 @@ def unauthorized() -> ApiError:
 
 def from_engine_error(code: str, message: str) -> ApiError:
     """An engine (protocol client) error -> the HTTP error a client should see."""
-    status = _STATUS_BY_ENGINE_CODE.get(code, 503 if code in _UNREACHABLE_CODES else 500)
+    status = _STATUS_BY_ENGINE_CODE.get(code, 500)
     return ApiError(status, message, _TYPE_BY_STATUS.get(status, "server_error"), None, code)
 
 
