@@ -1,0 +1,105 @@
+"""A real stack (tokenizer + scheduler + SIMULATED worker processes) serves the client protocol.
+
+The simulated worker models Llama-3-8B on an H200: a decode step takes ~5.4 ms, and tokens are
+deterministic and never end-of-sequence, so every output is exactly `max_tokens` long.
+Rough runtime: 15-40 s on the shared 2-core machine (mostly starting the services).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.launcher import LocalStack, StackSettings
+from services.simworker.cost_model import step_cost, step_work
+from services.simworker.profiles import DEVICES, MODELS
+from shared.client import AsyncClient, Client
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "The conveyor belt carries parcels"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    settings = StackSettings(
+        worker="sim",
+        sim_device="h200",
+        sim_model="llama-3-8b",
+        frontend_address=f"tcp://127.0.0.1:{_free_port()}",
+        gateway=False,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        scheduler_flags={"max_num_seqs": "8", "max_num_batched_tokens": "256"},
+    )
+    st = LocalStack(settings).start()
+    try:
+        st.wait_ready(timeout=180)
+        yield st
+    finally:
+        st.stop()
+
+
+def test_handshake_reports_the_simulated_device(stack: LocalStack) -> None:
+    with Client(stack.frontend_address) as c:
+        health = c.health()
+    assert health["ready"] is True
+    assert health["model"] == "sim:llama-3-8b"
+    assert health["vocab_size"] == 128256
+
+
+def test_outputs_are_exactly_max_tokens_and_deterministic(stack: LocalStack) -> None:
+    with Client(stack.frontend_address) as c:
+        first = c.generate(PROMPT, max_tokens=24, temperature=0.8, seed=11)
+        again = c.generate(PROMPT, max_tokens=24, temperature=0.8, seed=11, stream=True)
+        other = c.generate(PROMPT, max_tokens=24, temperature=0.8, seed=12)
+    assert first.finish_reason == "length" and len(first.token_ids) == 24
+    assert first.usage["completion_tokens"] == 24
+    assert again.token_ids == first.token_ids and again.text == first.text
+    assert other.token_ids != first.token_ids
+    assert first.text  # ordinary tokens: the real tokenizer detokenizes them
+
+
+def test_steps_take_the_modelled_time(stack: LocalStack) -> None:
+    decode = step_cost(DEVICES["h200"], step_work(MODELS["llama-3-8b"], [10], [1], 1)).total_s
+    with Client(stack.frontend_address) as c:
+        start = time.perf_counter()
+        out = c.generate(PROMPT, max_tokens=40, temperature=0.0)
+        elapsed = time.perf_counter() - start
+    assert len(out.token_ids) == 40
+    # 1 prefill + 39 decodes, each at least the modelled ~5.4 ms
+    assert elapsed >= 39 * decode
+
+
+def test_concurrent_requests_each_get_their_length(stack: LocalStack) -> None:
+    lengths = [5, 17, 33, 64, 9, 50, 21, 40, 12, 28]  # more than max_num_seqs: some wait
+
+    async def run() -> list[int]:
+        client = AsyncClient(stack.frontend_address)
+        try:
+            outs = await asyncio.gather(
+                *(client.generate(PROMPT, max_tokens=n, seed=i) for i, n in enumerate(lengths))
+            )
+        finally:
+            await client.close()
+        return [len(o.token_ids) for o in outs]
+
+    assert asyncio.run(run()) == lengths
+
+
+def test_worker_log_says_simulated(stack: LocalStack) -> None:
+    lines = [json.loads(x) for x in Path(stack.log_dir, "worker.log").read_text().splitlines()
+             if x.startswith("{")]  # fmt: skip
+    start = [x for x in lines if x.get("event") == "sim_worker_start"]
+    assert start and "SIMULATED" in start[0]["note"]
+    assert all(x.get("simulated") is True for x in lines)
