@@ -466,6 +466,10 @@ class Scheduler:
     def num_live(self) -> int:
         return len(self._live)
 
+    def is_live(self, rid: str) -> bool:
+        """True while `rid` waits or runs (not yet finished or aborted)."""
+        return rid in self._live
+
     def has_work(self) -> bool:
         """True while anything waits or runs (static padding included)."""
         return bool(self._live) or bool(self._running)
