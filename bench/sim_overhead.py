@@ -1,0 +1,153 @@
+"""The engine's own overhead per step, measured with the zero-cost SIMULATED worker.
+
+    PYTHONPATH=. .venv/bin/python bench/sim_overhead.py --running 64,256,1024
+
+For each N it starts a stack (tokenizer + scheduler + `--sim-device none` worker), submits N
+requests with short prompts and long outputs so that N decodes run together for hundreds of
+steps, and reads the worker's `sim_engine_gap` log lines: the time from one step's result to
+the next plan (result transport, scheduler update, output routing, next schedule, plan
+transport). With a zero-cost device that gap is the whole step, so it is what a GPU step would
+have to hide. Run it on a quiet machine only (docs/simulator.md); the figures go in
+docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from conveyor.launcher import LocalStack, StackSettings
+from services.simworker.overhead import GAP_EVENT
+from shared.client import AsyncClient
+
+PROMPT_TOKEN = 1000  # an ordinary token id: prompts are this id repeated
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--running", default="64,256,1024", help="running requests, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=400)
+    p.add_argument("--gpu-step-ms", type=float, default=5.0, help="the GPU step to compare with")
+    p.add_argument("--report-every", type=int, default=50, help="steps per worker log line")
+    p.add_argument("--stream", action="store_true", help="stream tokens to the client")
+    p.add_argument("--sim-model", default="llama-3-8b")
+    p.add_argument("--out", type=Path, default=Path("results/sim_overhead.json"))
+    return p.parse_args(argv)
+
+
+async def _drive(address: str, n: int, args: argparse.Namespace) -> float:
+    """Submit n requests at once and wait for all; returns the wall time."""
+    prompt = [PROMPT_TOKEN] * args.prompt_len
+    async with AsyncClient(address, timeout=600.0) as client:
+        start = time.perf_counter()
+        outs = await asyncio.gather(
+            *(
+                client.generate(
+                    prompt_token_ids=prompt,
+                    max_tokens=args.output_len,
+                    seed=i,
+                    ignore_eos=True,
+                    stream=args.stream,
+                )
+                for i in range(n)
+            )
+        )
+        wall = time.perf_counter() - start
+    short = [o for o in outs if len(o.token_ids) != args.output_len]
+    if short:
+        raise RuntimeError(f"{len(short)} requests ended early: {short[0].finish_reason}")
+    return wall
+
+
+def _gap_lines(log_path: Path, n: int) -> list[dict[str, Any]]:
+    lines = []
+    for raw in log_path.read_text().splitlines():
+        if not raw.startswith("{"):
+            continue
+        rec = json.loads(raw)
+        if rec.get("event") == GAP_EVENT and rec.get("num_seqs") == n:
+            lines.append(rec)
+    return lines
+
+
+def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
+    """One stack with n running requests; the summary of its engine gaps at batch n."""
+    settings = StackSettings(
+        worker="sim",
+        sim_device="none",
+        sim_model=args.sim_model,
+        frontend_address=f"tcp://127.0.0.1:{_free_port()}",
+        gateway=False,
+        log_dir=log_root / f"running-{n}",
+        scheduler_flags={
+            "max_num_seqs": str(n),
+            "max_num_batched_tokens": str(max(n, 4096)),
+            "max_waiting": str(max(n, 4096)),
+        },
+        worker_flags={"sim_report_every": str(args.report_every)},
+    )
+    with LocalStack(settings) as stack:
+        wall = asyncio.run(_drive(stack.frontend_address, n, args))
+    lines = _gap_lines(Path(settings.log_dir) / "worker.log", n)
+    if not lines:
+        raise RuntimeError(f"no {GAP_EVENT} lines at {n} running: raise --output-len")
+    steps = sum(x["steps"] for x in lines)
+    mean_us = sum(x["gap_mean_us"] * x["steps"] for x in lines) / steps
+    return {
+        "running": n,
+        "steps": steps,
+        "gap_mean_us": round(mean_us, 1),
+        "gap_p50_us": statistics.median(x["gap_p50_us"] for x in lines),
+        "gap_p99_us": max(x["gap_p99_us"] for x in lines),
+        "worker_execute_mean_us": round(statistics.mean(x["execute_mean_us"] for x in lines), 1),
+        "fraction_of_gpu_step": round(mean_us / (1000.0 * args.gpu_step_ms), 4),
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(n * args.output_len / wall, 1),
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    sizes = [int(v) for v in args.running.split(",") if v.strip()]
+    log_root = Path(tempfile.mkdtemp(prefix="sim-overhead-"))
+    print(f"SIMULATED zero-cost worker; logs under {log_root}")
+    results = [measure(n, args, log_root) for n in sizes]
+    print(
+        f"{'running':>8}{'steps':>7}{'mean us':>10}{'p50 us':>9}{'p99 us':>9}"
+        f"{f'of {args.gpu_step_ms:g} ms':>10}{'tok/s':>10}"
+    )
+    for r in results:
+        print(
+            f"{r['running']:>8}{r['steps']:>7}{r['gap_mean_us']:>10.1f}{r['gap_p50_us']:>9.1f}"
+            f"{r['gap_p99_us']:>9.1f}{r['fraction_of_gpu_step']:>10.1%}"
+            f"{r['output_tok_s']:>10.0f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "stream": args.stream,
+        "gpu_step_ms": args.gpu_step_ms,
+    }
+    args.out.write_text(json.dumps({"settings": meta, "results": results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
