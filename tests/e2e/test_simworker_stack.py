@@ -41,6 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         gateway=False,
         log_dir=tmp_path_factory.mktemp("logs"),
         scheduler_flags={"max_num_seqs": "8", "max_num_batched_tokens": "256"},
+        worker_flags={"sim_report_every": "10"},
     )
     st = LocalStack(settings).start()
     try:
@@ -103,3 +104,6 @@ def test_worker_log_says_simulated(stack: LocalStack) -> None:
     start = [x for x in lines if x.get("event") == "sim_worker_start"]
     assert start and "SIMULATED" in start[0]["note"]
     assert all(x.get("simulated") is True for x in lines)
+    # the 40-token request alone gave 39 decode steps at batch 1: engine-gap summaries
+    gaps = [x for x in lines if x.get("event") == "sim_engine_gap" and x["num_seqs"] == 1]
+    assert gaps and all(x["steps"] == 10 and 0 < x["gap_p50_us"] <= x["gap_p99_us"] for x in gaps)

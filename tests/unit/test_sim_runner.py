@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 import pytest
+import structlog.testing
 
 from services.simworker.config import SimConfig
 from services.simworker.profiles import DEVICES, MODELS
@@ -166,3 +167,17 @@ def test_released_requests_are_forgotten() -> None:
     runner.execute(StepPlan(1, [], [], [], [], [], [], [], released_rids=["a"]))
     with pytest.raises(ValueError, match="unknown request"):
         runner.execute(_decode(2, ["a"], [3], [5]))
+
+
+def test_engine_gaps_are_summarized_per_batch_size() -> None:
+    runner = SimRunner(SimConfig(device="none", model="smollm2-135m", report_every=3))
+    seqs = [_new(f"g{i}", [4, 5], [i]) for i in range(2)]
+    with structlog.testing.capture_logs() as logs:
+        runner.execute(_prefill(0, seqs))  # a prefill: not a pure decode step
+        for step in range(4):
+            time.sleep(0.002)  # the "engine" between two steps
+            runner.execute(_decode(step + 1, ["g0", "g1"], [2 + step] * 2, [300, 300]))
+    gaps = [x for x in logs if x["event"] == "sim_engine_gap"]
+    assert len(gaps) == 1  # 4 decode steps, 3 per summary
+    assert gaps[0]["num_seqs"] == 2 and gaps[0]["steps"] == 3 and gaps[0]["simulated"] is True
+    assert gaps[0]["gap_p50_us"] >= 2000
