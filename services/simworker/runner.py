@@ -110,7 +110,7 @@ class SimRunner:
         Raises ValueError when the plan breaks the step contract (the worker loop reports it).
         """
         start = time.perf_counter()
-        pure_decode = all(n == 1 for n in plan.num_tokens)
+        pure_decode = plan.total_tokens == plan.num_seqs  # every chunk holds >= 1 token
         self._gaps.step_started(start, plan.num_seqs, pure_decode)
         check_plan(plan)
         for rid in plan.released_rids:
@@ -132,38 +132,42 @@ class SimRunner:
             num_cached=-1,  # set from the first plan that schedules it (prefix caching may skip)
             num_blocks=len(seq.block_ids),
             forbidden=self._tokens.forbidden_ids(s),
-            allow_eos=not s.ignore_eos,
+            allow_eos=not s.ignore_eos and self.config.eos_probability > 0.0,
             logprobs=s.logprobs,
         )
 
     def _advance(self, plan: StepPlan) -> tuple[list[str], list[int], dict[str, TokenLogprobs]]:
-        """Check each scheduled sequence against its state, advance it, sample where asked."""
+        """Check each scheduled sequence against its state, advance it, sample where asked.
+
+        The hot loop of a zero-cost run (one pass per sequence per step): columns are zipped
+        and the common case (a decode, no new block) touches no extra branch.
+        """
         rids: list[str] = []
         token_ids: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
-        bs = self.config.block_size
-        for i, rid in enumerate(plan.rids):
-            st = self._seqs.get(rid)
+        seqs, token = self._seqs, self._tokens.token
+        bs, max_len, num_blocks = self.config.block_size, self.max_model_len, self.num_blocks
+        columns = (plan.rids, plan.start_positions, plan.num_tokens, plan.new_block_ids,
+                   plan.sample)  # fmt: skip
+        for rid, start, n, new_blocks, sample in zip(*columns, strict=True):
+            st = seqs.get(rid)
             if st is None:
                 raise ValueError(f"plan {plan.step_id} schedules unknown request {rid!r}")
-            start, n = plan.start_positions[i], plan.num_tokens[i]
-            if st.num_cached >= 0 and start != st.num_cached:
+            if start != st.num_cached and st.num_cached >= 0:
                 raise ValueError(
                     f"plan {plan.step_id}: {rid!r} starts at {start}, cache holds {st.num_cached}"
                 )
-            new_blocks = plan.new_block_ids[i]
-            if any(b < 0 or b >= self.num_blocks for b in new_blocks):
-                raise ValueError(f"plan {plan.step_id}: {rid!r} gets a block id out of range")
-            st.num_blocks += len(new_blocks)
-            st.num_cached = start + n
-            if st.num_cached > st.num_blocks * bs or st.num_cached > self.max_model_len:
+            if new_blocks:
+                if min(new_blocks) < 0 or max(new_blocks) >= num_blocks:
+                    raise ValueError(f"plan {plan.step_id}: {rid!r} gets a block id out of range")
+                st.num_blocks += len(new_blocks)
+            end = st.num_cached = start + n
+            if end > st.num_blocks * bs or end > max_len:
                 raise ValueError(
                     f"plan {plan.step_id}: {rid!r} computes past its block table or max_model_len"
                 )
-            if plan.sample[i]:
-                tok = self._tokens.token(
-                    st.seed, st.num_cached - st.num_prompt_tokens, st.forbidden, st.allow_eos
-                )
+            if sample:
+                tok = token(st.seed, end - st.num_prompt_tokens, st.forbidden, st.allow_eos)
                 rids.append(rid)
                 token_ids.append(tok)
                 if st.logprobs is not None:

@@ -56,15 +56,17 @@ class TokenSource:
     def token(self, seed: int, n: int, forbidden: frozenset[int], allow_eos: bool) -> int:
         """The n-th (0-based) output token of the stream `seed`."""
         z = mix64(seed ^ ((n * _STEP) & _MASK))
-        if allow_eos and self.eos_probability > 0.0 and self.eos_token_ids:
+        if allow_eos and self.eos_token_ids:
             if (mix64(z) >> 11) / float(1 << 53) < self.eos_probability:
                 return self.eos_token_ids[0]
         span = self.high - self.low
         tok = self.low + z % span
+        if tok not in forbidden:  # the common case: one hash, one lookup
+            return tok
         for _ in range(span):  # a forbidden id moves to the next allowed one (bounded walk)
+            tok = self.low + (tok - self.low + 1) % span
             if tok not in forbidden:
                 return tok
-            tok = self.low + (tok - self.low + 1) % span
         raise ValueError("every id in the simulated token range is forbidden")
 
     def forbidden_ids(self, sampling: SamplingParams) -> frozenset[int]:
