@@ -32,7 +32,7 @@ from conveyor.bench.metrics import compute_metrics, parse_slos, per_request_fiel
 from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 from conveyor.bench.report import ProgressBar, format_result, format_table
 from conveyor.bench.runner import RunOutcome, run_workload
-from conveyor.bench.steplog import engine_view, read_step_log
+from conveyor.bench.steplog import engine_view, read_rid_map, read_step_log
 from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
 from shared.env import env_str
 
@@ -202,7 +202,7 @@ def _pictures(args: argparse.Namespace, outcome: RunOutcome, out: Path) -> dict[
     }
     steps = read_step_log(args.log_dir / "scheduler.log", outcome.start_wall, outcome.end_wall)
     if steps:
-        arrivals, lens = engine_view(steps, outcome.traces)
+        arrivals, lens = engine_view(steps, outcome.traces, read_rid_map(args.log_dir))
         rows = plot_timeline(steps, arrivals, out / "timeline.png", lens)
         figures.update(timeline=str(out / "timeline.png"), timeline_rows=rows)
     else:

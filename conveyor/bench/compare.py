@@ -26,7 +26,13 @@ from conveyor.bench.metrics import compute_metrics
 from conveyor.bench.plots import plot_latency_cdfs, plot_timeline
 from conveyor.bench.report import ProgressBar, format_table
 from conveyor.bench.runner import RunOutcome, run_workload
-from conveyor.bench.steplog import engine_view, read_step_log, step_summary, useful_slot_fraction
+from conveyor.bench.steplog import (
+    engine_view,
+    read_rid_map,
+    read_step_log,
+    step_summary,
+    useful_slot_fraction,
+)
 from conveyor.bench.workloads import WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
 
@@ -106,7 +112,8 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
     traces: dict[str, dict[str, Any]] = {s.name: {} for s in plan}
     for mode in modes:
         log_dir = args.out / "logs" / mode
-        (log_dir / "scheduler.log").unlink(missing_ok=True)
+        for old_log in log_dir.glob("*.log"):  # a previous comparison's: start afresh
+            old_log.unlink()
         print(f"=== engine: batching={mode}, B={args.batch_size}, worker={args.worker}",
               file=sys.stderr)  # fmt: skip
         stack = LocalStack(stack_settings(args, mode, log_dir)).start()
@@ -163,7 +170,7 @@ def _measure(
     """Metrics + what the step log says (step time, utilization) + the timeline picture."""
     result: dict[str, Any] = dict(compute_metrics(outcome.traces, outcome.duration_s))
     steps = read_step_log(log_dir / "scheduler.log", outcome.start_wall, outcome.end_wall)
-    arrivals, lens = engine_view(steps, outcome.traces)
+    arrivals, lens = engine_view(steps, outcome.traces, read_rid_map(log_dir))
     result.update(step_summary(steps))
     result["useful_slot_fraction"] = useful_slot_fraction(steps, lens, args.batch_size)
     if steps and not args.no_plots:

@@ -19,6 +19,7 @@ matplotlib.use("Agg")  # before pyplot: files only, never a window
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from conveyor.bench.metrics import RequestTrace  # noqa: E402
 from conveyor.bench.steplog import RequestSpans, StepEntry, request_spans  # noqa: E402
@@ -139,6 +140,7 @@ def _draw_batch(ax: plt.Axes, steps: Sequence[StepEntry], t0: float) -> None:
             held = [s.num_running for s in steps] + [steps[-1].num_running]
             ax.step(times, held, where="post", color="k", ls=":", label="slots held")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("batch")
     ax.set_xlabel("seconds since the first arrival")
     ax.grid(alpha=0.3)

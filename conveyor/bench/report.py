@@ -29,13 +29,16 @@ class ProgressBar:
         self.failed = 0
         self._started = time.monotonic()
         self._last_draw = 0.0
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
 
     def advance(self, success: bool) -> None:
         """Called once per finished request (success or not)."""
         self.done += 1
         self.failed += 0 if success else 1
         now = time.monotonic()
-        if self.done == self.total or now - self._last_draw >= 0.1:
+        # Into a file or a pipe, only the final state: no wall of carriage returns in logs.
+        redraw = self._tty and now - self._last_draw >= 0.1
+        if self.done == self.total or redraw:
             self._last_draw = now
             self._draw(now)
 

@@ -199,15 +199,40 @@ def _opt_float(v: Any) -> Optional[float]:
     return None if v is None else float(v)
 
 
+def read_rid_map(log_dir: Path) -> dict[str, str]:
+    """engine rid -> client id, from the frontends' `request_received` lines
+    (logs/tokenizer*.log: the tokenizer service names both when it accepts a request)."""
+    out: dict[str, str] = {}
+    for path in sorted(log_dir.glob("tokenizer*.log")):
+        with path.open("rb") as f:
+            for line in f:
+                if b"request_received" not in line:
+                    continue
+                try:
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict) and obj.get("rid") and obj.get("client_id"):
+                    out[str(obj["rid"])] = str(obj["client_id"])
+    return out
+
+
 def engine_view(
-    steps: Sequence[StepEntry], traces: Sequence[RequestTrace]
+    steps: Sequence[StepEntry],
+    traces: Sequence[RequestTrace],
+    rid_map: Optional[Mapping[str, str]] = None,
 ) -> tuple[dict[str, float], dict[str, int]]:
-    """(arrival, output length) per engine rid, for the traces whose rid the steps mention."""
+    """(arrival, output length) per engine rid, for the traces whose rid the steps mention.
+
+    rid_map: engine rid -> client id (see `read_rid_map`); rids it does not know are matched
+    by `match_rids` (a client id embedded in the engine rid)."""
     by_id = {t.rid: t for t in traces if t.rid is not None}
     seen = {rid for step in steps for rid in step.rids}
+    known = {rid: cid for rid, cid in (rid_map or {}).items() if rid in seen and cid in by_id}
+    known.update(match_rids(seen - known.keys(), by_id))
     arrivals: dict[str, float] = {}
     output_lens: dict[str, int] = {}
-    for engine_rid, client_id in match_rids(seen, by_id).items():
+    for engine_rid, client_id in known.items():
         trace = by_id[client_id]
         arrivals[engine_rid] = trace.start_wall
         if trace.success:

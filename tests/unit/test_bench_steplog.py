@@ -14,6 +14,7 @@ from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 from conveyor.bench.steplog import (
     engine_view,
     match_rids,
+    read_rid_map,
     read_step_log,
     request_spans,
     step_summary,
@@ -117,3 +118,30 @@ def test_cdf_and_sweep_pngs(tmp_path: Path) -> None:
                 "mean_ttft_ms": 5.0 * k, "p99_ttft_ms": 9.0 * k} for k in (1, 2, 3)]  # fmt: skip
     sweep = plot_sweep([1, 4, 16], results, "max-concurrency", tmp_path / "sweep.png")
     assert sweep.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_rid_map_from_the_tokenizer_log_links_engine_rids_to_client_ids(tmp_path: Path) -> None:
+    lines = [
+        {"event": "request_received", "service": "tokenizer", "rid": "fe-1-0", "client_id": "b-0"},
+        {"event": "request_finished", "service": "tokenizer", "rid": "fe-1-0"},
+        {"event": "request_received", "service": "tokenizer", "rid": "fe-1-1", "client_id": "b-1"},
+    ]
+    (tmp_path / "tokenizer.log").write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n{")
+    (tmp_path / "tokenizer-2.log").write_bytes(orjson.dumps(
+        {"event": "request_received", "rid": "fe-2-0", "client_id": "b-2"}))  # fmt: skip
+    rid_map = read_rid_map(tmp_path)
+    assert rid_map == {"fe-1-0": "b-0", "fe-1-1": "b-1", "fe-2-0": "b-2"}
+    steps = read_step_log(write_named_log(tmp_path, ["fe-1-0", "fe-2-0"]))
+    traces = [RequestTrace(0, 4, True, 3, start_wall=5.0, rid="b-0"),
+              RequestTrace(2, 4, False, start_wall=6.0, rid="b-2")]  # fmt: skip
+    arrivals, lens = engine_view(steps, traces, rid_map)
+    assert arrivals == {"fe-1-0": 5.0, "fe-2-0": 6.0}
+    assert lens == {"fe-1-0": 3}  # a failed request has no output length
+
+
+def write_named_log(tmp_path: Path, rids: list[str]) -> Path:
+    path = tmp_path / "scheduler.log"
+    record = {"event": "step", "step_id": 1, "rids": rids, "is_prefill": [True] * len(rids),
+              "num_running": len(rids), "t_plan": 10.0, "t_result": 10.1}  # fmt: skip
+    path.write_bytes(orjson.dumps(record) + b"\n")
+    return path
