@@ -37,7 +37,7 @@ SIM_LOGPROB_OTHERS = -100.0  # the simulated distribution is a point mass on the
 class _SimSeq:
     seed: int
     num_prompt_tokens: int
-    num_cached: int  # tokens whose K/V the (imaginary) cache holds
+    num_cached: Optional[int]  # tokens the (imaginary) KV cache holds; None: not yet scheduled
     num_blocks: int  # length of the block table
     forbidden: frozenset[int]
     allow_eos: bool
@@ -90,7 +90,7 @@ class SimRunner:
             source=self.device.source,
         )
 
-    def ready_message(self, rank: int) -> WorkerReady:
+    def ready_message(self, rank: int = 0) -> WorkerReady:
         """Called once by the worker loop before the first plan."""
         return WorkerReady(
             rank=rank,
@@ -129,7 +129,7 @@ class SimRunner:
         return _SimSeq(
             seed=request_seed(seq.rid, prompt, s),
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached=-1,  # set from the first plan that schedules it (prefix caching may skip)
+            num_cached=None,  # the first plan that schedules it says (a cached prefix may skip)
             num_blocks=len(seq.block_ids),
             forbidden=self._tokens.forbidden_ids(s),
             allow_eos=not s.ignore_eos and self.config.eos_probability > 0.0,
@@ -153,7 +153,7 @@ class SimRunner:
             st = seqs.get(rid)
             if st is None:
                 raise ValueError(f"plan {plan.step_id} schedules unknown request {rid!r}")
-            if start != st.num_cached and st.num_cached >= 0:
+            if start != st.num_cached and st.num_cached is not None:
                 raise ValueError(
                     f"plan {plan.step_id}: {rid!r} starts at {start}, cache holds {st.num_cached}"
                 )
