@@ -102,7 +102,7 @@ class LocalStack:
         self._spawn("tokenizer", "services.tokenizer", {
             "frontend_addr": self.frontend_address, "scheduler_addr": sched_addr,
             "frontend_id": f"fe-{uuid.uuid4().hex[:8]}", **self._model_flag(),
-            **s.tokenizer_flags,
+            "drain_timeout": str(s.drain_timeout_s), **s.tokenizer_flags,
         })  # fmt: skip
         if self.with_gateway:
             self._spawn("gateway", "services.gateway", self._gateway_flags())
