@@ -1,0 +1,138 @@
+"""Property tests over random configs, workloads, worker results and aborts (~10-20 s).
+
+After every step: the block pool passes `check_integrity()` (and the checking worker saw no
+request read another's KV), tokens scheduled <= budget, running <= max_num_seqs. At the end:
+every admitted request finished exactly once, within its limits, and no block leaked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_scheduler_support import CheckingWorker, FakeClock, Run, submit
+
+from services.scheduler import Scheduler, SchedulerConfig
+from shared.protocol.errors import ErrorCode
+
+EOS = 0
+VOCAB = 12  # small, so the end-of-sequence token comes up now and then
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    prompt_len: int
+    max_tokens: int
+    priority: int
+    ignore_eos: bool
+    abort_step: Optional[int]  # abort before this step's schedule()
+    abort_in_flight: bool  # ... or while this step's plan is at the worker
+
+
+arrivals = st.builds(
+    Arrival,
+    step=st.integers(0, 15),
+    prompt_len=st.integers(1, 12) | st.integers(13, 40),
+    max_tokens=st.integers(1, 16),
+    priority=st.integers(0, 3),
+    ignore_eos=st.booleans(),
+    abort_step=st.none() | st.integers(0, 40),
+    abort_in_flight=st.booleans(),
+)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> SchedulerConfig:
+    max_num_seqs = draw(st.integers(1, 6))
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + draw(st.integers(0, 30)),
+        chunk_size=draw(st.integers(1, 24)),
+        batch_size=draw(st.none() | st.integers(1, max_num_seqs)),
+        batch_timeout=draw(st.sampled_from([0.0, 0.02, 0.1])),
+        max_wait=draw(st.sampled_from([0.0, 0.05, 10.0])),
+        max_waiting=draw(st.integers(1, 30)),
+        policy=draw(st.sampled_from(["fcfs", "priority", "short-first"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", "dynamic", "static"])),
+        watermark=draw(st.sampled_from([0.0, 0.05, 0.2])),
+    )
+
+
+def _check_plan_limits(sched: Scheduler, num_tokens: int) -> None:
+    assert num_tokens <= sched.config.max_num_batched_tokens
+    sched.check_integrity()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=configs(),
+    num_blocks=st.integers(3, 10) | st.integers(11, 40),  # small: preemption,
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    max_model_len=st.integers(4, 80),
+    workload=st.lists(arrivals, min_size=1, max_size=14),
+)
+def test_random_workloads_keep_every_invariant(
+    config: SchedulerConfig,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    workload: list[Arrival],
+) -> None:
+    clock = FakeClock()
+    sched = Scheduler(config, num_blocks, block_size, max_model_len, [EOS], clock=clock)
+    worker = CheckingWorker(num_blocks, block_size, vocab_size=VOCAB)
+    run = Run()
+    admitted: dict[str, Arrival] = {}
+    last_arrival = max(a.step for a in workload)
+    for step in range(3000):
+        for i, a in enumerate(workload):
+            if a.step == step:
+                rid = f"r{i}"
+                req = submit(
+                    rid, a.prompt_len, a.max_tokens, priority=a.priority, ignore_eos=a.ignore_eos
+                )
+                refused = sched.add_request(req)
+                if refused is None:
+                    admitted[rid] = a
+                else:
+                    assert refused.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.OVERLOADED)
+            if a.abort_step == step and not a.abort_in_flight:
+                out = sched.abort_request(f"r{i}")
+                run.add([out] if out is not None else [])
+        plan = sched.schedule()
+        _check_plan_limits(sched, 0 if plan is None else plan.total_tokens)
+        if plan is not None:
+            for i, a in enumerate(workload):
+                if a.abort_step == step and a.abort_in_flight:
+                    out = sched.abort_request(f"r{i}")
+                    run.add([out] if out is not None else [])
+            run.add(sched.update(worker.execute(plan)))
+            _check_plan_limits(sched, 0)
+        elif step > last_arrival and not sched.has_work():
+            break
+        clock.advance(max(0.01, sched.next_timeout() or 0.0) if plan is None else 0.01)
+    assert not sched.has_work(), "work left after 3000 steps"
+    assert sched.pool.num_used == 0 and sched.pool.num_free == num_blocks  # no leak
+    sched.check_integrity()
+    assert set(run.outputs) <= set(admitted)
+    event(f"preempted: {sched.stats()['num_preemptions'] > 0}")
+    for rid, a in admitted.items():
+        final = run.final(rid)  # exactly one final output, and it is the last
+        event(f"{config.batching} finish: {final.finish_reason}")
+        tokens = run.tokens(rid)
+        assert len(tokens) == final.num_output_tokens <= a.max_tokens
+        assert a.prompt_len + len(tokens) <= max_model_len
+        if final.finish_reason == "stop":
+            assert tokens[-1] == EOS and not a.ignore_eos
+            assert EOS not in tokens[:-1]
+        elif final.finish_reason == "length":
+            assert len(tokens) == a.max_tokens or a.prompt_len + len(tokens) >= min(
+                max_model_len, num_blocks * block_size + 1
+            )
+        else:
+            assert final.finish_reason == "abort"
+        if not a.ignore_eos:
+            assert EOS not in tokens[:-1]
