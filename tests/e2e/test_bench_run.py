@@ -4,7 +4,8 @@ Eight mixed-length requests at 4 % of the seeds' lengths (prompts 1-20 tokens, o
 EOS ignored so every output length is known in advance. Checks the JSON (vLLM's field names,
 token totals exact), the pictures (valid PNGs; one timeline row per request), and the same
 workload through the OpenAI-compatible backend via a gateway process started here.
-Rough runtime: 20-60 s on the shared 2-core machine (mostly process start-up and plotting).
+The last test runs `--compare-batching` itself on the simulated worker (two engine starts).
+Rough runtime: 40-90 s on the shared 2-core machine (mostly process start-up and plotting).
 """
 
 from __future__ import annotations
@@ -120,3 +121,30 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> Non
             pass
         time.sleep(0.3)
     raise AssertionError(f"{url} did not answer within {timeout_s} s")
+
+
+def test_compare_batching_runs_each_mode_on_its_own_engine(tmp_path: Path) -> None:
+    """The `make bench` path on the SIMULATED worker (H200, Llama-3-8B: ~5 ms steps, no model to
+    load), shrunk to one scenario and two modes: the table, JSON, markdown and pictures."""
+    out = tmp_path / "compare"
+    rc = main(["--compare-batching", "--worker", "sim", "--sim-device", "h200",
+               "--sim-model", "llama-3-8b", "--scenarios", "mixed", "--modes", "static,continuous",
+               "--num-prompts", "8", "--scale", "0.1", "--batch-size", "4", "--no-progress",
+               "--engine-timeout", "180", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    report = orjson.loads((out / "compare.json").read_bytes())
+    assert report["command"].startswith("conveyor bench --compare-batching --worker sim")
+    assert report["config"]["sim_device"] == "h200"
+    static, cont = report["table"]
+    assert (static["mode"], cont["mode"]) == ("static", "continuous")
+    assert static["done"] == cont["done"] == 8
+    assert static["x static"] == 1.0 and cont["x static"] > 0
+    assert cont["model x"] > 0 and cont["packing x"] >= cont["model x"] * 0.5
+    # Static keeps finished requests' slots: some of its slot-steps are padding.
+    assert static["useful util"] < static["batch util"]
+    for mode in ("static", "continuous"):
+        run = report["runs"]["mixed"][mode]
+        assert run["timeline_rows"] == 8
+        assert (out / f"timeline-mixed-{mode}.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "cdf-mixed.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "compare.md").read_text().startswith("`conveyor bench --compare-batching")
