@@ -12,21 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 from services.simworker.calibrate import TIMINGS_FORMAT, FitResult, fit_profile, load_timings
 from services.simworker.cost_model import step_cost, step_work
+from services.simworker.measure import MeasureGrid, collect_timings
 from services.simworker.profiles import DEVICES, MODELS, get_device, load_device
-from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan
 
 MAX_ERROR = 0.15  # the issue's bar: simulated within 15% of measured
-PROMPT_TOKEN_RANGE = (256, 32000)  # ordinary tokens: what real prompts are made of
 
 
 def _ints(text: str) -> list[int]:
@@ -37,6 +33,17 @@ def _ints(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError("every value must be a positive integer")
     return values
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    """'8:128,16:256' -> [(8, 128), (16, 256)]; '' -> []."""
+    try:
+        pairs = [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 8:128,16:256") from None
+    if any(len(p) != 2 or min(p) <= 0 for p in pairs):
+        raise argparse.ArgumentTypeError("each pair is DECODES:CHUNK, both > 0")
+    return [(p[0], p[1]) for p in pairs]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         help="also time prefills of this many prompts at once",
+    )
+    m.add_argument(
+        "--mixed",
+        type=_pairs,
+        default=_pairs("8:128,16:256"),
+        help="DECODES:CHUNK pairs: a prompt chunk prefilled beside running decodes",
     )
     m.add_argument("--repeats", type=int, default=3)
     m.set_defaults(func=cmd_measure)
@@ -177,27 +190,25 @@ def _print_fit(result: FitResult, labels: list[str]) -> None:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    """Time the real worker: decode steps across batch sizes and contexts, prefills by length."""
+    """Time the real worker (services.worker.runner.ModelRunner) across the grid's shapes."""
     # The worker (torch, the model) is imported only here: predict and calibrate stay light.
     from services.worker.config import WorkerConfig
     from services.worker.runner import ModelRunner
 
+    grid = MeasureGrid(
+        batch_sizes=tuple(args.batch_sizes),
+        context_lens=tuple(args.context_lens),
+        prefill_lens=tuple(args.prefill_lens),
+        prefill_batch=args.prefill_batch,
+        mixed=tuple(args.mixed),
+        repeats=args.repeats,
+    )
     kwargs: dict[str, Any] = {"model": args.model, "num_threads": args.num_threads}
     if args.dtype:
         kwargs["dtype"] = args.dtype
     config = WorkerConfig(**kwargs)
     runner = ModelRunner(config)
-    ready = runner.ready_message(0)
-    bench = _Bench(runner, ready.block_size, ready.num_blocks)
-    samples: list[dict[str, Any]] = []
-    for ctx in args.context_lens:
-        for b in args.batch_sizes:
-            samples += bench.decode_samples(b, ctx, args.repeats)
-            print(f"measured decode B={b} ctx={ctx}: {_ms(samples[-1])}", flush=True)
-    for n in args.prefill_lens:
-        for b in sorted({1, args.prefill_batch}):
-            samples.append(bench.prefill_sample(b, n, args.repeats))
-            print(f"measured prefill B={b} len={n}: {_ms(samples[-1])}", flush=True)
+    samples = collect_timings(runner, grid, lambda text: print("measured", text, flush=True))
     out = {
         "format": TIMINGS_FORMAT,
         "model": args.sim_model,
@@ -206,7 +217,6 @@ def cmd_measure(args: argparse.Namespace) -> int:
             "dtype": config.dtype,
             "device": config.device,
             "num_threads": args.num_threads,
-            "block_size": ready.block_size,
         },
         "host": {"machine": platform.machine(), "python": platform.python_version()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -216,123 +226,3 @@ def cmd_measure(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out} ({len(samples)} samples)")
     return 0
-
-
-def _ms(sample: dict[str, Any]) -> str:
-    return ", ".join(f"{1e3 * s:.1f}" for s in sample["seconds"]) + " ms"
-
-
-class _Bench:
-    """Builds step plans for the real runner the way the scheduler would, and times them."""
-
-    def __init__(self, runner: Any, block_size: int, num_blocks: int) -> None:
-        self.runner = runner
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.rng = random.Random(0)
-        self.step_id = 0
-        self.serial = 0
-
-    def _plan(self, **fields: Any) -> StepPlan:
-        self.step_id += 1
-        return StepPlan(step_id=self.step_id, **fields)
-
-    def _run(self, plan: StepPlan) -> tuple[float, dict[str, int]]:
-        """Execute one plan; (wall seconds, rid -> sampled token)."""
-        start = time.perf_counter()
-        result = self.runner.execute(plan)
-        seconds = time.perf_counter() - start
-        return seconds, dict(zip(result.rids, result.token_ids, strict=True))
-
-    def _new_seqs(self, batch: int, prompt_len: int, max_len: int) -> list[NewSequence]:
-        blocks_each = -(-max_len // self.block_size)
-        if batch * blocks_each > self.num_blocks:
-            raise ValueError(f"{batch} x {max_len} tokens exceed the worker's KV pool")
-        seqs = []
-        for i in range(batch):
-            self.serial += 1
-            prompt = [self.rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(prompt_len)]
-            blocks = list(range(i * blocks_each, (i + 1) * blocks_each))
-            params = SamplingParams(max_tokens=max_len, temperature=0.0, ignore_eos=True)
-            seqs.append(NewSequence(f"m{self.serial}", prompt, prompt_len, blocks, params))
-        return seqs
-
-    def _prefill_plan(self, seqs: list[NewSequence], released: list[str]) -> StepPlan:
-        return self._plan(
-            new_seqs=seqs,
-            rids=[s.rid for s in seqs],
-            start_positions=[0] * len(seqs),
-            num_tokens=[len(s.token_ids) for s in seqs],
-            token_ids=[t for s in seqs for t in s.token_ids],
-            new_block_ids=[[] for _ in seqs],
-            sample=[True] * len(seqs),
-            released_rids=released,
-        )
-
-    def _release(self, rids: list[str]) -> None:
-        self._run(
-            self._plan(
-                new_seqs=[],
-                rids=[],
-                start_positions=[],
-                num_tokens=[],
-                token_ids=[],
-                new_block_ids=[],
-                sample=[],
-                released_rids=rids,
-            )
-        )
-
-    def prefill_sample(self, batch: int, prompt_len: int, repeats: int) -> dict[str, Any]:
-        """`repeats` timed prefills of `batch` fresh prompts of `prompt_len` tokens."""
-        seconds = []
-        for _ in range(repeats + 1):  # the first is a warm-up for this shape
-            seqs = self._new_seqs(batch, prompt_len, prompt_len + 1)
-            seconds.append(self._run(self._prefill_plan(seqs, []))[0])
-            self._release([s.rid for s in seqs])
-        return {
-            "kind": "prefill",
-            "start_positions": [0] * batch,
-            "num_tokens": [prompt_len] * batch,
-            "num_sampled": batch,
-            "seconds": seconds[1:],
-        }
-
-    def decode_samples(self, batch: int, ctx: int, repeats: int) -> list[dict[str, Any]]:
-        """Prefill `batch` prompts of `ctx` tokens (untimed), then time `repeats` decodes."""
-        seqs = self._new_seqs(batch, ctx, ctx + repeats + 2)
-        last: dict[str, int] = {}
-        for chunk in _chunks(seqs, max(1, 4096 // ctx)):
-            last.update(self._run(self._prefill_plan(chunk, []))[1])
-        rids = [s.rid for s in seqs]
-        samples = []
-        for step in range(repeats + 1):  # the first decode is a warm-up for this shape
-            pos = ctx + step
-            plan = self._plan(
-                new_seqs=[],
-                rids=rids,
-                start_positions=[pos] * batch,
-                num_tokens=[1] * batch,
-                token_ids=[last[r] for r in rids],
-                new_block_ids=[[] for _ in rids],
-                sample=[True] * batch,
-            )
-            t, sampled = self._run(plan)
-            last.update(sampled)
-            if step:
-                samples.append(
-                    {
-                        "kind": "decode",
-                        "start_positions": [pos] * batch,
-                        "num_tokens": [1] * batch,
-                        "num_sampled": batch,
-                        "seconds": [t],
-                    }
-                )
-        self._release(rids)
-        return samples
-
-
-def _chunks(items: list[NewSequence], size: int) -> Iterator[list[NewSequence]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]

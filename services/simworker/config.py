@@ -34,7 +34,7 @@ class SimConfig:
     weight_dtype: str = "bfloat16"  # "bfloat16" | "float8": bytes per weight
     block_size: int = 16  # tokens per KV block
     num_blocks: Optional[int] = None  # None: as many as fit in the device's memory
-    max_model_len: Optional[int] = None  # None: the model's max positions (if the KV fits)
+    max_model_len: Optional[int] = None  # None: the model's max positions, capped by the pool
     eos_probability: float = 0.0  # chance each output token is eos (0: lengths == max_tokens)
     token_id_low: int = DEFAULT_TOKEN_ID_LOW
     token_id_high: Optional[int] = None  # None: min(vocab size, DEFAULT_TOKEN_ID_HIGH)

@@ -66,8 +66,10 @@ class SimRunner:
         self._log = (log if log is not None else structlog.get_logger()).bind(simulated=True)
         fit = kv_capacity_blocks(self.device, self.model, config.block_size)
         self.num_blocks = config.num_blocks if config.num_blocks is not None else fit
-        max_len = config.max_model_len or self.model.max_position
-        if self.num_blocks * config.block_size < max_len:
+        capacity = self.num_blocks * config.block_size
+        # Unset: the model's limit, capped by the pool; a limit asked for must fit whole.
+        max_len = config.max_model_len or min(self.model.max_position, capacity)
+        if capacity < max_len:
             raise ValueError(
                 f"SIMULATED: max_model_len {max_len} exceeds the KV capacity of "
                 f"{self.num_blocks} blocks x {config.block_size} tokens"

@@ -1,0 +1,67 @@
+"""The step-timing harness behind `conveyor sim measure`, driven against the SIMULATED runner:
+its plans must pass the runner's step-contract checks, and its timings must feed calibration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.simworker.calibrate import TIMINGS_FORMAT, fit_profile, load_timings
+from services.simworker.config import SimConfig
+from services.simworker.cost_model import step_cost, step_work
+from services.simworker.measure import MeasureGrid, collect_timings
+from services.simworker.profiles import MODELS, DeviceProfile
+from services.simworker.runner import SimRunner
+
+SMALL = MeasureGrid(
+    batch_sizes=(1, 4),
+    context_lens=(16, 40),
+    prefill_lens=(8, 24),
+    prefill_batch=2,
+    mixed=((3, 20),),
+    mixed_context=30,
+    repeats=2,
+)
+
+
+def test_grid_shapes_and_contract() -> None:
+    runner = SimRunner(SimConfig(device="none", model="smollm2-135m", num_blocks=64))
+    samples = collect_timings(runner, SMALL)  # SimRunner raises on any contract breach
+    kinds = [s["kind"] for s in samples]
+    assert kinds.count("decode") == 2 * 2 * 2  # batch sizes x contexts x repeats
+    assert kinds.count("prefill") == 2 * 2  # lengths x {1, prefill_batch}
+    assert kinds.count("mixed") == 2
+    decodes = [s for s in samples if s["kind"] == "decode"]
+    assert decodes[0]["start_positions"] == [17] and decodes[1]["start_positions"] == [18]
+    mixed = [s for s in samples if s["kind"] == "mixed"][0]
+    assert mixed["num_tokens"] == [20, 1, 1, 1] and mixed["start_positions"] == [0, 31, 31, 31]
+    assert all(len(s["seconds"]) == (2 if s["kind"] == "prefill" else 1) for s in samples)
+
+
+def test_pool_too_small_is_a_clear_error() -> None:
+    runner = SimRunner(
+        SimConfig(device="none", model="smollm2-135m", num_blocks=4, max_model_len=64)
+    )
+    with pytest.raises(ValueError, match="exceed the worker's KV pool"):
+        collect_timings(runner, SMALL)
+
+
+def test_timings_are_the_steps_and_calibrate(tmp_path) -> None:
+    slow = DeviceProfile("slow", 1e12, 1e11, None, 10**9, launch_s=5e-3, per_seq_s=1e-3)
+    path = tmp_path / "slow.json"
+    path.write_text(slow.to_json())
+    runner = SimRunner(SimConfig(profile_path=path, model="smollm2-135m", num_blocks=64))
+    samples = collect_timings(runner, SMALL)
+    model = MODELS["smollm2-135m"]
+    for s in samples:  # every timed step lasted at least its modelled time
+        modelled = step_cost(
+            slow, step_work(model, s["start_positions"], s["num_tokens"], s["num_sampled"])
+        ).total_s
+        assert min(s["seconds"]) >= modelled - 1e-4
+    timings = tmp_path / "timings.json"
+    timings.write_text(
+        json.dumps({"format": TIMINGS_FORMAT, "model": model.name, "samples": samples})
+    )
+    fit = fit_profile(*load_timings(timings), slow, "fit", "test")
+    assert len(fit.measured) == len(samples) and fit.profile.dense_flops is not None
