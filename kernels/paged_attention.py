@@ -78,19 +78,6 @@ def paged_attention_ref(
 
 
 @triton.jit
-def _find_sequence(
-    query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr, SEQS_PAD: tl.constexpr
-):
-    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; the program's sequence
-    # is the last one whose first block is <= q_block_id (-1 when none is).
-    offs = tl.arange(0, SEQS_PAD)
-    valid = offs < num_seqs
-    starts = tl.load(query_start_loc_ptr + offs, mask=valid, other=0)
-    first_blocks = tl.where(valid, starts // BLOCK_Q + offs, 2147483647)
-    return tl.sum((first_blocks <= q_block_id).to(tl.int32), axis=0) - 1
-
-
-@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -108,7 +95,14 @@ def _unified_attention_kernel(
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q, SEQS_PAD)
+    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; this program's
+    # sequence is the last one whose first block is <= q_block_id. (Inline: each call of a jitted
+    # helper costs the interpreter a re-patch of triton.language.)
+    offs_seq = tl.arange(0, SEQS_PAD)
+    seq_ok = offs_seq < num_seqs
+    seq_starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_ok, other=0)
+    first_blocks = tl.where(seq_ok, seq_starts // BLOCK_Q + offs_seq, 2147483647)
+    seq = tl.sum((first_blocks <= q_block_id).to(tl.int32), axis=0) - 1
     if seq < 0:
         return
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -136,15 +130,17 @@ def _unified_attention_kernel(
     # Keys this block needs: up to the position of its last query (causal).
     last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
     kv_end = context_len + last_q + 1
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    # Plain integer ceil-divisions: tl.cdiv is a jitted helper, costly in the interpreter.
+    num_tiles = (kv_end + TILE_N - 1) // TILE_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    offs_n = tl.arange(0, TILE_N)
+    # int64 key positions: the interpreter checks every int32 add for overflow, int64 ones not.
+    offs_n = tl.arange(0, TILE_N).to(tl.int64)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + offs_n  # [TILE_N]

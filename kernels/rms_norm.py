@@ -1,9 +1,10 @@
 """RMSNorm with the residual add fused in.
 
 `residual_out = x + residual` (or `x` when there is no residual), rounded to x's dtype as an
-unfused add would be; `out = residual_out / sqrt(mean(residual_out^2) + eps) * weight`,
-computed in fp32 and rounded once to x's dtype. Fusing saves the decoder layer one read and
-one write of the hidden state per norm.
+unfused add would be; `out = weight * (residual_out / sqrt(mean(residual_out^2) + eps))`, the
+normalized row computed in fp32 and rounded to x's dtype before the weight multiplies it, as
+HF Llama does (so bf16 results match it bit for bit). Fusing saves the decoder layer one read
+and one write of the hidden state per norm.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def rms_norm_ref(
     residual_out = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     r = residual_out.float()
     normed = r * torch.rsqrt(r.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype), residual_out
+    return (normed.to(x.dtype).float() * weight.float()).to(x.dtype), residual_out
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _rms_norm_kernel(
         r = r_stored.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = r * rstd * w
+    out = (r * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

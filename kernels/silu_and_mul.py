@@ -1,7 +1,8 @@
 """SiLU-and-multiply, the gated MLP activation: `silu(x[:, :I]) * x[:, I:]`.
 
 The gate and up projections come out of one fused matmul as `[T, 2I]`; this reads both halves
-once and writes `[T, I]`, computed in fp32 and rounded once.
+once and writes `[T, I]`. silu(gate) is rounded to x's dtype before the multiply, as an
+unfused `silu(gate) * up` (HF Llama's MLP) rounds it, so low-precision results match that.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # x [T, 2I] -> [T, I]
     """Plain-torch reference."""
     half = x.shape[-1] // 2
     gate, up = x[:, :half].float(), x[:, half:].float()
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    act = torch.nn.functional.silu(gate).to(x.dtype).float()
+    return (act * up).to(x.dtype)
 
 
 @triton.jit
@@ -32,7 +34,8 @@ def _silu_and_mul_kernel(
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = act * up
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-# Error bounds against the fp32-computed reference, per dtype: (atol, rtol). bf16 allows one
-# ulp more than rounding: the Triton interpreter truncates fp32 -> bf16 where torch and GPUs
-# round to nearest.
+# Error bounds against the reference (which computes in fp32 from the same low-precision
+# inputs), per dtype: (atol, rtol). fp32: reassociation only. fp16: one rounding of the output
+# (2^-11 relative) with room for tile-order effects. bf16: up to three ulps (2^-7 relative
+# each), because the Triton interpreter truncates fp32 -> bf16 where torch and GPUs round to
+# nearest, and RMSNorm and SiLU-and-mul round twice (as HF does).
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (2e-5, 2e-5),
     torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.bfloat16: (1.6e-2, 2.4e-2),
 }
 
 
