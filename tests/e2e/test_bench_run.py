@@ -3,18 +3,20 @@
 Eight mixed-length requests at 4 % of the seeds' lengths (prompts 1-20 tokens, outputs 1-10),
 EOS ignored so every output length is known in advance. Checks the JSON (vLLM's field names,
 token totals exact), the pictures (valid PNGs; one timeline row per request), and the same
-workload through the OpenAI-compatible backend via a gateway process started here.
+workload through the OpenAI-compatible backend (the engine's gateway, or one started here).
 The last test runs `--compare-batching` itself on the simulated worker (two engine starts).
 Rough runtime: 40-90 s on the shared 2-core machine (mostly process start-up and plotting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,24 +92,33 @@ def _free_port() -> int:
 
 
 def test_same_workload_through_the_openai_backend(engine: Any, tmp_path: Path) -> None:
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "services.gateway", "--frontend-addr", engine.frontend_address,
-           "--port", str(port), "--served-model-name", "bench-model",
-           "--log-level", "warning"]  # fmt: skip
-    gateway = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/v1/models", gateway)
+    with _gateway(engine) as base_url:
+        models = httpx.get(f"{base_url}/v1/models", timeout=10.0, trust_env=False).json()
         out = tmp_path / "openai"
-        rc = main(["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
-                   "--model", "bench-model", *ARGS, "--no-plots", "--out", str(out)])  # fmt: skip
-        assert rc == 0
-        result = _result(out)
-        _check_totals(result)
-        assert result["backend"] == "openai"
+        rc = main(["--backend", "openai", "--base-url", base_url, "--model",
+                   models["data"][0]["id"], *ARGS, "--no-plots", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    result = _result(out)
+    _check_totals(result)
+    assert result["backend"] == "openai"
+
+
+@contextlib.contextmanager
+def _gateway(engine: Any) -> Iterator[str]:
+    """The engine's own gateway when it runs one; else a gateway process started here."""
+    if engine.http_url is not None:
+        yield engine.http_url
+        return
+    port = _free_port()
+    cmd = [sys.executable, "-m", "services.gateway", "--frontend-addr", engine.frontend_address,
+           "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=30)
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
