@@ -32,7 +32,9 @@ class Request:
     priority: int
     seq_no: int  # admission order at add_request: breaks ties, defines "arrival" order
     arrival_time: float  # scheduler clock
-    max_len: int  # finishes ("length") once len(token_ids) reaches this
+    # finishes ("length") once len(token_ids) reaches this: prompt + max_tokens, capped by
+    # max_model_len and by what the whole KV pool can hold
+    max_len: int
     stop_ids: frozenset[int]  # eos (unless ignore_eos) and sampling.stop_token_ids
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (as of the last plan)

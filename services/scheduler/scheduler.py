@@ -22,7 +22,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.stats import Counters, StepRecord
-from services.scheduler.step import StepBuilder
+from services.scheduler.step import BuiltStep, StepBuilder
 from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import StepPlan, StepResult
@@ -93,7 +93,7 @@ class Scheduler:
             priority=req.priority,
             seq_no=self._seq_no,
             arrival_time=self._clock(),
-            max_len=self._max_len,
+            max_len=min(self._max_len, len(req.prompt_token_ids) + req.sampling.max_tokens),
             stop_ids=frozenset(stop_ids),
         )
         self._live[req.rid] = request
@@ -151,15 +151,15 @@ class Scheduler:
         self._end_static_batch_if_done()
         if self._rules.should_form_batch(now, self._waiting, len(self._running)):
             self._form_batch(now)
-        self._schedule_decodes(step)
-        self._schedule_running_prefills(step)
+        prefills = self._schedule_decodes(step)
+        self._schedule_running_prefills(step, prefills)
         if self._rules.admits_every_step and step.num_preemptions == 0:
             self._admit_waiting(step, now)
         if len(step) == 0 and step.num_preemptions > 0:
             # Everyone was preempted: the pool is free now, so start again rather than
             # return None while work is waiting (the loop would sleep on it).
             self._round += 1
-            self._schedule_running_prefills(step)
+            self._schedule_running_prefills(step, list(self._running.values()))
             if self._rules.admits_every_step:
                 self._admit_waiting(step, now)
         if len(step) == 0:
@@ -173,26 +173,34 @@ class Scheduler:
                 self._live[req.rid].first_scheduled = now
         self._inflight = built.sampled
         self._inflight_step = self._step_id
-        self._record_step(built.plan, built.is_prefill, step.num_preemptions, now)
+        self._record_step(built, step.num_preemptions, now)
         return built.plan
 
-    def _schedule_decodes(self, step: StepBuilder) -> None:
+    def _schedule_decodes(self, step: StepBuilder) -> list[Request]:
         """Every running decode gets one token; budget always suffices (config guarantees
-        max_num_batched_tokens >= max_num_seqs). Static padding comes after live requests."""
+        max_num_batched_tokens >= max_num_seqs). Static padding comes after live requests.
+        Returns the running requests in prefill, in batch order."""
         block_size = self.block_size
         padding: list[Request] = []
+        prefills: list[Request] = []
+        append = step.decodes.append
         for req in list(self._running.values()):
-            if req.num_computed_tokens < req.prefill_len or req.rid not in self._running:
-                continue  # in prefill, or preempted earlier in this loop
+            computed = req.num_computed_tokens
+            if computed < req.prefill_len:
+                if req.preempted_at_step != self._round:  # not preempted earlier in this loop
+                    prefills.append(req)
+                continue
             if req.padding:
                 padding.append(req)
                 continue
-            if req.num_computed_tokens >= len(req.block_ids) * block_size:
-                if not self._grow(req, req.num_computed_tokens + 1, step):
-                    continue  # it was preempted itself
-            step.add(req, 1, False)
+            if computed >= len(req.block_ids) * block_size and not self._grow(
+                req, computed + 1, step
+            ):
+                continue  # it was preempted itself
+            append(req)
         for req in padding:
             self._schedule_padding(req, step)
+        return prefills
 
     def _schedule_padding(self, req: Request, step: StepBuilder) -> None:
         """Static batching computes a finished member while blocks are free; never preempts."""
@@ -205,13 +213,13 @@ class Scheduler:
             if blocks is None:
                 return
             req.block_ids.extend(blocks)
-        step.add(req, 1, False)
+        step.decodes.append(req)
 
-    def _schedule_running_prefills(self, step: StepBuilder) -> None:
+    def _schedule_running_prefills(self, step: StepBuilder, prefills: list[Request]) -> None:
         """Running requests still in prefill get a chunk each, in batch order, while budget
         and blocks last. Only when nothing live is scheduled does a stuck prefill preempt."""
         chunk_size = self.config.chunk_size
-        for req in list(self._running.values()):
+        for req in prefills:
             if step.budget_left == 0:
                 return
             if (
@@ -220,7 +228,7 @@ class Scheduler:
                 or req.rid not in self._running
                 or req.preempted_at_step == self._round
             ):
-                continue
+                continue  # preempted (or, padding) since the list was made
             start = req.num_computed_tokens
             n = min(req.prefill_len - start, chunk_size, step.budget_left)
             # Shrink the chunk to the blocks that are free rather than preempt someone.
@@ -233,7 +241,7 @@ class Scheduler:
             if n <= 0:
                 continue
             self._grow(req, start + n, step)
-            step.add(req, n, True)
+            step.add_chunk(req, n)
 
     def _admit_waiting(self, step: StepBuilder, now: float) -> None:
         """Continuous mode: waiting requests join in policy order. Stops at the first that does
@@ -253,7 +261,7 @@ class Scheduler:
             self._start_running(req)
             req.block_ids = blocks
             admitted.append(req)
-            step.add(req, n, True)
+            step.add_chunk(req, n)
         for req in admitted:
             self._waiting.remove(req)
 
@@ -359,36 +367,35 @@ class Scheduler:
         num_applied = 0
         for rid, token in zip(result.rids, result.token_ids, strict=True):
             req = inflight.get(rid)
-            if req is None or len(req.token_ids) != req.num_computed_tokens:
-                continue  # not sampled in this plan, or a duplicate
+            if req is None:
+                continue  # not sampled in this plan
+            tokens = req.token_ids
+            if len(tokens) != req.num_computed_tokens:
+                continue  # a duplicate
             if req.status is not RUNNING:
                 if req.padding:
-                    req.token_ids.append(token)
+                    tokens.append(token)
                     num_applied += 1
                 continue  # aborted while in flight
             num_applied += 1
-            req.token_ids.append(token)
+            tokens.append(token)
             req.protected = False
             if req.first_token is None:
                 req.first_token = now
             lps = [logprobs[rid]] if logprobs and rid in logprobs else []
-            reason = self._finish_reason(req, token)
-            if reason is not None:
+            if token in req.stop_ids or len(tokens) >= req.max_len:
+                reason = "stop" if token in req.stop_ids else "length"
                 self._finish(req, reason, now)
-            outputs.append(req.output([token], lps, reason))
+                outputs.append(req.output([token], lps, reason))
+            else:  # the common case, inlined: one output per decode
+                num_prompt = req.num_prompt_tokens
+                outputs.append(
+                    RequestOutput(rid, [token], None, lps, num_prompt, len(tokens) - num_prompt)
+                )
         self.counters.num_output_tokens += len(outputs)
         if num_applied < len(inflight):
             outputs.extend(self._fail_missing(inflight.values(), now))
         return outputs
-
-    def _finish_reason(self, req: Request, token: int) -> Optional[str]:
-        if token in req.stop_ids:
-            return "stop"
-        if len(req.token_ids) - req.num_prompt_tokens >= req.sampling.max_tokens:
-            return "length"
-        if len(req.token_ids) >= req.max_len:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         self._mark_finished(req, reason, now)
@@ -422,27 +429,28 @@ class Scheduler:
 
     # ---- observability -----------------------------------------------------------------------
 
-    def _record_step(
-        self, plan: StepPlan, is_prefill: list[bool], num_preempted: int, now: float
-    ) -> None:
+    def _record_step(self, built: BuiltStep, num_preempted: int, now: float) -> None:
+        plan = built.plan
+        num_running = len(self._running)
         record = StepRecord(
             step_id=plan.step_id,
             time=now,
             rids=plan.rids,
             num_tokens=plan.num_tokens,
-            is_prefill=is_prefill,
+            is_prefill=built.is_prefill,
+            num_prefill_tokens=built.num_prefill_tokens,
+            num_decode_tokens=plan.total_tokens - built.num_prefill_tokens,
             num_waiting=len(self._waiting),
-            num_running=len(self._running),
-            batch_utilization=len(self._running) / self.config.max_num_seqs,
+            num_running=num_running,
+            batch_utilization=num_running / self.config.max_num_seqs,
             num_kv_blocks_used=self.pool.num_used,
             num_kv_blocks_total=self.pool.num_blocks,
             num_preemptions=num_preempted,
             num_released=len(plan.released_rids),
         )
-        num_prefill = record.num_prefill_tokens
         self.counters.num_steps += 1
-        self.counters.num_prefill_tokens += num_prefill
-        self.counters.num_decode_tokens += plan.total_tokens - num_prefill
+        self.counters.num_prefill_tokens += record.num_prefill_tokens
+        self.counters.num_decode_tokens += record.num_decode_tokens
         self.last_step_record = record
 
     def next_timeout(self) -> Optional[float]:

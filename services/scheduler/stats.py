@@ -16,6 +16,8 @@ class StepRecord:
     rids: list[str]
     num_tokens: list[int]
     is_prefill: list[bool]  # False: a decode (the token sampled last step)
+    num_prefill_tokens: int
+    num_decode_tokens: int
     num_waiting: int  # after this step's admissions
     num_running: int  # slots held, static padding included
     batch_utilization: float  # num_running / max_num_seqs
@@ -23,14 +25,6 @@ class StepRecord:
     num_kv_blocks_total: int
     num_preemptions: int  # in this step
     num_released: int  # requests the worker drops before this step
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(n for n, p in zip(self.num_tokens, self.is_prefill, strict=True) if p)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(n for n, p in zip(self.num_tokens, self.is_prefill, strict=True) if not p)
 
     def to_dict(self) -> dict[str, object]:
         """A flat map for one JSON log line."""

@@ -18,75 +18,88 @@ from shared.protocol.worker_channel import NewSequence, StepPlan
 class BuiltStep:
     plan: StepPlan
     is_prefill: list[bool]  # [B], for the step record
+    num_prefill_tokens: int
     sampled: dict[str, Request]  # rid -> request for every sequence that samples
 
 
 class StepBuilder:
+    """Decodes (one token each, the common case) are kept apart from prefill chunks so the
+    plan's columns for hundreds of decodes are built with list comprehensions."""
+
     def __init__(self, token_budget: int) -> None:
-        self.budget_left = token_budget
+        self.token_budget = token_budget
         self.num_preemptions = 0
-        self.num_live = 0  # entries that are not static padding
-        # rid -> (request, num_tokens, is_prefill), in batch order
-        self._entries: dict[str, tuple[Request, int, bool]] = {}
+        self.decodes: list[Request] = []  # batch order; append directly
+        # rid -> (request, num_tokens) for prefill chunks, in batch order after the decodes
+        self._chunks: dict[str, tuple[Request, int]] = {}
+        self._num_chunk_tokens = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.decodes) + len(self._chunks)
 
-    def add(self, req: Request, num_tokens: int, is_prefill: bool) -> None:
-        self._entries[req.rid] = (req, num_tokens, is_prefill)
-        self.budget_left -= num_tokens
-        if not req.padding:
-            self.num_live += 1
+    @property
+    def budget_left(self) -> int:
+        return self.token_budget - len(self.decodes) - self._num_chunk_tokens
+
+    @property
+    def num_live(self) -> int:
+        """Scheduled requests that are not static padding (padding frees nothing by running)."""
+        return len(self._chunks) + sum(1 for r in self.decodes if not r.padding)
+
+    def add_chunk(self, req: Request, num_tokens: int) -> None:
+        self._chunks[req.rid] = (req, num_tokens)
+        self._num_chunk_tokens += num_tokens
 
     def drop(self, req: Request) -> None:
-        """Unschedule `req` (it is being preempted) and refund its tokens."""
-        entry = self._entries.pop(req.rid, None)
+        """Unschedule `req` (it is being preempted); its tokens go back to the budget."""
+        entry = self._chunks.pop(req.rid, None)
         if entry is not None:
-            self.budget_left += entry[1]
-            if not req.padding:
-                self.num_live -= 1
+            self._num_chunk_tokens -= entry[1]
+        elif req in self.decodes:
+            self.decodes.remove(req)
 
     def build(self, step_id: int, released_rids: list[str]) -> BuiltStep:
         """Assemble the columnar plan and advance each request's worker-side view.
 
-        Per entry O(tokens scheduled + blocks appended); a request new to the worker also
-        copies its token ids and block table into its `NewSequence`.
+        A decode costs O(1) (plus the blocks it appended); a chunk O(its tokens), and a request
+        new to the worker also copies its token ids and block table into a `NewSequence`.
         """
+        decodes = self.decodes
+        rids = [r.rid for r in decodes]
+        starts = [r.num_computed_tokens for r in decodes]
+        token_ids = [r.token_ids[r.num_computed_tokens] for r in decodes]
+        new_block_ids = [r.block_ids[r.num_sent_blocks :] for r in decodes]
+        num_tokens = [1] * len(decodes)
+        sample = [True] * len(decodes)
+        is_prefill = [False] * len(decodes)
+        sampled = {r.rid: r for r in decodes}
+        for r in decodes:
+            r.num_computed_tokens += 1
+            r.num_sent_blocks = len(r.block_ids)
         new_seqs: list[NewSequence] = []
-        rids: list[str] = []
-        starts: list[int] = []
-        num_tokens: list[int] = []
-        token_ids: list[int] = []
-        new_block_ids: list[list[int]] = []
-        sample: list[bool] = []
-        is_prefill: list[bool] = []
-        sampled: dict[str, Request] = {}
-        for req, n, prefill in self._entries.values():
+        for req, n in self._chunks.values():
             start = req.num_computed_tokens
             rids.append(req.rid)
             starts.append(start)
             num_tokens.append(n)
-            is_prefill.append(prefill)
-            tokens = req.token_ids
-            if n == 1:
-                token_ids.append(tokens[start])
-            else:
-                token_ids.extend(tokens[start : start + n])
-            blocks = req.block_ids
+            is_prefill.append(True)
+            token_ids.extend(req.token_ids[start : start + n])
             if not req.known_to_worker:
                 seq = NewSequence(
-                    req.rid, list(tokens), req.num_prompt_tokens, list(blocks), req.sampling
+                    req.rid,
+                    list(req.token_ids),
+                    req.num_prompt_tokens,
+                    list(req.block_ids),
+                    req.sampling,
                 )
                 new_seqs.append(seq)
                 new_block_ids.append([])
                 req.known_to_worker = True
-            elif len(blocks) > req.num_sent_blocks:
-                new_block_ids.append(blocks[req.num_sent_blocks :])
             else:
-                new_block_ids.append([])
-            req.num_sent_blocks = len(blocks)
+                new_block_ids.append(req.block_ids[req.num_sent_blocks :])
+            req.num_sent_blocks = len(req.block_ids)
             req.num_computed_tokens = start + n
-            done = start + n == len(tokens)
+            done = start + n == len(req.token_ids)
             sample.append(done)
             if done:
                 sampled[req.rid] = req
@@ -101,4 +114,4 @@ class StepBuilder:
             sample,
             released_rids,
         )
-        return BuiltStep(plan, is_prefill, sampled)
+        return BuiltStep(plan, is_prefill, self._num_chunk_tokens, sampled)

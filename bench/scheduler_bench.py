@@ -1,0 +1,131 @@
+"""The scheduler core's own cost per step: one `schedule()` + one `update()`, no worker, no I/O.
+
+    PYTHONPATH=. .venv/bin/python bench/scheduler_bench.py --running 256,1024 --steps 200
+
+For each N it fills the batch with N requests of `--context` tokens (block size 16), runs them
+until all N are decoding, then times `--steps` steps of pure decode, and again `--steps` mixed
+steps in which a new `--context`-token prompt is prefilled in `--chunk`-token chunks beside the N
+decodes. The "worker" answers instantly with a fixed token; building its answer is not timed.
+Goal: <= 200 us per step at 256 running. Run it on a quiet machine only (not while tests or
+other benchmarks run); the figures go in docs/PERFORMANCE.md. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from services.scheduler import Scheduler, SchedulerConfig
+from shared.protocol.engine_channel import SubmitRequest
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import StepPlan, StepResult
+
+TOKEN = 1000  # every prompt and sampled token: content does not matter to the scheduler
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--running", default="256,1024", help="running decodes, comma-separated")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per scenario")
+    p.add_argument("--context", type=int, default=2048, help="tokens per request when timed")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk in the mixed steps")
+    p.add_argument("--out", type=Path, default=Path("results/scheduler_bench.json"))
+    return p.parse_args(argv)
+
+
+def _answer(plan: StepPlan) -> StepResult:
+    rids = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+    return StepResult(plan.step_id, rids, [TOKEN] * len(rids))
+
+
+def _submit(rid: str, prompt_len: int, max_tokens: int) -> SubmitRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SubmitRequest(rid, [TOKEN] * prompt_len, sampling)
+
+
+def _warm_up(n: int, args: argparse.Namespace, steps: int) -> Scheduler:
+    """N requests whose prompt is `context - 1` tokens, prefilled and decoding."""
+    bs = args.block_size
+    blocks_each = -(-(args.context + 2 * steps + 16) // bs)
+    config = SchedulerConfig(
+        max_num_seqs=n + 1,  # room for the prompt of the mixed steps
+        max_num_batched_tokens=max(n + args.chunk, 65536),  # large: a short warm-up
+        chunk_size=args.chunk,
+        max_waiting=n + 4 * steps,
+        watermark=0.0,
+    )
+    num_blocks = (n + 2) * blocks_each
+    sched = Scheduler(config, num_blocks, bs, 16 * args.context, [0])
+    for i in range(n):
+        sched.add_request(_submit(f"req-{i:05d}", args.context - 1, 1 << 20))
+    while True:
+        plan = sched.schedule()
+        assert plan is not None
+        sched.update(_answer(plan))
+        rec = sched.last_step_record
+        if rec is not None and not any(rec.is_prefill) and len(rec.rids) == n:
+            return sched
+
+
+def _time_steps(sched: Scheduler, steps: int, new_prompt_len: int) -> dict[str, float]:
+    """Time schedule() and update() separately; with `new_prompt_len`, a new prompt arrives
+    as soon as the previous one is done (so every step holds a prefill chunk)."""
+    sched_us: list[float] = []
+    update_us: list[float] = []
+    arrivals = 0
+    gc.collect()
+    for _ in range(steps):
+        if new_prompt_len and (arrivals == 0 or not sched.is_live(f"new-{arrivals:05d}")):
+            arrivals += 1
+            sched.add_request(_submit(f"new-{arrivals:05d}", new_prompt_len, 1))
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        assert plan is not None
+        result = _answer(plan)
+        t2 = time.perf_counter()
+        sched.update(result)
+        t3 = time.perf_counter()
+        sched_us.append((t1 - t0) * 1e6)
+        update_us.append((t3 - t2) * 1e6)
+    total = [a + b for a, b in zip(sched_us, update_us, strict=True)]
+    return {
+        "schedule_us_median": statistics.median(sched_us),
+        "update_us_median": statistics.median(update_us),
+        "step_us_median": statistics.median(total),
+        "step_us_p90": sorted(total)[int(0.9 * (len(total) - 1))],
+        "step_us_max": max(total),
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    results = []
+    for n in (int(x) for x in args.running.split(",")):
+        sched = _warm_up(n, args, args.steps)
+        decode = _time_steps(sched, args.steps, 0)
+        sched = _warm_up(n, args, args.steps)
+        mixed = _time_steps(sched, args.steps, args.context)
+        for name, r in (("decode", decode), ("mixed", mixed)):
+            results.append({"running": n, "scenario": name, **r})
+            print(
+                f"N={n:5d} {name:6s} step {r['step_us_median']:8.1f} us median "
+                f"(schedule {r['schedule_us_median']:.1f} + update {r['update_us_median']:.1f}),"
+                f" p90 {r['step_us_p90']:.1f}, max {r['step_us_max']:.1f}",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: str(v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"args": meta, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
