@@ -19,8 +19,9 @@ from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.policy import WaitingQueue, pick_victim
+from services.scheduler.policy import WaitingQueue
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters, StepRecord
 from services.scheduler.step import BuiltStep, StepBuilder
 from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
@@ -54,13 +55,12 @@ class Scheduler:
         self._clock = clock
         self._rules = BatchingRules.from_config(config)
         self._waiting = WaitingQueue(config.policy, config.max_wait)
-        self._running: dict[str, Request] = {}  # batch order (admission order)
+        requeue = self._waiting if self._rules.preempts_to_queue else None
+        self._batch = RunningSet(self.pool, config.policy, requeue)
         self._live: dict[str, Request] = {}  # waiting + running, not finished
-        self._released: list[str] = []  # for the next plan's released_rids
         self._inflight: Optional[dict[str, Request]] = None  # sampling requests of the plan
         self._inflight_step: Optional[int] = None
         self._step_id = 0
-        self._round = 0  # schedule() passes; a request preempted in this one waits for the next
         self._seq_no = 0
         self.counters = Counters()
         self.last_step_record: Optional[StepRecord] = None
@@ -72,7 +72,7 @@ class Scheduler:
         problem = admission_problem(
             req.rid,
             len(req.prompt_token_ids),
-            is_duplicate=req.rid in self._live or req.rid in self._running,
+            is_duplicate=req.rid in self._live or req.rid in self._batch,
             max_model_len=self.max_model_len,
             kv_capacity=self.pool.num_blocks * self.block_size,
             num_waiting=len(self._waiting),
@@ -113,7 +113,7 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:
             self._waiting.remove(req)
         else:
-            self._drop_running(req)
+            self._batch.drop(req)
         self._mark_finished(req, "abort", self._clock())
         req.finish_reason = reason
         return req.output([], [], "abort")
@@ -126,9 +126,9 @@ class Scheduler:
             self._mark_finished(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
         self._waiting = WaitingQueue(self.config.policy, self.config.max_wait)
-        self._running.clear()
-        self._released.clear()
         self.pool = BlockPool(self.pool.num_blocks, self.block_size, self.config.watermark)
+        requeue = self._waiting if self._rules.preempts_to_queue else None
+        self._batch = RunningSet(self.pool, self.config.policy, requeue)
         self._inflight = None
         self._inflight_step = None
         return outputs
@@ -146,10 +146,11 @@ class Scheduler:
         if self._inflight_step is not None:
             raise RuntimeError("schedule() called while a plan is in flight")
         now = self._clock()
-        self._round += 1
+        self._batch.round += 1
         step = StepBuilder(self.config.max_num_batched_tokens)
-        self._end_static_batch_if_done()
-        if self._rules.should_form_batch(now, self._waiting, len(self._running)):
+        if self._rules.keeps_finished_as_padding:
+            self._batch.end_static_batch_if_done()
+        if self._rules.should_form_batch(now, self._waiting, len(self._batch)):
             self._form_batch(now)
         prefills = self._schedule_decodes(step)
         self._schedule_running_prefills(step, prefills)
@@ -158,16 +159,16 @@ class Scheduler:
         if len(step) == 0 and step.num_preemptions > 0:
             # Everyone was preempted: the pool is free now, so start again rather than
             # return None while work is waiting (the loop would sleep on it).
-            self._round += 1
-            self._schedule_running_prefills(step, list(self._running.values()))
+            self._batch.round += 1
+            self._schedule_running_prefills(step, list(self._batch.requests.values()))
             if self._rules.admits_every_step:
                 self._admit_waiting(step, now)
         if len(step) == 0:
             self.last_step_record = None
             return None
         self._step_id += 1
-        built = step.build(self._step_id, self._released)
-        self._released = []
+        built = step.build(self._step_id, self._batch.take_released())
+        self.counters.num_preemptions += step.num_preemptions
         for req in built.plan.new_seqs:
             if req.rid in self._live and self._live[req.rid].first_scheduled is None:
                 self._live[req.rid].first_scheduled = now
@@ -184,16 +185,16 @@ class Scheduler:
         padding: list[Request] = []
         prefills: list[Request] = []
         append = step.decodes.append
-        for req in list(self._running.values()):
+        for req in list(self._batch.requests.values()):
             computed = req.num_computed_tokens
             if computed < req.prefill_len:
-                if req.preempted_at_step != self._round:  # not preempted earlier in this loop
+                if req.preempted_at_step != self._batch.round:  # not preempted earlier in this loop
                     prefills.append(req)
                 continue
             if req.padding:
                 padding.append(req)
                 continue
-            if computed >= len(req.block_ids) * block_size and not self._grow(
+            if computed >= len(req.block_ids) * block_size and not self._batch.grow(
                 req, computed + 1, step
             ):
                 continue  # it was preempted itself
@@ -204,16 +205,12 @@ class Scheduler:
 
     def _schedule_padding(self, req: Request, step: StepBuilder) -> None:
         """Static batching computes a finished member while blocks are free; never preempts."""
-        if not req.known_to_worker or req.rid not in self._running:
+        if not req.known_to_worker or req.rid not in self._batch:
             return  # evicted: it only holds its slot now
         if len(req.token_ids) >= self._max_len:
             return
-        if req.num_computed_tokens >= len(req.block_ids) * self.block_size:
-            blocks = self.pool.allocate(1)
-            if blocks is None:
-                return
-            req.block_ids.extend(blocks)
-        step.decodes.append(req)
+        if self._batch.grow_if_free(req, req.num_computed_tokens + 1):
+            step.decodes.append(req)
 
     def _schedule_running_prefills(self, step: StepBuilder, prefills: list[Request]) -> None:
         """Running requests still in prefill get a chunk each, in batch order, while budget
@@ -225,8 +222,8 @@ class Scheduler:
             if (
                 req.num_computed_tokens >= req.prefill_len
                 or req.padding
-                or req.rid not in self._running
-                or req.preempted_at_step == self._round
+                or req.rid not in self._batch
+                or req.preempted_at_step == self._batch.round
             ):
                 continue  # preempted (or, padding) since the list was made
             start = req.num_computed_tokens
@@ -234,13 +231,13 @@ class Scheduler:
             # Shrink the chunk to the blocks that are free rather than preempt someone.
             fit = (len(req.block_ids) + self.pool.num_free) * self.block_size - start
             if fit <= 0 and step.num_live == 0:
-                if not self._grow(req, start + n, step):
+                if not self._batch.grow(req, start + n, step):
                     continue
                 fit = n
             n = min(n, fit)
             if n <= 0:
                 continue
-            self._grow(req, start + n, step)
+            self._batch.grow(req, start + n, step)
             step.add_chunk(req, n)
 
     def _admit_waiting(self, step: StepBuilder, now: float) -> None:
@@ -249,16 +246,16 @@ class Scheduler:
         admitted: list[Request] = []
         chunk_size = self.config.chunk_size
         for req in self._waiting.ordered(now):
-            if len(self._running) >= self.config.max_num_seqs or step.budget_left == 0:
+            if len(self._batch) >= self.config.max_num_seqs or step.budget_left == 0:
                 break
             n = min(len(req.token_ids), chunk_size, step.budget_left)
             need = self.pool.blocks_needed(0, n)
             # The watermark protects running requests; with none running anyone may start.
-            if not self.pool.can_allocate(need, keep_watermark=bool(self._running)):
+            if not self.pool.can_allocate(need, keep_watermark=len(self._batch) > 0):
                 break
             blocks = self.pool.allocate(need)
             assert blocks is not None  # can_allocate said so
-            self._start_running(req)
+            self._batch.start(req)
             req.block_ids = blocks
             admitted.append(req)
             step.add_chunk(req, n)
@@ -274,77 +271,7 @@ class Scheduler:
             members.append(req)
         for req in members:
             self._waiting.remove(req)
-            self._start_running(req)
-
-    def _start_running(self, req: Request) -> None:
-        req.status = RUNNING
-        req.prefill_len = len(req.token_ids)
-        self._running[req.rid] = req
-
-    def _end_static_batch_if_done(self) -> None:
-        """Static: once no member is live, the padding leaves and the next batch may form."""
-        if not self._rules.keeps_finished_as_padding or not self._running:
-            return
-        if any(not r.padding for r in self._running.values()):
-            return
-        for req in list(self._running.values()):
-            self._drop_running(req)
-
-    # ---- blocks and preemption ---------------------------------------------------------------
-
-    def _grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
-        """Extend `req`'s table to cover `num_positions`, preempting by policy while blocks are
-        short. False when `req` itself was the one preempted."""
-        need = self.pool.blocks_needed(len(req.block_ids), num_positions)
-        if need == 0:
-            return True
-        while not self.pool.can_allocate(need, keep_watermark=False):
-            victim = self._choose_victim()
-            if victim is None:
-                return False  # cannot happen: req itself holds blocks or the pool is empty
-            self._preempt(victim, step)
-            if victim is req:
-                return False
-        blocks = self.pool.allocate(need)
-        assert blocks is not None
-        req.block_ids.extend(blocks)
-        return True
-
-    def _choose_victim(self) -> Optional[Request]:
-        """Static padding first (its tokens are thrown away anyway), then the policy's last."""
-        candidates = [r for r in self._running.values() if r.block_ids]
-        for req in candidates:
-            if req.padding:
-                return req
-        return pick_victim(self.config.policy, candidates)
-
-    def _preempt(self, req: Request, step: StepBuilder) -> None:
-        """Free `req`'s blocks; it recomputes later with its generated tokens kept."""
-        step.drop(req)
-        self.pool.free(req.block_ids)
-        if req.known_to_worker:
-            self._released.append(req.rid)
-        req.reset_for_recompute()
-        if req.padding:
-            return  # an evicted padding slot: never computed again
-        step.num_preemptions += 1
-        self.counters.num_preemptions += 1
-        req.num_preemptions += 1
-        req.preempted_at_step = self._round
-        req.protected = True  # until it samples again: not the next victim
-        if self._rules.preempts_to_queue:
-            del self._running[req.rid]
-            req.status = RequestStatus.WAITING
-            self._waiting.add_preempted(req)
-
-    def _drop_running(self, req: Request) -> None:
-        """Take `req` out of the batch and free its blocks (finished, aborted, batch over)."""
-        del self._running[req.rid]
-        self.pool.free(req.block_ids)
-        req.block_ids = []
-        if req.known_to_worker:
-            self._released.append(req.rid)
-            req.known_to_worker = False
+            self._batch.start(req)
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -402,7 +329,7 @@ class Scheduler:
         if self._rules.keeps_finished_as_padding:
             req.padding = True  # keeps its slot and blocks until the whole batch is done
         else:
-            self._drop_running(req)
+            self._batch.drop(req)
 
     def _mark_finished(self, req: Request, reason: str, now: float) -> None:
         req.status = RequestStatus.FINISHED
@@ -418,10 +345,10 @@ class Scheduler:
         for req in list(sampled):
             if len(req.token_ids) != req.num_computed_tokens:
                 continue
-            if req.padding and req.rid in self._running:
-                self._preempt(req, StepBuilder(0))  # evict: it only holds its slot now
+            if req.padding and req.rid in self._batch:
+                self._batch.preempt(req, StepBuilder(0))  # evict: it only holds its slot now
             elif req.status is RUNNING:
-                self._drop_running(req)
+                self._batch.drop(req)
                 self._mark_finished(req, "error", now)
                 message = "the worker returned no token"
                 outputs.append(req.output([], [], "error", ErrorCode.WORKER_FAILED, message))
@@ -431,7 +358,7 @@ class Scheduler:
 
     def _record_step(self, built: BuiltStep, num_preempted: int, now: float) -> None:
         plan = built.plan
-        num_running = len(self._running)
+        num_running = len(self._batch)
         record = StepRecord(
             step_id=plan.step_id,
             time=now,
@@ -455,14 +382,14 @@ class Scheduler:
 
     def next_timeout(self) -> Optional[float]:
         """Seconds until a timer may change what schedule() does (a partial batch forming)."""
-        return self._rules.next_timeout(self._clock(), self._waiting, len(self._running))
+        return self._rules.next_timeout(self._clock(), self._waiting, len(self._batch))
 
     def stats(self) -> dict[str, float]:
         """Gauges now and counters since start, for the stats reply and /metrics."""
         out: dict[str, float] = {
             "num_waiting": len(self._waiting),
-            "num_running": len(self._running),
-            "batch_utilization": len(self._running) / self.config.max_num_seqs,
+            "num_running": len(self._batch),
+            "batch_utilization": len(self._batch) / self.config.max_num_seqs,
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_usage": self.pool.num_used / self.pool.num_blocks,
@@ -480,21 +407,21 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """True while anything waits or runs (static padding included)."""
-        return bool(self._live) or bool(self._running)
+        return bool(self._live) or len(self._batch) > 0
 
     def check_integrity(self) -> None:
         """Raise AssertionError if an invariant is broken. O(total blocks): tests only."""
-        tables = [r.block_ids for r in self._running.values()]
+        tables = [r.block_ids for r in self._batch.requests.values()]
         self.pool.check_integrity(tables)
-        assert len(self._running) <= self.config.max_num_seqs, "too many running"
+        assert len(self._batch) <= self.config.max_num_seqs, "too many running"
         for req in self._live.values():
             if req.status is RequestStatus.WAITING:
                 assert not req.block_ids and req in self._waiting, f"{req.rid} waiting wrongly"
             else:
-                assert req.status is RUNNING and req.rid in self._running, f"{req.rid} lost"
-        for req in self._running.values():
+                assert req.status is RUNNING and req.rid in self._batch, f"{req.rid} lost"
+        for req in self._batch.requests.values():
             assert req.padding or req.rid in self._live, f"{req.rid} runs but is not live"
             assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
-        assert len(self._waiting) + sum(not r.padding for r in self._running.values()) == len(
-            self._live
-        ), "live requests are neither waiting nor running"
+        assert len(self._waiting) + sum(
+            not r.padding for r in self._batch.requests.values()
+        ) == len(self._live), "live requests are neither waiting nor running"

@@ -208,3 +208,32 @@ def test_fcfs_preempts_the_latest_arrival_and_resumes_it_first() -> None:
     assert run.final("early").timings.num_preemptions == 0  # type: ignore[union-attr]
     assert run.final("late").timings.num_preemptions >= 1  # type: ignore[union-attr]
     assert len(run.tokens("late")) == 20
+
+
+def test_a_resumed_request_reaches_the_worker_as_new_with_all_its_tokens() -> None:
+    sched, worker, clock = make(num_blocks=8, block_size=4, max_num_seqs=2, watermark=0.0)
+    sched.add_request(submit("early", 4, 20))
+    sched.add_request(submit("late", 4, 20))
+    run = Run()
+    released_at = resumed = None
+    for i in range(200):
+        plan = sched.schedule()
+        if plan is None:
+            break
+        if "late" in plan.released_rids and released_at is None:
+            released_at = i
+            assert sched.is_live("late")  # preempted, not finished
+            rec = sched.last_step_record
+            assert rec is not None and rec.num_preemptions >= 1
+        new = [s for s in plan.new_seqs if s.rid == "late"]
+        if released_at is not None and new and resumed is None:
+            resumed = new[0]
+            assert plan.start_positions[plan.rids.index("late")] == 0
+        run.add(sched.update(worker.execute(plan)))
+    assert released_at is not None and resumed is not None
+    assert resumed.num_prompt_tokens == 4
+    produced_before = len(resumed.token_ids) - 4
+    assert produced_before > 0
+    assert resumed.token_ids[4:] == run.tokens("late")[:produced_before]
+    # recomputed in one chunk: its whole table covers every token it holds
+    assert len(resumed.block_ids) == -(-len(resumed.token_ids) // 4)

@@ -1,0 +1,112 @@
+"""The running batch and its KV blocks: admission into the batch, growth of block tables,
+preemption by policy, and release (what the worker must drop with the next plan).
+
+Only running requests hold blocks. A preempted request loses all of them and keeps its tokens;
+it recomputes later (in continuous mode from the waiting queue's head, in dynamic/static mode
+in place, as a member of its batch).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.policy import WaitingQueue, pick_victim
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.step import StepBuilder
+
+
+class RunningSet:
+    def __init__(self, pool: BlockPool, policy: str, requeue: Optional[WaitingQueue]) -> None:
+        """`requeue`: where preempted requests go; None keeps them in the batch (in place)."""
+        self.pool = pool
+        self.policy = policy
+        self.requeue = requeue
+        self.requests: dict[str, Request] = {}  # batch order (admission order)
+        self.released: list[str] = []  # rids for the next plan's released_rids
+        self.round = 0  # schedule() pass: a request preempted in this one waits for the next
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.requests
+
+    def take_released(self) -> list[str]:
+        released, self.released = self.released, []
+        return released
+
+    def start(self, req: Request) -> None:
+        """`req` joins the batch; everything it holds is prefill until it samples."""
+        req.status = RequestStatus.RUNNING
+        req.prefill_len = len(req.token_ids)
+        self.requests[req.rid] = req
+
+    def drop(self, req: Request) -> None:
+        """Take `req` out of the batch and free its blocks (finished, aborted, batch over)."""
+        del self.requests[req.rid]
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        if req.known_to_worker:
+            self.released.append(req.rid)
+            req.known_to_worker = False
+
+    def grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
+        """Extend `req`'s table to cover `num_positions`, preempting by policy while blocks are
+        short. False when `req` itself was the one preempted."""
+        need = self.pool.blocks_needed(len(req.block_ids), num_positions)
+        if need == 0:
+            return True
+        while not self.pool.can_allocate(need, keep_watermark=False):
+            victim = self._choose_victim()
+            if victim is None:
+                return False  # cannot happen: req itself holds blocks or the pool is empty
+            self.preempt(victim, step)
+            if victim is req:
+                return False
+        blocks = self.pool.allocate(need)
+        assert blocks is not None  # can_allocate said so
+        req.block_ids.extend(blocks)
+        return True
+
+    def grow_if_free(self, req: Request, num_positions: int) -> bool:
+        """Extend `req`'s table only from free blocks (never preempts)."""
+        need = self.pool.blocks_needed(len(req.block_ids), num_positions)
+        blocks = self.pool.allocate(need) if need else []
+        if blocks is None:
+            return False
+        req.block_ids.extend(blocks)
+        return True
+
+    def _choose_victim(self) -> Optional[Request]:
+        """Static padding first (its tokens are thrown away anyway), then the policy's last."""
+        candidates = [r for r in self.requests.values() if r.block_ids]
+        for req in candidates:
+            if req.padding:
+                return req
+        return pick_victim(self.policy, candidates)
+
+    def preempt(self, req: Request, step: StepBuilder) -> None:
+        """Free `req`'s blocks; it recomputes later with its generated tokens kept. Static
+        padding is only evicted: it keeps its slot and is never computed again."""
+        step.drop(req)
+        self.pool.free(req.block_ids)
+        if req.known_to_worker:
+            self.released.append(req.rid)
+        req.reset_for_recompute()
+        if req.padding:
+            return
+        step.num_preemptions += 1
+        req.num_preemptions += 1
+        req.preempted_at_step = self.round
+        req.protected = True  # until it samples again: not the next victim
+        if self.requeue is not None:
+            del self.requests[req.rid]
+            req.status = RequestStatus.WAITING
+            self.requeue.add_preempted(req)
+
+    def end_static_batch_if_done(self) -> None:
+        """Static: once no member is live, the padding leaves and the next batch may form."""
+        if self.requests and all(r.padding for r in self.requests.values()):
+            for req in list(self.requests.values()):
+                self.drop(req)
