@@ -10,10 +10,12 @@ prefilled beside it. 32 sequences is where llama.cpp's own server peaks on this 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, get_args
 
-POLICIES = ("fcfs", "priority", "short-first")
-BATCHING_MODES = ("continuous", "dynamic", "static")
+Policy = Literal["fcfs", "priority", "short-first"]
+Batching = Literal["continuous", "dynamic", "static"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+BATCHING_MODES: tuple[str, ...] = get_args(Batching)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +27,8 @@ class SchedulerConfig:
     batch_timeout: float = 0.05  # s: dynamic/static start a partial batch after this wait
     max_wait: float = 5.0  # s: short-first promotes a request that waited this long
     max_waiting: int = 4096  # waiting-queue bound; beyond it requests are rejected (overloaded)
-    policy: str = "fcfs"  # fcfs | priority | short-first
-    batching: str = "continuous"  # continuous | dynamic | static
+    policy: Policy = "fcfs"
+    batching: Batching = "continuous"
     # Fraction of the KV pool new admissions must leave free, so that running decodes can grow
     # for a while before anyone must be preempted.
     watermark: float = 0.01
