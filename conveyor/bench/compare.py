@@ -48,7 +48,9 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-batching", action="store_true")
     g.add_argument("--batch-size", type=int, default=16,
                    help="B: static/dynamic batch size and continuous max_num_seqs")  # fmt: skip
-    g.add_argument("--batch-timeout", type=float, default=0.05)
+    # Long enough that a burst is all queued before static/dynamic form their first batch (the
+    # frontend forwards requests one by one); only a last, partial batch ever waits for it.
+    g.add_argument("--batch-timeout", type=float, default=0.5)
     g.add_argument("--scenarios", default=",".join(SCENARIOS))
     g.add_argument("--modes", default=",".join(MODES))
     g.add_argument("--high-concurrency-factor", type=int, default=4)

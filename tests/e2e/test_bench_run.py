@@ -5,7 +5,7 @@ EOS ignored so every output length is known in advance. Checks the JSON (vLLM's 
 token totals exact), the pictures (valid PNGs; one timeline row per request), and the same
 workload through the OpenAI-compatible backend (the engine's gateway, or one started here).
 The last test runs `--compare-batching` itself on the simulated worker (two engine starts).
-Rough runtime: 40-90 s on the shared 2-core machine (mostly process start-up and plotting).
+Rough runtime: 60-150 s on the shared 2-core machine (process start-ups, real-model steps, plots).
 """
 
 from __future__ import annotations
