@@ -80,6 +80,8 @@ class WaitingQueue:
     def add_preempted(self, req: Request) -> None:
         """A preempted request: back to the head (fcfs, short-first) or by its key (priority)."""
         if self.policy == "priority":
+            # By key, not at the head. (It lands at the end of `_by_arrival`; only dynamic and
+            # static batching read arrival order there, and they never requeue.)
             self.add(req)
             return
         i = 0  # keep the head in arrival order when several are preempted
