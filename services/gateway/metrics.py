@@ -61,23 +61,22 @@ _TOKEN_GAP_BUCKETS = (
 )
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
-# Our gauge -> the scheduler stats keys that may hold it, first present wins (stats.py names).
+# Our gauge -> the scheduler stats keys that may hold it, first present wins (the names of
+# services/scheduler/scheduler.py `stats()`).
 _ENGINE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "num_requests_running": ("Requests in the running batch.", ("num_running", "running")),
-    "num_requests_waiting": ("Requests in the waiting queue.", ("num_waiting", "waiting")),
-    "kv_cache_usage_perc": (
-        "Fraction of KV cache blocks in use (1 = full).",
-        ("kv_cache_usage", "kv_usage", "kv_cache_usage_perc"),
-    ),
-    "num_kv_blocks_used": ("KV cache blocks in use.", ("num_kv_blocks_used",)),
-    "num_kv_blocks_total": ("KV cache blocks in the pool.", ("num_kv_blocks_total",)),
+    "num_requests_running": ("Requests in the running batch.", ("num_running",)),
+    "num_requests_waiting": ("Requests in the waiting queue.", ("num_waiting",)),
+    "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (1 = full).", ("kv_usage",)),
+    "kv_cache_blocks_used": ("KV cache blocks in use.", ("kv_blocks_used",)),
+    "kv_cache_blocks_total": ("KV cache blocks in the pool.", ("kv_blocks_total",)),
+    "batch_utilization": ("Running requests / max_num_seqs.", ("batch_utilization",)),
 }
 _ENGINE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "num_preemptions": (
-        "Preemptions since the engine started.",
-        ("num_preemptions_total", "num_preemptions", "preemptions"),
-    ),
+    "num_preemptions": ("Preemptions since the engine started.", ("num_preemptions",)),
 }
+# Any other scheduler stat: `num_*` are counters since start (the scheduler's convention: its
+# only `num_*` gauges are mapped above), anything else a gauge; named conveyor:engine_<key>.
+_COUNTER_PREFIX = "num_"
 
 
 class GatewayMetrics:
@@ -193,23 +192,23 @@ class EngineStatsCollector:
             value = _first(self._engine, keys)
             if value is not None:
                 yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        # Everything else the scheduler reports, as is, so new stats show up without a release.
-        known = {
-            k for _, keys in (*_ENGINE_GAUGES.values(), *_ENGINE_COUNTERS.values()) for k in keys
-        }
+        # Everything else the scheduler reports, so new stats show up without a release.
+        known = {k for _, keys in (*_ENGINE_GAUGES.values(), *_ENGINE_COUNTERS.values())
+                 for k in keys}  # fmt: skip
         for key, value in sorted(self._engine.items()):
-            if key not in known:
-                yield GaugeMetricFamily(
-                    PREFIX + "engine_" + _clean(key),
-                    f"Scheduler stat '{key}' as reported.",
-                    value=value,
-                )
+            if key in known:
+                continue
+            name, doc = PREFIX + "engine_" + _clean(key), f"Scheduler stat '{key}'."
+            if key.startswith(_COUNTER_PREFIX):
+                yield CounterMetricFamily(name, doc, value=value)
+            else:
+                yield GaugeMetricFamily(name, doc, value=value)
         for key, value in sorted(self._frontend.items()):
-            yield GaugeMetricFamily(
-                PREFIX + "frontend_" + _clean(key),
-                f"Frontend stat '{key}' as reported.",
-                value=value,
-            )
+            name, doc = PREFIX + "frontend_" + _clean(key), f"Frontend stat '{key}'."
+            if key.endswith("_total"):
+                yield CounterMetricFamily(name, doc, value=value)
+            else:
+                yield GaugeMetricFamily(name, doc, value=value)
 
 
 class StatsPoller:
