@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_scheduler_support import Run, drive, make, submit, token_for
@@ -34,9 +35,9 @@ from shared.protocol.worker_channel import StepResult, TokenLogprobs
         {"max_waiting": True},
     ],
 )
-def test_config_rejects_bad_values(kw: dict[str, object]) -> None:
+def test_config_rejects_bad_values(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="invalid scheduler config"):
-        SchedulerConfig(**kw)  # type: ignore[arg-type]
+        SchedulerConfig(**kw)
 
 
 def test_config_defaults_are_valid_and_batch_size_follows_max_num_seqs() -> None:

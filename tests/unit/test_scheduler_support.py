@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -103,9 +103,11 @@ class FakeClock:
         self.now += dt
 
 
-def submit(rid: str, prompt_len: int, max_tokens: int, **kw: object) -> SubmitRequest:
-    priority = int(kw.pop("priority", 0))  # type: ignore[call-overload]
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+def submit(
+    rid: str, prompt_len: int, max_tokens: int, priority: int = 0, **sampling_kw: Any
+) -> SubmitRequest:
+    """A greedy request with a prompt derived from its id."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling_kw)
     prompt = [(zlib.crc32(rid.encode()) + i) % 997 + 3 for i in range(prompt_len)]
     return SubmitRequest(rid, prompt, sampling, priority=priority)
 
@@ -124,6 +126,11 @@ class Run:
 
     def tokens(self, rid: str) -> list[int]:
         return [t for out in self.outputs[rid] for t in out.new_token_ids]
+
+    def num_preemptions(self, rid: str) -> int:
+        timings = self.final(rid).timings
+        assert timings is not None, "a final output carries timings"
+        return timings.num_preemptions
 
     def final(self, rid: str) -> RequestOutput:
         finals = [o for o in self.outputs[rid] if o.finish_reason is not None]
@@ -174,18 +181,13 @@ def make(
     block_size: int = 4,
     max_model_len: int = 256,
     eos: tuple[int, ...] = (),
-    **config: object,
+    **config: Any,
 ) -> tuple[Scheduler, CheckingWorker, FakeClock]:
+    """A scheduler (max_num_seqs 8 unless given) on a fake clock, and its checking worker."""
     config.setdefault("max_num_seqs", 8)
     clock = FakeClock()
-    sched = Scheduler(
-        SchedulerConfig(**config),
-        num_blocks,
-        block_size,
-        max_model_len,  # type: ignore[arg-type]
-        list(eos),
-        clock=clock,
-    )
+    sched_config = SchedulerConfig(**config)
+    sched = Scheduler(sched_config, num_blocks, block_size, max_model_len, list(eos), clock=clock)
     return sched, CheckingWorker(num_blocks, block_size), clock
 
 
