@@ -65,7 +65,10 @@ def plot_sweep(
             ax_l.plot(xs, [r[key] for r in results], style, label=key)
     ax_l.set_ylabel("ms")
     ax_l.set_yscale("log")
+    spread = min(xs) > 0 and max(xs) / min(xs) >= 8
     for ax in (ax_t, ax_l):
+        if spread:  # 1, 4, 16, 64 ...: evenly spaced on a log axis
+            ax.set_xscale("log", base=2)
         ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
