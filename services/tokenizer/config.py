@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("DRAIN_TIMEOUT", 30.0),
         help="SIGTERM grace period in seconds (CONVEYOR_DRAIN_TIMEOUT)",
     )
+    p.add_argument(
+        "--scheduler-timeout",
+        type=float,
+        default=env_float("SCHEDULER_TIMEOUT", 10.0),
+        help="seconds of scheduler silence before in-flight requests fail with "
+        "engine_unreachable (CONVEYOR_SCHEDULER_TIMEOUT)",
+    )
     p.add_argument("--log-file", type=Path, default=Path(v) if (v := env_str("LOG_FILE")) else None)
     p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
     return p
@@ -108,4 +115,5 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_frame_bytes=args.max_frame_bytes,
         hard_cap_bytes=max(args.hard_cap_bytes, args.max_frame_bytes),
         drain_timeout_s=args.drain_timeout,
+        scheduler_timeout_s=args.scheduler_timeout,
     )
