@@ -55,10 +55,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.prefill_len
-
     def timings(self) -> RequestTimings:
         return RequestTimings(
             arrival=self.arrival_time,

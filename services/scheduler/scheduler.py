@@ -397,10 +397,6 @@ class Scheduler:
         out.update(self.counters.as_stats())
         return out
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     def is_live(self, rid: str) -> bool:
         """True while `rid` waits or runs (not yet finished or aborted)."""
         return rid in self._live
