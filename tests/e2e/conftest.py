@@ -1,0 +1,116 @@
+"""Shared e2e fixtures: ONE real engine per test session, and the transformers reference.
+
+`engine` starts the real stack through LocalStack (tokenizer, scheduler, worker with the real
+SmolLM2 in fp32, and the HTTP gateway when services.gateway exists) on free loopback ports, and
+stops it at the end of the session. Tests that must break an engine (kill its worker, drain it)
+start their own instead of using this one.
+
+`hf_reference` loads transformers' fp32 model from the same converted folder, once per session.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from conveyor.launcher import LocalStack, StackSettings, gateway_available
+
+READY_TIMEOUT_S = 600.0  # model load on a busy 2-core machine; normally ~15-40 s
+# Small enough to allocate fast, large enough for 64 concurrent short requests (each block
+# holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
+ENGINE_WORKER_FLAGS = {"dtype": "float32", "kv_cache_memory": "384MiB", "max_model_len": "2048"}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (tests run in parallel: never a fixed port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What tests get: where to reach the shared engine and where its logs are."""
+
+    frontend_address: str  # the client protocol (docs/protocol.md)
+    http_url: Optional[str]  # the OpenAI-compatible gateway, None when not started
+    log_dir: Path  # <service>.log files (JSON lines)
+    stack: LocalStack  # pids and settings; do not stop or break it
+
+    def log_records(self, service: str) -> list[dict[str, Any]]:
+        """Every JSON line of one service's log so far."""
+        import json
+
+        path = self.log_dir / f"{service}.log"
+        out = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+
+def engine_settings(log_dir: Path, gateway: bool = True, **overrides: Any) -> StackSettings:
+    """Settings for a real-model stack on free ports (also used by tests that need their own)."""
+    fields: dict[str, Any] = dict(
+        frontend_address=f"tcp://127.0.0.1:{free_port()}",
+        worker_flags=dict(ENGINE_WORKER_FLAGS),
+        gateway=gateway and gateway_available(),
+        http_port=free_port(),
+        log_dir=log_dir,
+        drain_timeout_s=5.0,
+    )
+    fields.update(overrides)
+    return StackSettings(**fields)
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    stack = LocalStack(engine_settings(tmp_path_factory.mktemp("engine-logs")))
+    stack.start()
+    try:
+        stack.wait_ready(timeout=READY_TIMEOUT_S)
+        yield Engine(stack.frontend_address, stack.http_url, stack.log_dir, stack)
+    finally:
+        stack.stop()
+
+
+@dataclass(frozen=True)
+class HFReference:
+    """transformers' fp32 model and tokenizer on the converted folder the engine serves."""
+
+    model: Any
+    tokenizer: Any
+
+    def greedy(self, prompt: str, max_new_tokens: int) -> tuple[list[int], str]:
+        """Greedy continuation of a raw prompt (no chat template): (new ids, their text)."""
+        import torch
+
+        ids = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.eos_token_id,
+            )
+        new_ids = out[0, ids.shape[1] :].tolist()
+        return new_ids, self.tokenizer.decode(new_ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.model_files import prepare_model
+
+    folder = prepare_model(None)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    return HFReference(model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
