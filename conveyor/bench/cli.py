@@ -41,13 +41,31 @@ SWEEPABLE = ("max-concurrency", "request-rate")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from conveyor.bench.compare import add_compare_flags  # compare imports the launcher
+
     p = argparse.ArgumentParser(
         prog="conveyor bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    t = p.add_argument_group("target")
+    _add_target_flags(p.add_argument_group("target"))
+    _add_workload_flags(p.add_argument_group("workload"))
+    _add_arrival_flags(p.add_argument_group("arrivals"))
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("results/bench"))
+    o.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS", help="SLOs (ms)")
+    o.add_argument("--percentiles", default="90,99")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+    add_compare_flags(p)
+    return p
+
+
+def _add_target_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--backend", choices=BACKENDS, default="conveyor")
-    t.add_argument("--address", default=env_str("FRONTEND_ADDR", DEFAULT_ADDRESS),
-                   help="Conveyor frontend (CONVEYOR_FRONTEND_ADDR)")  # fmt: skip
+    t.add_argument(
+        "--address",
+        default=env_str("FRONTEND_ADDR", DEFAULT_ADDRESS),
+        help="Conveyor frontend (CONVEYOR_FRONTEND_ADDR)",
+    )
     t.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
     t.add_argument(
         "--model",
@@ -60,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("logs"),
         help="the engine's log folder; its scheduler.log draws the timeline",
     )
-    w = p.add_argument_group("workload")
+
+
+def _add_workload_flags(w: argparse._ArgumentGroup) -> None:
     w.add_argument("--workload", choices=WORKLOADS, default="random")
     w.add_argument(
         "--num-prompts",
@@ -81,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ignore-eos", action="store_true", help="outputs exactly max_tokens long")
     w.add_argument("--temperature", type=float, default=0.0)
-    a = p.add_argument_group("arrivals")
+
+
+def _add_arrival_flags(a: argparse._ArgumentGroup) -> None:
     a.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     a.add_argument("--max-concurrency", type=int, default=None)
@@ -92,16 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME:V1,V2,...",
         help=f"repeat the run for each value of one of: {', '.join(SWEEPABLE)}",
     )
-    o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=Path("results/bench"))
-    o.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS", help="SLOs (ms)")
-    o.add_argument("--percentiles", default="90,99")
-    o.add_argument("--no-plots", action="store_true")
-    o.add_argument("--no-progress", action="store_true")
-    from conveyor.bench.compare import add_compare_flags  # compare imports the launcher
-
-    add_compare_flags(p)
-    return p  # fmt: skip
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -125,18 +137,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
-        name=args.workload, num_prompts=100 if args.num_prompts is None else args.num_prompts,
-        seed=args.seed, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+        name=args.workload,
+        num_prompts=100 if args.num_prompts is None else args.num_prompts,
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
         scale=1.0 if args.scale is None else args.scale,
-    )  # fmt: skip
+    )
 
 
 def arrivals_from_args(args: argparse.Namespace) -> ArrivalConfig:
     return ArrivalConfig(
-        request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, seed=args.seed,
-    )  # fmt: skip
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        num_warmups=args.num_warmups,
+        seed=args.seed,
+    )
 
 
 def percentiles_from_args(args: argparse.Namespace) -> list[float]:
@@ -156,9 +175,12 @@ def execute(
 
     async def go() -> RunOutcome:
         backend = make_backend(
-            args.backend, address=args.address, base_url=args.base_url,
-            model=args.model or "default", id_prefix=f"bench-{uuid.uuid4().hex[:8]}",
-        )  # fmt: skip
+            args.backend,
+            address=args.address,
+            base_url=args.base_url,
+            model=args.model or "default",
+            id_prefix=f"bench-{uuid.uuid4().hex[:8]}",
+        )
         try:
             return await run_workload(backend, requests, arrivals, sampling, progress)
         finally:
@@ -206,8 +228,10 @@ def _pictures(args: argparse.Namespace, outcome: RunOutcome, out: Path) -> dict[
         rows = plot_timeline(steps, arrivals, out / "timeline.png", lens)
         figures.update(timeline=str(out / "timeline.png"), timeline_rows=rows)
     else:
-        print(f"no step log in {args.log_dir}/scheduler.log for this run: no timeline",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"no step log in {args.log_dir}/scheduler.log for this run: no timeline",
+            file=sys.stderr,
+        )
     return figures
 
 
@@ -224,14 +248,36 @@ def _run_sweep(args: argparse.Namespace, command: str) -> int:
             args.request_rate = value
         print(f"--- {name} = {value:g}", file=sys.stderr)
         results.append(run_once(args, command, args.out / f"{name}-{value:g}"))
-    headers = [name, "req/s", "out tok/s", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms",
-               "mean E2EL ms", "failed"]  # fmt: skip
-    rows = [[v, r["request_throughput"], r["output_throughput"], r["mean_ttft_ms"],
-             r["p99_ttft_ms"], r["mean_tpot_ms"], r["mean_e2el_ms"], r["failed"]]
-            for v, r in zip(values, results, strict=True)]  # fmt: skip
+    headers = [
+        name,
+        "req/s",
+        "out tok/s",
+        "mean TTFT ms",
+        "p99 TTFT ms",
+        "mean TPOT ms",
+        "mean E2EL ms",
+        "failed",
+    ]
+    rows = [
+        [
+            v,
+            r["request_throughput"],
+            r["output_throughput"],
+            r["mean_ttft_ms"],
+            r["p99_ttft_ms"],
+            r["mean_tpot_ms"],
+            r["mean_e2el_ms"],
+            r["failed"],
+        ]
+        for v, r in zip(values, results, strict=True)
+    ]
     print(format_table(headers, rows))
-    summary = {"command": command, "sweep": name, "values": values,
-               "results": [_scalars(r) for r in results]}  # fmt: skip
+    summary = {
+        "command": command,
+        "sweep": name,
+        "values": values,
+        "results": [_scalars(r) for r in results],
+    }
     if not args.no_plots:
         summary["figure"] = str(plot_sweep(values, results, name, args.out / "sweep.png"))
     write_json(args.out / "sweep.json", summary)

@@ -46,8 +46,12 @@ DEFAULT_SCALE = 0.5
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--compare-batching (starts its own engines)")
     g.add_argument("--compare-batching", action="store_true")
-    g.add_argument("--batch-size", type=int, default=16,
-                   help="B: static/dynamic batch size and continuous max_num_seqs")  # fmt: skip
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="B: static/dynamic batch size and continuous max_num_seqs",
+    )
     # Long enough that a burst is all queued before static/dynamic form their first batch (the
     # frontend forwards requests one by one); only a last, partial batch ever waits for it.
     g.add_argument("--batch-timeout", type=float, default=0.5)
@@ -57,8 +61,13 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker", choices=("model", "sim"), default="model")
     g.add_argument("--sim-device", default=None, help="with --worker sim, e.g. h200")
     g.add_argument("--sim-model", default=None, help="with --worker sim, e.g. llama-3-8b")
-    g.add_argument("--engine-flag", action="append", default=[], metavar="NAME=VALUE",
-                   help="extra scheduler flag, e.g. max_num_batched_tokens=512")  # fmt: skip
+    g.add_argument(
+        "--engine-flag",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra scheduler flag, e.g. max_num_batched_tokens=512",
+    )
     g.add_argument("--worker-flag", action="append", default=[], metavar="NAME=VALUE")
     g.add_argument("--engine-timeout", type=float, default=600.0, help="s to wait for ready")
 
@@ -77,7 +86,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     table = {
         "uniform": WorkloadConfig(
             name="uniform", num_prompts=n, input_len=256, output_len=128, **common
-        ),  # fmt: skip
+        ),
         "mixed": WorkloadConfig(name="mixed", num_prompts=n, **common),
         "high-concurrency": WorkloadConfig(
             name="mixed", num_prompts=n * args.high_concurrency_factor, **common
@@ -97,11 +106,16 @@ def stack_settings(args: argparse.Namespace, mode: str, log_dir: Path) -> StackS
     }
     flags.update(_pairs(args.engine_flag, "--engine-flag"))
     return StackSettings(
-        model=args.model, worker=args.worker, sim_device=args.sim_device,
-        sim_model=args.sim_model, frontend_address=f"tcp://127.0.0.1:{_free_port()}",
-        scheduler_flags=flags, worker_flags=_pairs(args.worker_flag, "--worker-flag"),
-        gateway=False, log_dir=log_dir,
-    )  # fmt: skip
+        model=args.model,
+        worker=args.worker,
+        sim_device=args.sim_device,
+        sim_model=args.sim_model,
+        frontend_address=f"tcp://127.0.0.1:{_free_port()}",
+        scheduler_flags=flags,
+        worker_flags=_pairs(args.worker_flag, "--worker-flag"),
+        gateway=False,
+        log_dir=log_dir,
+    )
 
 
 def run_compare(args: argparse.Namespace, command: str) -> int:
@@ -116,8 +130,10 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
         log_dir = args.out / "logs" / mode
         for old_log in log_dir.glob("*.log"):  # a previous comparison's: start afresh
             old_log.unlink()
-        print(f"=== engine: batching={mode}, B={args.batch_size}, worker={args.worker}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"=== engine: batching={mode}, B={args.batch_size}, worker={args.worker}",
+            file=sys.stderr,
+        )
         stack = LocalStack(stack_settings(args, mode, log_dir)).start()
         try:
             stack.wait_ready(timeout=args.engine_timeout)
@@ -193,14 +209,22 @@ def comparison_rows(
         static = by_mode.get("static")
         for mode, r in by_mode.items():
             row = {
-                "scenario": sc.name, "mode": mode, "done": r["completed"],
-                "out tok/s": r["output_throughput"], "total tok/s": r["total_token_throughput"],
-                "mean E2EL s": r["mean_e2el_ms"] / 1000.0, "p99 E2EL s": r["p99_e2el_ms"] / 1000.0,
+                "scenario": sc.name,
+                "mode": mode,
+                "done": r["completed"],
+                "out tok/s": r["output_throughput"],
+                "total tok/s": r["total_token_throughput"],
+                "mean E2EL s": r["mean_e2el_ms"] / 1000.0,
+                "p99 E2EL s": r["p99_e2el_ms"] / 1000.0,
                 "mean TTFT s": r["mean_ttft_ms"] / 1000.0,
-                "batch util": r["mean_batch_utilization"], "useful util": r["useful_slot_fraction"],
-                "steps": r["num_steps"], "step ms": r["mean_step_ms"],
-                "x static": _ratio(r, static), "model x": None, "packing x": None,
-            }  # fmt: skip
+                "batch util": r["mean_batch_utilization"],
+                "useful util": r["useful_slot_fraction"],
+                "steps": r["num_steps"],
+                "step ms": r["mean_step_ms"],
+                "x static": _ratio(r, static),
+                "model x": None,
+                "packing x": None,
+            }
             if mode == "continuous" and static is not None:
                 lens = [req.max_tokens for req in generate(sc.workload)]
                 row.update(_predicted(static, r, lens, batch_size))
@@ -227,26 +251,39 @@ def _ratio(r: dict[str, Any], static: Optional[dict[str, Any]]) -> Optional[floa
 
 
 def _cdfs(out: Path, traces: dict[str, dict[str, Any]]) -> dict[str, str]:
-    return {f"cdf_{name}": str(plot_latency_cdfs(by_mode, out / f"cdf-{name}.png"))
-            for name, by_mode in traces.items()}  # fmt: skip
+    return {
+        f"cdf_{name}": str(plot_latency_cdfs(by_mode, out / f"cdf-{name}.png"))
+        for name, by_mode in traces.items()
+    }
 
 
 def _config(args: argparse.Namespace, plan: list[Scenario]) -> dict[str, Any]:
-    return {"batch_size": args.batch_size, "batch_timeout": args.batch_timeout,
-            "model": args.model, "worker": args.worker, "sim_device": args.sim_device,
-            "sim_model": args.sim_model, "engine_flags": args.engine_flag,
-            "worker_flags": args.worker_flag, "seed": args.seed,
-            "scenarios": {s.name: {"workload": s.workload.name,
-                                   "num_prompts": s.workload.num_prompts,
-                                   "scale": s.workload.scale} for s in plan}}  # fmt: skip
+    return {
+        "batch_size": args.batch_size,
+        "batch_timeout": args.batch_timeout,
+        "model": args.model,
+        "worker": args.worker,
+        "sim_device": args.sim_device,
+        "sim_model": args.sim_model,
+        "engine_flags": args.engine_flag,
+        "worker_flags": args.worker_flag,
+        "seed": args.seed,
+        "scenarios": {
+            s.name: {
+                "workload": s.workload.name,
+                "num_prompts": s.workload.num_prompts,
+                "scale": s.workload.scale,
+            }
+            for s in plan
+        },
+    }
 
 
 def _markdown(command: str, headers: list[str], rows: list[dict[str, Any]]) -> str:
     def cell(v: Any) -> str:
         return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
 
-    lines = [f"`{command}`", "", "| " + " | ".join(headers) + " |",
-             "|" + "---|" * len(headers)]  # fmt: skip
+    lines = [f"`{command}`", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in r.values()) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 

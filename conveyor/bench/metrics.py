@@ -63,8 +63,11 @@ class SLOs:
     def met_by(self, trace: RequestTrace) -> bool:
         if not trace.success:
             return False
-        checks = ((self.ttft_ms, trace.ttft), (self.tpot_ms, trace.tpot or 0.0),
-                  (self.e2el_ms, trace.latency))  # fmt: skip
+        checks = (
+            (self.ttft_ms, trace.ttft),
+            (self.tpot_ms, trace.tpot or 0.0),
+            (self.e2el_ms, trace.latency),
+        )
         return all(slo is None or (v is not None and v * 1000.0 <= slo) for slo, v in checks)
 
 

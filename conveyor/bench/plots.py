@@ -59,8 +59,13 @@ def plot_sweep(
     ax_t.plot(xs, [r["output_throughput"] for r in results], "o-", label="output tok/s")
     ax_t.plot(xs, [r["total_token_throughput"] for r in results], "s--", label="total tok/s")
     ax_t.set_ylabel("tokens / s")
-    for key, style in (("mean_ttft_ms", "o-"), ("p99_ttft_ms", "o:"), ("mean_tpot_ms", "s-"),
-                       ("p99_tpot_ms", "s:"), ("mean_e2el_ms", "^-")):  # fmt: skip
+    for key, style in (
+        ("mean_ttft_ms", "o-"),
+        ("p99_ttft_ms", "o:"),
+        ("mean_tpot_ms", "s-"),
+        ("p99_tpot_ms", "s:"),
+        ("mean_e2el_ms", "^-"),
+    ):
         if all(key in r for r in results):
             ax_l.plot(xs, [r[key] for r in results], style, label=key)
     ax_l.set_ylabel("ms")
@@ -96,9 +101,12 @@ def plot_timeline(
     t0 = min([s.arrival for s in spans] + [st.t_plan for st in steps] or [0.0])
     n = len(spans)
     fig, (ax, ax_b) = plt.subplots(
-        2, 1, figsize=(12, 2.5 + min(n, 60) * 0.18), sharex=True,
+        2,
+        1,
+        figsize=(12, 2.5 + min(n, 60) * 0.18),
+        sharex=True,
         gridspec_kw={"height_ratios": [max(3, min(n, 60) // 4), 1.4]},
-    )  # fmt: skip
+    )
     for row, span in enumerate(spans):
         _draw_row(ax, n - 1 - row, span, t0)
     ax.set_yticks(range(n))
@@ -110,10 +118,21 @@ def plot_timeline(
     if any(s.idle for s in spans):
         handles.append(plt.Rectangle((0, 0), 1, 1, color=COLORS["idle"], hatch="//"))
         labels.append("finished, slot still computed (static)")
-    ax.legend(handles, labels, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-              ncol=len(labels), frameon=False)  # fmt: skip
-    fig.suptitle(title or "Requests joining and leaving the batch (from the scheduler's step log)",
-                 fontsize=10, x=0.01, ha="left")  # fmt: skip
+    ax.legend(
+        handles,
+        labels,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        ncol=len(labels),
+        frameon=False,
+    )
+    fig.suptitle(
+        title or "Requests joining and leaving the batch (from the scheduler's step log)",
+        fontsize=10,
+        x=0.01,
+        ha="left",
+    )
     _draw_batch(ax_b, steps, t0)
     _save(fig, path)
     return n
@@ -121,13 +140,21 @@ def plot_timeline(
 
 def _draw_row(ax: plt.Axes, y: float, span: RequestSpans, t0: float) -> None:
     if span.first_scheduled is not None and span.first_scheduled > span.arrival:
-        ax.broken_barh([(span.arrival - t0, span.first_scheduled - span.arrival)], (y - 0.2, 0.4),
-                       color=COLORS["wait"])  # fmt: skip
+        ax.broken_barh(
+            [(span.arrival - t0, span.first_scheduled - span.arrival)],
+            (y - 0.2, 0.4),
+            color=COLORS["wait"],
+        )
     for kind in ("prefill", "decode", "idle"):
         bars = [(a - t0, b - a) for a, b in getattr(span, kind)]
         if bars:
-            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[kind],
-                           hatch="//" if kind == "idle" else None, linewidth=0)  # fmt: skip
+            ax.broken_barh(
+                bars,
+                (y - 0.4, 0.8),
+                color=COLORS[kind],
+                hatch="//" if kind == "idle" else None,
+                linewidth=0,
+            )
 
 
 def _draw_batch(ax: plt.Axes, steps: Sequence[StepEntry], t0: float) -> None:

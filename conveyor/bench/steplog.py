@@ -176,8 +176,14 @@ def step_summary(steps: Sequence[StepEntry]) -> dict[str, Optional[float]]:
     """Averages the comparison needs: step time (all steps, decode-only steps), sequences per
     step, slots held, batch utilization."""
     if not steps:
-        keys = ("num_steps", "mean_step_ms", "mean_decode_step_ms", "mean_num_seqs",
-                "mean_num_running", "mean_batch_utilization")  # fmt: skip
+        keys = (
+            "num_steps",
+            "mean_step_ms",
+            "mean_decode_step_ms",
+            "mean_num_seqs",
+            "mean_num_running",
+            "mean_batch_utilization",
+        )
         return dict.fromkeys(keys)
     decode = [s.step_s for s in steps if s.is_decode_only]
     utils = [s.batch_utilization for s in steps if s.batch_utilization is not None]

@@ -32,8 +32,18 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WORKLOAD = WorkloadConfig(name="mixed", num_prompts=8, scale=0.04, seed=3)
-ARGS = ["--workload", "mixed", "--num-prompts", "8", "--scale", "0.04", "--seed", "3",
-        "--ignore-eos", "--no-progress"]  # fmt: skip
+ARGS = [
+    "--workload",
+    "mixed",
+    "--num-prompts",
+    "8",
+    "--scale",
+    "0.04",
+    "--seed",
+    "3",
+    "--ignore-eos",
+    "--no-progress",
+]
 
 
 def _result(out: Path) -> dict[str, Any]:
@@ -52,8 +62,19 @@ def _check_totals(result: dict[str, Any]) -> None:
 
 def test_bench_run_writes_vllm_named_json_and_pictures(engine: Any, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    rc = main(["--address", engine.frontend_address, "--log-dir", str(engine.log_dir), *ARGS,
-               "--goodput", "e2el:600000", "--out", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "--address",
+            engine.frontend_address,
+            "--log-dir",
+            str(engine.log_dir),
+            *ARGS,
+            "--goodput",
+            "e2el:600000",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = _result(out)
     _check_totals(result)
@@ -76,7 +97,7 @@ def test_bench_run_writes_vllm_named_json_and_pictures(engine: Any, tmp_path: Pa
         "std_e2el_ms",
         "duration",
     ):
-        assert isinstance(result[name], (int, float)), name  # fmt: skip
+        assert isinstance(result[name], (int, float)), name
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert result["command"].startswith("conveyor bench --address")
     for png in ("cdf.png", "timeline.png"):
@@ -95,8 +116,20 @@ def test_same_workload_through_the_openai_backend(engine: Any, tmp_path: Path) -
     with _gateway(engine) as base_url:
         models = httpx.get(f"{base_url}/v1/models", timeout=10.0, trust_env=False).json()
         out = tmp_path / "openai"
-        rc = main(["--backend", "openai", "--base-url", base_url, "--model",
-                   models["data"][0]["id"], *ARGS, "--no-plots", "--out", str(out)])  # fmt: skip
+        rc = main(
+            [
+                "--backend",
+                "openai",
+                "--base-url",
+                base_url,
+                "--model",
+                models["data"][0]["id"],
+                *ARGS,
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
     assert rc == 0
     result = _result(out)
     _check_totals(result)
@@ -110,8 +143,17 @@ def _gateway(engine: Any) -> Iterator[str]:
         yield engine.http_url
         return
     port = _free_port()
-    cmd = [sys.executable, "-m", "services.gateway", "--frontend-addr", engine.frontend_address,
-           "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.gateway",
+        "--frontend-addr",
+        engine.frontend_address,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         _wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
@@ -138,10 +180,32 @@ def test_compare_batching_runs_each_mode_on_its_own_engine(tmp_path: Path) -> No
     """The `make bench` path on the SIMULATED worker (H200, Llama-3-8B: ~5 ms steps, no model to
     load), shrunk to one scenario and two modes: the table, JSON, markdown and pictures."""
     out = tmp_path / "compare"
-    rc = main(["--compare-batching", "--worker", "sim", "--sim-device", "h200",
-               "--sim-model", "llama-3-8b", "--scenarios", "mixed", "--modes", "static,continuous",
-               "--num-prompts", "8", "--scale", "0.1", "--batch-size", "4", "--no-progress",
-               "--engine-timeout", "180", "--out", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "--compare-batching",
+            "--worker",
+            "sim",
+            "--sim-device",
+            "h200",
+            "--sim-model",
+            "llama-3-8b",
+            "--scenarios",
+            "mixed",
+            "--modes",
+            "static,continuous",
+            "--num-prompts",
+            "8",
+            "--scale",
+            "0.1",
+            "--batch-size",
+            "4",
+            "--no-progress",
+            "--engine-timeout",
+            "180",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = orjson.loads((out / "compare.json").read_bytes())
     assert report["command"].startswith("conveyor bench --compare-batching --worker sim")

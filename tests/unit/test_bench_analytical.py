@@ -51,10 +51,18 @@ def test_step_times_enter_each_side() -> None:
 
 
 def _run(tput: float, step_ms: float) -> dict:
-    return {"completed": 4, "output_throughput": tput, "total_token_throughput": 2 * tput,
-            "mean_e2el_ms": 1000.0, "p99_e2el_ms": 2000.0, "mean_ttft_ms": 100.0,
-            "mean_batch_utilization": 0.5, "useful_slot_fraction": 0.4, "num_steps": 10.0,
-            "mean_step_ms": step_ms}  # fmt: skip
+    return {
+        "completed": 4,
+        "output_throughput": tput,
+        "total_token_throughput": 2 * tput,
+        "mean_e2el_ms": 1000.0,
+        "p99_e2el_ms": 2000.0,
+        "mean_ttft_ms": 100.0,
+        "mean_batch_utilization": 0.5,
+        "useful_slot_fraction": 0.4,
+        "num_steps": 10.0,
+        "mean_step_ms": step_ms,
+    }
 
 
 def test_comparison_rows_put_measured_and_predicted_ratios_side_by_side() -> None:
@@ -63,8 +71,13 @@ def test_comparison_rows_put_measured_and_predicted_ratios_side_by_side() -> Non
 
     wl = WorkloadConfig(name="mixed", num_prompts=6, seed=4)
     lens = [r.max_tokens for r in generate(wl)]
-    runs = {"mixed": {"static": _run(100.0, 20.0), "dynamic": _run(150.0, 20.0),
-                      "continuous": _run(250.0, 10.0)}}  # fmt: skip
+    runs = {
+        "mixed": {
+            "static": _run(100.0, 20.0),
+            "dynamic": _run(150.0, 20.0),
+            "continuous": _run(250.0, 10.0),
+        }
+    }
     rows = comparison_rows([Scenario("mixed", wl)], runs, batch_size=2)
     assert [r["mode"] for r in rows] == ["static", "dynamic", "continuous"]
     assert [r["x static"] for r in rows] == [1.0, 1.5, 2.5]

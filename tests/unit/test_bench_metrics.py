@@ -72,8 +72,14 @@ def test_single_token_output_has_no_tpot_and_no_itl() -> None:
 
 def test_vllm_field_names_present() -> None:
     m = compute_metrics([A, B], duration_s=1.0)
-    names = ["completed", "total_input_tokens", "total_output_tokens", "request_throughput",
-             "output_throughput", "total_token_throughput"]  # fmt: skip
+    names = [
+        "completed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+    ]
     for metric in ("ttft", "tpot", "itl", "e2el"):
         names += [f"{s}_{metric}_ms" for s in ("mean", "median", "std", "p90", "p99")]
     assert not [n for n in names if n not in m]

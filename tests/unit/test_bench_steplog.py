@@ -39,10 +39,19 @@ def write_log(path: Path, t0: float = 1000.0) -> None:
     t = t0
     for i, (rids, prefill) in enumerate(SCHEDULE):
         record = {
-            "event": "step", "service": "scheduler", "step_id": i + 1, "time": t, "rids": rids,
-            "num_tokens": len(rids), "is_prefill": prefill, "num_waiting": 1 if i < 3 else 0,
-            "num_running": 2, "batch_utilization": 1.0, "t_plan": t, "t_result": t + 0.1,
-        }  # fmt: skip
+            "event": "step",
+            "service": "scheduler",
+            "step_id": i + 1,
+            "time": t,
+            "rids": rids,
+            "num_tokens": len(rids),
+            "is_prefill": prefill,
+            "num_waiting": 1 if i < 3 else 0,
+            "num_running": 2,
+            "batch_utilization": 1.0,
+            "t_plan": t,
+            "t_result": t + 0.1,
+        }
         lines.append(orjson.dumps(record))
         t += 0.125
     path.write_bytes(b"\n".join(lines) + b"\n{torn half line")
@@ -67,8 +76,7 @@ def test_read_step_log_parses_steps_and_skips_other_lines(log: Path) -> None:
 
 def test_spans_split_prefill_decode_and_static_padding(log: Path) -> None:
     steps = read_step_log(log)
-    spans = {s.rid: s for s in request_spans(steps, {"fe1:C": 1000.05}, {"fe1:A": 4,
-                                                                        "fe1:B": 2})}  # fmt: skip
+    spans = {s.rid: s for s in request_spans(steps, {"fe1:C": 1000.05}, {"fe1:A": 4, "fe1:B": 2})}
     a, b, c = spans["fe1:A"], spans["fe1:B"], spans["fe1:C"]
     assert (len(a.prefill), len(a.decode), len(a.idle)) == (2, 3, 0)
     assert (len(b.prefill), len(b.decode), len(b.idle)) == (1, 1, 1)
@@ -87,8 +95,9 @@ def test_step_summary(log: Path) -> None:
 
 
 def test_match_rids_finds_the_client_id_inside_the_engine_rid() -> None:
-    got = match_rids(["fe1:bench-3", "bench-31@fe2", "bench-4", "fe1:other"],
-                     ["bench-3", "bench-31", "bench-4"])  # fmt: skip
+    got = match_rids(
+        ["fe1:bench-3", "bench-31@fe2", "bench-4", "fe1:other"], ["bench-3", "bench-31", "bench-4"]
+    )
     assert got == {"fe1:bench-3": "bench-3", "bench-31@fe2": "bench-31", "bench-4": "bench-4"}
 
 
@@ -110,12 +119,21 @@ def test_timeline_png_has_one_row_per_request(log: Path, tmp_path: Path) -> None
 
 
 def test_cdf_and_sweep_pngs(tmp_path: Path) -> None:
-    traces = [RequestTrace(i, 8, True, 4, ttft=0.1 * i, latency=0.2 + 0.1 * i,
-                           itls=(0.03, 0.04, 0.05)) for i in range(1, 6)]  # fmt: skip
+    traces = [
+        RequestTrace(i, 8, True, 4, ttft=0.1 * i, latency=0.2 + 0.1 * i, itls=(0.03, 0.04, 0.05))
+        for i in range(1, 6)
+    ]
     cdf = plot_latency_cdfs({"run": traces}, tmp_path / "cdf.png")
     assert cdf.read_bytes()[:8] == PNG_MAGIC
-    results = [{"output_throughput": 10.0 * k, "total_token_throughput": 30.0 * k,
-                "mean_ttft_ms": 5.0 * k, "p99_ttft_ms": 9.0 * k} for k in (1, 2, 3)]  # fmt: skip
+    results = [
+        {
+            "output_throughput": 10.0 * k,
+            "total_token_throughput": 30.0 * k,
+            "mean_ttft_ms": 5.0 * k,
+            "p99_ttft_ms": 9.0 * k,
+        }
+        for k in (1, 2, 3)
+    ]
     sweep = plot_sweep([1, 4, 16], results, "max-concurrency", tmp_path / "sweep.png")
     assert sweep.read_bytes()[:8] == PNG_MAGIC
 
@@ -127,13 +145,16 @@ def test_rid_map_from_the_tokenizer_log_links_engine_rids_to_client_ids(tmp_path
         {"event": "request_received", "service": "tokenizer", "rid": "fe-1-1", "client_id": "b-1"},
     ]
     (tmp_path / "tokenizer.log").write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n{")
-    (tmp_path / "tokenizer-2.log").write_bytes(orjson.dumps(
-        {"event": "request_received", "rid": "fe-2-0", "client_id": "b-2"}))  # fmt: skip
+    (tmp_path / "tokenizer-2.log").write_bytes(
+        orjson.dumps({"event": "request_received", "rid": "fe-2-0", "client_id": "b-2"})
+    )
     rid_map = read_rid_map(tmp_path)
     assert rid_map == {"fe-1-0": "b-0", "fe-1-1": "b-1", "fe-2-0": "b-2"}
     steps = read_step_log(write_named_log(tmp_path, ["fe-1-0", "fe-2-0"]))
-    traces = [RequestTrace(0, 4, True, 3, start_wall=5.0, rid="b-0"),
-              RequestTrace(2, 4, False, start_wall=6.0, rid="b-2")]  # fmt: skip
+    traces = [
+        RequestTrace(0, 4, True, 3, start_wall=5.0, rid="b-0"),
+        RequestTrace(2, 4, False, start_wall=6.0, rid="b-2"),
+    ]
     arrivals, lens = engine_view(steps, traces, rid_map)
     assert arrivals == {"fe-1-0": 5.0, "fe-2-0": 6.0}
     assert lens == {"fe-1-0": 3}  # a failed request has no output length
@@ -141,7 +162,14 @@ def test_rid_map_from_the_tokenizer_log_links_engine_rids_to_client_ids(tmp_path
 
 def write_named_log(tmp_path: Path, rids: list[str]) -> Path:
     path = tmp_path / "scheduler.log"
-    record = {"event": "step", "step_id": 1, "rids": rids, "is_prefill": [True] * len(rids),
-              "num_running": len(rids), "t_plan": 10.0, "t_result": 10.1}  # fmt: skip
+    record = {
+        "event": "step",
+        "step_id": 1,
+        "rids": rids,
+        "is_prefill": [True] * len(rids),
+        "num_running": len(rids),
+        "t_plan": 10.0,
+        "t_result": 10.1,
+    }
     path.write_bytes(orjson.dumps(record) + b"\n")
     return path

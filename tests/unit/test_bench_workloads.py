@@ -41,8 +41,9 @@ def test_mixed_lengths_cover_the_seeds_ranges() -> None:
 def test_uniform_is_exact_and_random_respects_range_ratio() -> None:
     uni = generate(WorkloadConfig(name="uniform", num_prompts=30, input_len=64, output_len=16))
     assert {r.prompt_len for r in uni} == {64} and {r.max_tokens for r in uni} == {16}
-    cfg = WorkloadConfig(name="random", num_prompts=300, input_len=100, output_len=40,
-                         range_ratio=0.5)  # fmt: skip
+    cfg = WorkloadConfig(
+        name="random", num_prompts=300, input_len=100, output_len=40, range_ratio=0.5
+    )
     rnd = generate(cfg)
     assert min(r.prompt_len for r in rnd) >= 50 and max(r.prompt_len for r in rnd) <= 150
     assert min(r.max_tokens for r in rnd) >= 20 and max(r.max_tokens for r in rnd) <= 60
@@ -55,8 +56,9 @@ def test_shared_prefix_and_scale() -> None:
     prefix = reqs[0].prompt_token_ids[:40]
     assert all(r.prompt_token_ids[:40] == prefix and r.prompt_len == 48 for r in reqs)
     assert len({tuple(r.prompt_token_ids[40:]) for r in reqs}) == 10
-    half = generate(WorkloadConfig(name="uniform", num_prompts=3, input_len=64, output_len=16,
-                                   scale=0.25))  # fmt: skip
+    half = generate(
+        WorkloadConfig(name="uniform", num_prompts=3, input_len=64, output_len=16, scale=0.25)
+    )
     assert {(r.prompt_len, r.max_tokens) for r in half} == {(16, 4)}
 
 
