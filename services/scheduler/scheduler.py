@@ -19,7 +19,7 @@ from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.policy import WaitingQueue
+from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters, StepRecord
@@ -140,8 +140,9 @@ class Scheduler:
 
         Recipe: end a drained static batch; form a new dynamic/static batch if due; give every
         running decode its token (preempting by policy when blocks run out); continue running
-        prefills in chunks; then, in continuous mode and if nobody was preempted this step,
-        admit waiting requests in policy order while slots, budget and blocks last.
+        prefills in chunks; then, in continuous mode and if nobody was preempted for blocks
+        this step, admit waiting requests in policy order while slots, budget and blocks last
+        (under `priority`, a better waiting request may first take the worst one's slot).
         """
         if self._inflight_step is not None:
             raise RuntimeError("schedule() called while a plan is in flight")
@@ -155,6 +156,8 @@ class Scheduler:
         prefills = self._schedule_decodes(step)
         self._schedule_running_prefills(step, prefills)
         if self._rules.admits_every_step and step.num_preemptions == 0:
+            if self.config.policy == "priority":
+                self._make_room_for_priority(step, now)
             self._admit_waiting(step, now)
         if len(step) == 0 and step.num_preemptions > 0:
             # Everyone was preempted: the pool is free now, so start again rather than
@@ -261,6 +264,19 @@ class Scheduler:
             step.add_chunk(req, n)
         for req in admitted:
             self._waiting.remove(req)
+
+    def _make_room_for_priority(self, step: StepBuilder, now: float) -> None:
+        """Priority policy, all slots taken: a waiting request with a better (lower) priority
+        than the worst running one takes that one's slot, so a full batch of low-priority
+        requests cannot hold a high-priority one back (priority inversion). One per step; the
+        victim rejoins the queue behind it by its own priority, so they cannot swap back."""
+        if len(self._batch) < self.config.max_num_seqs:
+            return
+        head = next(self._waiting.ordered(now), None)
+        running = [r for r in self._batch.requests.values() if not r.padding]
+        victim = pick_victim("priority", running)
+        if head is not None and victim is not None and victim.priority > head.priority:
+            self._batch.preempt(victim, step)
 
     def _form_batch(self, now: float) -> None:
         """Dynamic/static: the next batch's members leave the queue together."""

@@ -237,3 +237,22 @@ def test_a_resumed_request_reaches_the_worker_as_new_with_all_its_tokens() -> No
     assert resumed.token_ids[4:] == run.tokens("late")[:produced_before]
     # recomputed in one chunk: its whole table covers every token it holds
     assert len(resumed.block_ids) == -(-len(resumed.token_ids) // 4)
+
+
+def test_priority_a_full_batch_of_low_priority_does_not_hold_back_a_high_one() -> None:
+    sched, worker, clock = make(max_num_seqs=2, max_num_batched_tokens=16, policy="priority")
+    sched.add_request(submit("low-a", 4, 50, priority=5))
+    sched.add_request(submit("low-b", 4, 50, priority=3))
+    run = Run()
+    for _ in range(3):
+        plan = sched.schedule()
+        assert plan is not None
+        run.add(sched.update(worker.execute(plan)))
+    sched.add_request(submit("high", 4, 3, priority=0))
+    plan = sched.schedule()
+    assert plan is not None and "high" in plan.rids and "low-a" not in plan.rids
+    assert "low-b" in plan.rids  # only the worst one yields its slot
+    run.add(sched.update(worker.execute(plan)))
+    run = drive(sched, worker, clock, run=run)
+    assert run.num_preemptions("low-a") == 1 and run.num_preemptions("low-b") == 0
+    assert len(run.tokens("low-a")) == 50  # it resumed and lost nothing
