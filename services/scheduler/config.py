@@ -24,9 +24,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # token budget of one step, prefill chunks + decodes
     chunk_size: int = 256  # at most this many prompt tokens of one request per step
     batch_size: Optional[int] = None  # dynamic/static batch size; None: max_num_seqs
-    batch_timeout: float = 0.05  # s: dynamic/static start a partial batch after this wait
-    max_wait: float = 5.0  # s: short-first promotes a request that waited this long
-    max_waiting: int = 4096  # waiting-queue bound; beyond it requests are rejected (overloaded)
+    # s: dynamic/static start a partial batch after this wait (about half a CPU step: longer
+    # only adds latency when requests trickle in)
+    batch_timeout: float = 0.05
+    # s: short-first promotes a request that waited this long (~50 CPU steps: long enough for
+    # short prompts to win most of the time, short enough that a long one is not starved)
+    max_wait: float = 5.0
+    # Waiting-queue bound; beyond it requests are rejected (overloaded) rather than left to
+    # time out. Room for the simulated-GPU benchmarks' bursts (1,024 requests at once).
+    max_waiting: int = 4096
     policy: Policy = "fcfs"
     batching: Batching = "continuous"
     # Fraction of the KV pool new admissions must leave free, so that running decodes can grow
