@@ -24,13 +24,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         model=config.served_model_name,
         auth=config.api_key is not None,
     )
-    # Our own structured log line per request replaces uvicorn's access log.
+    # Our own JSON log lines (one per request, with rid) replace uvicorn's access log and its
+    # plain-text lifecycle lines; uvicorn's warnings and errors still reach stderr.
     uvicorn.run(
         app,
         host=config.http_host,
         port=config.http_port,
         access_log=False,
-        log_level=config.log_level.lower(),
+        log_config=None,
         timeout_graceful_shutdown=5,
     )
     log.info("gateway_stop")

@@ -44,7 +44,7 @@ from shared.protocol.errors import ErrorCode
 
 T = TypeVar("T")
 HEALTH_TIMEOUT_S = 5.0
-STATS_TIMEOUT_S = 2.0
+STATS_TIMEOUT_S = 5.0  # the frontend itself waits up to 2 s for the scheduler's part
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, logs do
 
 
@@ -90,7 +90,7 @@ class Gateway:
         try:
             reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineError) as exc:
-            message = getattr(exc, "message", "") or "no answer from the engine"
+            message = exc.message if isinstance(exc, EngineError) else "no answer in time"
             return error_response(from_engine_error(ErrorCode.ENGINE_UNREACHABLE, message))
         if not reply.get("ready"):
             reason = reply.get("reason") or "unknown"
@@ -148,7 +148,7 @@ class Gateway:
                 return Response(status_code=CLIENT_GONE_STATUS)
             if failed is not None:
                 return self._failure(meta, failed)
-            body = sse_body(meta, plan, runs, self.metrics.observe_error)
+            body = sse_body(meta, plan, runs, self.metrics.observe_error, self.log)
             handed_over = True
             return ClosingStreamingResponse(body, on_close=runs.aclose)
         finally:
@@ -244,6 +244,7 @@ def create_app(config: GatewayConfig, log: Any) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_bug)
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
         ("/v1/completions", gw.completions, "POST"),
         ("/v1/chat/completions", gw.chat_completions, "POST"),
@@ -263,3 +264,9 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> Respo
 async def _on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(ApiError(exc.status_code, str(exc.detail), kind))
+
+
+async def _on_bug(_: Request, exc: Exception) -> Response:
+    """Anything unexpected: still an OpenAI-shaped 500 (the server logs the traceback)."""
+    return error_response(ApiError(500, f"internal error: {exc!r}", "server_error", None,
+                                   ErrorCode.INTERNAL))  # fmt: skip

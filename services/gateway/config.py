@@ -21,7 +21,9 @@ class GatewayConfig:
     served_model_name: str = "smollm2"  # the `model` clients send and /v1/models lists
     max_choices: int = 16  # prompts x n per HTTP request
     default_max_tokens: Optional[int] = None  # None: the engine's default (16)
-    engine_timeout_s: float = 60.0  # silence from the engine (no reply, no heartbeat) tolerated
+    # Silence tolerated from the frontend. It heartbeats every second while a request is in
+    # flight (docs/protocol.md), so this only bounds how long a dead frontend goes unnoticed.
+    engine_timeout_s: float = 20.0
     stats_interval_s: float = 2.0  # how often /metrics' engine gauges are refreshed
     log_level: str = "info"
     log_file: Optional[Path] = None
@@ -97,7 +99,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
     p.add_argument(
         "--engine-timeout",
         type=float,
-        default=60.0,
+        default=20.0,
         help="seconds of engine silence before a request fails",
     )
     p.add_argument(

@@ -9,7 +9,7 @@ out becomes one `data: {"error": {...}}` event (the openai package raises it as 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Optional
+from typing import Any, Optional
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -36,6 +36,7 @@ async def sse_body(
     plan: EngineCallPlan,
     runs: ChoiceRuns,
     on_error: Callable[[Optional[str]], None],
+    log: Any,
 ) -> AsyncIterator[bytes]:
     """The bytes of one event stream; ends early (error event) when a choice fails."""
     with_logprobs = plan.num_logprobs is not None
@@ -54,14 +55,18 @@ async def sse_body(
                 )
         elif event.error is not None:
             on_error(event.error.code)
+            log.info("request_failed", rid=meta.id, status=event.error.status,
+                     code=event.error.code, message=event.error.message)  # fmt: skip
             yield sse(event.error.body())
             yield SSE_DONE
             return
         else:
             ends.append(event)
             yield sse(finish_chunk(meta, event, include_usage))
+    totals = usage(plan.calls, ends)
+    log.info("request_done", rid=meta.id, usage=totals)
     if include_usage:
-        yield sse(usage_chunk(meta, usage(plan.calls, ends)))
+        yield sse(usage_chunk(meta, totals))
     yield SSE_DONE
 
 

@@ -142,6 +142,30 @@ def test_chat_matches_the_zmq_client(oai: openai.OpenAI, model_name: str,
     assert chunks[-1].usage.completion_tokens == want.usage["completion_tokens"]
 
 
+def test_n_choices_use_derived_seeds(oai: openai.OpenAI, model_name: str,
+                                     zmq_client: Client) -> None:  # fmt: skip
+    """n=2 with seed s: choice j is what the ZeroMQ client samples with seed s + j."""
+    seed, num = 1234, 4
+    want = [zmq_client.generate(PROMPT, max_tokens=num, temperature=1.0, seed=seed + j).text
+            for j in range(2)]  # fmt: skip
+    got = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=num, n=2,
+                                 temperature=1.0, seed=seed, logprobs=2)  # fmt: skip
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == want
+    for choice in got.choices:
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+        assert len(lp.tokens) == num and all(len(top) == 2 for top in lp.top_logprobs)
+    assert got.usage is not None and got.usage.completion_tokens == 2 * num
+    stream = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=num, n=2,
+                                    temperature=1.0, seed=seed, stream=True)  # fmt: skip
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+
+
 # ---- 2. bad parameters: 400, then business as usual ------------------------------------------
 
 BAD_PARAMETERS: list[dict[str, Any]] = [
