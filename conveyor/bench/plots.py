@@ -158,22 +158,34 @@ def _draw_row(ax: plt.Axes, y: float, span: RequestSpans, t0: float) -> None:
 
 
 def _draw_batch(ax: plt.Axes, steps: Sequence[StepEntry], t0: float) -> None:
-    """Batch size (sequences per step) and waiting requests, as step functions over time."""
-    if steps:
-        times = [s.t_plan - t0 for s in steps] + [steps[-1].t_result - t0]
-        seqs = [s.num_seqs for s in steps] + [steps[-1].num_seqs]
-        ax.step(times, seqs, where="post", color=COLORS["decode"], label="sequences in the step")
-        if all(s.num_waiting is not None for s in steps):
-            waiting = [s.num_waiting for s in steps] + [steps[-1].num_waiting]
-            ax.step(times, waiting, where="post", color="#e15759", alpha=0.7, label="waiting")
-        if any(s.num_running != s.num_seqs for s in steps):
-            held = [s.num_running for s in steps] + [steps[-1].num_running]
-            ax.step(times, held, where="post", color="k", ls=":", label="slots held")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("batch")
+    """Batch size (sequences per step, slots held) on the left axis; waiting requests on the
+    right one, since a queue can be many times the batch."""
     ax.set_xlabel("seconds since the first arrival")
+    ax.set_ylabel("batch")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
+    if not steps:
+        return
+    times = [s.t_plan - t0 for s in steps] + [steps[-1].t_result - t0]
+    seqs = [s.num_seqs for s in steps] + [steps[-1].num_seqs]
+    ax.step(times, seqs, where="post", color=COLORS["decode"], label="sequences in the step")
+    if any(s.num_running != s.num_seqs for s in steps):
+        held = [s.num_running for s in steps] + [steps[-1].num_running]
+        ax.step(times, held, where="post", color="k", ls=":", label="slots held")
+    ax.set_ylim(bottom=0)
+    lines, labels = ax.get_legend_handles_labels()
+    if all(s.num_waiting is not None for s in steps):
+        ax_w = ax.twinx()
+        waiting = [s.num_waiting for s in steps] + [steps[-1].num_waiting]
+        ax_w.step(times, waiting, where="post", color="#e15759", alpha=0.7, label="waiting")
+        ax_w.set_ylabel("waiting", color="#e15759")
+        ax_w.set_ylim(bottom=0)
+        ax_w.yaxis.set_major_locator(MaxNLocator(integer=True))
+        more_lines, more_labels = ax_w.get_legend_handles_labels()
+        lines, labels = lines + more_lines, labels + more_labels
+    ax.legend(
+        lines, labels, loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize=8, frameon=False
+    )
 
 
 def _short(rid: str) -> str:
