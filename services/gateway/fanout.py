@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Optional
+from typing import Optional
 
 import anyio
 
 from services.gateway.errors import from_engine_error
 from services.gateway.events import ChoiceEnd, ChoiceEvent, delta_from_chunk, end_from_done
 from services.gateway.openai_schema import EngineCall
-from shared.client.types import EngineError
+from shared.client import AsyncClient, EngineError
 
 
 class ChoiceRuns:
@@ -29,7 +29,7 @@ class ChoiceRuns:
 
     def __init__(
         self,
-        client: Any,
+        client: AsyncClient,
         calls: list[EngineCall],
         on_end: Callable[[ChoiceEnd], None],
         on_abort: Callable[[int], None],
@@ -57,10 +57,11 @@ class ChoiceRuns:
         started: set[int] = set()
         while len(started) < len(self._calls):
             event = await self._queue.get()
+            if isinstance(event, ChoiceEnd) and event.error is not None:
+                self._num_open -= 1  # ended, not aborted: the caller reports the error
+                return event
             self._held.append(event)
             started.add(event.index)
-            if isinstance(event, ChoiceEnd) and event.error is not None:
-                return event
         return None
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
