@@ -15,7 +15,7 @@ import asyncio
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,9 +35,11 @@ from conveyor.bench.steplog import (
 )
 from conveyor.bench.workloads import WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
+from shared.client import Client
 
 MODES = ("static", "dynamic", "continuous")
-SCENARIOS = ("uniform", "mixed", "high-concurrency")
+SCENARIOS = ("uniform", "mixed", "high-concurrency", "chat")
+DEFAULT_SCENARIOS = SCENARIOS[:3]  # the seeds' three; `chat` (heavy-tailed) on request
 # Defaults sized to finish in ~10 minutes on 2 CPU cores with SmolLM2 (see docs/bench.md).
 DEFAULT_NUM_PROMPTS = 32
 DEFAULT_SCALE = 0.5
@@ -55,7 +57,9 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
     # Long enough that a burst is all queued before static/dynamic form their first batch (the
     # frontend forwards requests one by one); only a last, partial batch ever waits for it.
     g.add_argument("--batch-timeout", type=float, default=0.5)
-    g.add_argument("--scenarios", default=",".join(SCENARIOS))
+    g.add_argument(
+        "--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"from {', '.join(SCENARIOS)}"
+    )
     g.add_argument("--modes", default=",".join(MODES))
     g.add_argument("--high-concurrency-factor", type=int, default=4)
     g.add_argument("--worker", choices=("model", "sim"), default="model")
@@ -88,6 +92,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             name="uniform", num_prompts=n, input_len=256, output_len=128, **common
         ),
         "mixed": WorkloadConfig(name="mixed", num_prompts=n, **common),
+        "chat": WorkloadConfig(name="chat", num_prompts=n, **common),
         "high-concurrency": WorkloadConfig(
             name="mixed", num_prompts=n * args.high_concurrency_factor, **common
         ),
@@ -118,6 +123,15 @@ def stack_settings(args: argparse.Namespace, mode: str, log_dir: Path) -> StackS
     )
 
 
+def fit_to_engine(plan: list[Scenario], address: str) -> list[Scenario]:
+    """Clip prompts to the engine's max_model_len (the same for every mode: same worker)."""
+    with Client(address, timeout=30.0) as client:
+        limit = client.health().get("max_model_len")
+    if not isinstance(limit, int):
+        return plan
+    return [Scenario(s.name, replace(s.workload, max_model_len=limit)) for s in plan]
+
+
 def run_compare(args: argparse.Namespace, command: str) -> int:
     """Every mode x scenario; prints the table, writes compare.json/compare.md and PNGs."""
     if args.backend != "conveyor":
@@ -137,6 +151,7 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
         stack = LocalStack(stack_settings(args, mode, log_dir)).start()
         try:
             stack.wait_ready(timeout=args.engine_timeout)
+            plan = fit_to_engine(plan, stack.frontend_address)
             for i, sc in enumerate(plan):
                 outcome = _run_scenario(args, stack.frontend_address, sc, mode, warmup=i == 0)
                 runs[sc.name][mode] = _measure(args, outcome, log_dir, sc, mode)
