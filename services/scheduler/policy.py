@@ -30,15 +30,26 @@ def victim_key(policy: str, req: Request) -> tuple[int, int]:
     return (0, req.seq_no)
 
 
-def pick_victim(policy: str, candidates: Iterable[Request]) -> Request | None:
-    """The unprotected candidate ranked last by `policy`, else the last protected one.
+def pick_victim(
+    policy: str,
+    candidates: Iterable[Request],
+    worse_than: Request | None = None,
+    spare_protected: bool = False,
+) -> Request | None:
+    """The unprotected candidate ranked last by `policy`, else (unless `spare_protected`)
+    the last protected one; only candidates ranked below `worse_than` when it is given.
 
+    Taking blocks only from requests ranked below oneself is what guarantees progress: the
+    best-ranked request can always take what it needs, finishes, and frees its blocks.
     A request just resumed after preemption is protected until it samples again, so it is not
     thrown out right after paying for its recompute (preemption thrash).
     """
+    floor = None if worse_than is None else victim_key(policy, worse_than)
     best: Request | None = None
     best_protected: Request | None = None
     for req in candidates:
+        if floor is not None and victim_key(policy, req) <= floor:
+            continue
         if req.protected:
             if best_protected is None or victim_key(policy, req) > victim_key(
                 policy, best_protected
@@ -46,7 +57,7 @@ def pick_victim(policy: str, candidates: Iterable[Request]) -> Request | None:
                 best_protected = req
         elif best is None or victim_key(policy, req) > victim_key(policy, best):
             best = req
-    return best if best is not None else best_protected
+    return best if best is not None or spare_protected else best_protected
 
 
 class WaitingQueue:

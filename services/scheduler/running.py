@@ -25,6 +25,8 @@ class RunningSet:
         self.requests: dict[str, Request] = {}  # batch order (admission order)
         self.released: list[str] = []  # rids for the next plan's released_rids
         self.round = 0  # schedule() pass: a request preempted in this one waits for the next
+        # Just-resumed requests are not taken from, unless nothing else could run at all.
+        self.spare_protected = True
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -52,18 +54,18 @@ class RunningSet:
             req.known_to_worker = False
 
     def grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
-        """Extend `req`'s table to cover `num_positions`, preempting by policy while blocks are
-        short. False when `req` itself was the one preempted."""
+        """Extend `req`'s table to cover `num_positions`, preempting requests ranked below it
+        (static padding first) while blocks are short. False when there is nobody left to take
+        from: `req` keeps what it has and waits this step (those ranked above it progress, and
+        will take its blocks if they need them)."""
         need = self.pool.blocks_needed(len(req.block_ids), num_positions)
         if need == 0:
             return True
         while not self.pool.can_allocate(need, keep_watermark=False):
-            victim = self._choose_victim()
+            victim = self._choose_victim(req)
             if victim is None:
-                return False  # cannot happen: req itself holds blocks or the pool is empty
-            self.preempt(victim, step)
-            if victim is req:
                 return False
+            self.preempt(victim, step)
         blocks = self.pool.allocate(need)
         assert blocks is not None  # can_allocate said so
         req.block_ids.extend(blocks)
@@ -78,13 +80,14 @@ class RunningSet:
         req.block_ids.extend(blocks)
         return True
 
-    def _choose_victim(self) -> Optional[Request]:
-        """Static padding first (its tokens are thrown away anyway), then the policy's last."""
-        candidates = [r for r in self.requests.values() if r.block_ids]
+    def _choose_victim(self, requester: Request) -> Optional[Request]:
+        """Static padding first (its tokens are thrown away anyway), then the policy's last
+        among those ranked below `requester`."""
+        candidates = [r for r in self.requests.values() if r.block_ids and r is not requester]
         for req in candidates:
             if req.padding:
                 return req
-        return pick_victim(self.policy, candidates)
+        return pick_victim(self.policy, candidates, requester, self.spare_protected)
 
     def preempt(self, req: Request, step: StepBuilder) -> None:
         """Free `req`'s blocks; it recomputes later with its generated tokens kept. Static

@@ -138,47 +138,53 @@ class Scheduler:
     def schedule(self) -> Optional[StepPlan]:
         """Called when no plan is in flight. Decides this step; None when nothing can run now.
 
-        Recipe: end a drained static batch; form a new dynamic/static batch if due; give every
-        running decode its token (preempting by policy when blocks run out); continue running
-        prefills in chunks; then, in continuous mode and if nobody was preempted for blocks
-        this step, admit waiting requests in policy order while slots, budget and blocks last
-        (under `priority`, a better waiting request may first take the worst one's slot).
+        Recipe: end a drained static batch; form a new dynamic/static batch if due; fill the
+        step (`_fill_step`); if nothing live could run, fill it again letting just-resumed
+        requests be preempted too (progress before anti-thrash); build the plan.
         """
         if self._inflight_step is not None:
             raise RuntimeError("schedule() called while a plan is in flight")
         now = self._clock()
-        self._batch.round += 1
-        step = StepBuilder(self.config.max_num_batched_tokens)
         if self._rules.keeps_finished_as_padding:
             self._batch.end_static_batch_if_done()
         if self._rules.should_form_batch(now, self._waiting, len(self._batch)):
             self._form_batch(now)
-        prefills = self._schedule_decodes(step)
-        self._schedule_running_prefills(step, prefills)
-        if self._rules.admits_every_step and step.num_preemptions == 0:
-            if self.config.policy == "priority":
-                self._make_room_for_priority(step, now)
-            self._admit_waiting(step, now)
-        if len(step) == 0 and step.num_preemptions > 0:
-            # Everyone was preempted: the pool is free now, so start again rather than
-            # return None while work is waiting (the loop would sleep on it).
-            self._batch.round += 1
-            self._schedule_running_prefills(step, list(self._batch.requests.values()))
-            if self._rules.admits_every_step:
-                self._admit_waiting(step, now)
+        step = self._fill_step(now, spare_protected=True)
+        if not step.has_live and self.has_work():
+            first_preemptions = step.num_preemptions
+            step = self._fill_step(now, spare_protected=False)
+            step.num_preemptions += first_preemptions
         if len(step) == 0:
             self.last_step_record = None
             return None
         self._step_id += 1
         built = step.build(self._step_id, self._batch.take_released())
         self.counters.num_preemptions += step.num_preemptions
-        for req in built.plan.new_seqs:
-            if req.rid in self._live and self._live[req.rid].first_scheduled is None:
-                self._live[req.rid].first_scheduled = now
+        for seq in built.plan.new_seqs:
+            req = self._live.get(seq.rid)
+            if req is not None and req.first_scheduled is None:
+                req.first_scheduled = now
         self._inflight = built.sampled
         self._inflight_step = self._step_id
         self._record_step(built, step.num_preemptions, now)
         return built.plan
+
+    def _fill_step(self, now: float, spare_protected: bool) -> StepBuilder:
+        """Give every running decode its token (preempting lower-ranked requests when blocks
+        run out); continue running prefills in chunks; then, in continuous mode and if nobody
+        was preempted for blocks, admit waiting requests in policy order while slots, budget
+        and blocks last (under `priority`, a better waiting request may first take the worst
+        one's slot)."""
+        self._batch.round += 1
+        self._batch.spare_protected = spare_protected
+        step = StepBuilder(self.config.max_num_batched_tokens)
+        prefills = self._schedule_decodes(step)
+        self._schedule_running_prefills(step, prefills)
+        if self._rules.admits_every_step and step.num_preemptions == 0:
+            if self.config.policy == "priority":
+                self._make_room_for_priority(step, now)
+            self._admit_waiting(step, now)
+        return step
 
     def _schedule_decodes(self, step: StepBuilder) -> list[Request]:
         """Every running decode gets one token; budget always suffices (config guarantees
@@ -200,7 +206,7 @@ class Scheduler:
             if computed >= len(req.block_ids) * block_size and not self._batch.grow(
                 req, computed + 1, step
             ):
-                continue  # it was preempted itself
+                continue  # no block and nobody ranked below it to take one from: it waits
             append(req)
         for req in padding:
             self._schedule_padding(req, step)
@@ -217,7 +223,7 @@ class Scheduler:
 
     def _schedule_running_prefills(self, step: StepBuilder, prefills: list[Request]) -> None:
         """Running requests still in prefill get a chunk each, in batch order, while budget
-        and blocks last. Only when nothing live is scheduled does a stuck prefill preempt."""
+        and blocks last."""
         chunk_size = self.config.chunk_size
         for req in prefills:
             if step.budget_left == 0:
@@ -230,16 +236,12 @@ class Scheduler:
             ):
                 continue  # preempted (or, padding) since the list was made
             start = req.num_computed_tokens
-            n = min(req.prefill_len - start, chunk_size, step.budget_left)
-            # Shrink the chunk to the blocks that are free rather than preempt someone.
+            # Room for at least one more token, preempting lower-ranked requests if need be;
+            # then the chunk shrinks to what is free rather than preempt for all of it.
+            if not self._batch.grow(req, start + 1, step):
+                continue  # it waits
             fit = (len(req.block_ids) + self.pool.num_free) * self.block_size - start
-            if fit <= 0 and step.num_live == 0:
-                if not self._batch.grow(req, start + n, step):
-                    continue
-                fit = n
-            n = min(n, fit)
-            if n <= 0:
-                continue
+            n = min(req.prefill_len - start, chunk_size, step.budget_left, fit)
             self._batch.grow(req, start + n, step)
             step.add_chunk(req, n)
 

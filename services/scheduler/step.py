@@ -42,9 +42,9 @@ class StepBuilder:
         return self.token_budget - len(self.decodes) - self._num_chunk_tokens
 
     @property
-    def num_live(self) -> int:
-        """Scheduled requests that are not static padding (padding frees nothing by running)."""
-        return len(self._chunks) + sum(1 for r in self.decodes if not r.padding)
+    def has_live(self) -> bool:
+        """Something other than static padding runs (padding never finishes anything)."""
+        return bool(self._chunks) or any(not r.padding for r in self.decodes)
 
     def add_chunk(self, req: Request, num_tokens: int) -> None:
         self._chunks[req.rid] = (req, num_tokens)

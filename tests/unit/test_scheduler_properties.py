@@ -66,10 +66,49 @@ def _check_plan_limits(sched: Scheduler, num_tokens: int) -> None:
     sched.check_integrity()
 
 
+def _arrive_and_abort(
+    sched: Scheduler, workload: list[Arrival], step: int, in_flight: bool, run: Run
+) -> dict[str, Arrival]:
+    """This step's arrivals (before schedule(), when not `in_flight`) and aborts; returns the
+    requests admitted."""
+    admitted = {}
+    for i, a in enumerate(workload):
+        rid = f"r{i}"
+        if a.step == step and not in_flight:
+            req = submit(
+                rid, a.prompt_len, a.max_tokens, priority=a.priority, ignore_eos=a.ignore_eos
+            )
+            refused = sched.add_request(req)
+            if refused is None:
+                admitted[rid] = a
+            else:
+                assert refused.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.OVERLOADED)
+        if a.abort_step == step and a.abort_in_flight == in_flight:
+            out = sched.abort_request(rid)
+            run.add([out] if out is not None else [])
+    return admitted
+
+
+def _check_final(run: Run, rid: str, a: Arrival, max_len: int) -> None:
+    """`max_len`: what max_model_len and the whole KV pool allow one request."""
+    final = run.final(rid)  # exactly one final output, and it is the last
+    tokens = run.tokens(rid)
+    assert len(tokens) == final.num_output_tokens <= a.max_tokens
+    assert a.prompt_len + len(tokens) <= max_len
+    if final.finish_reason == "stop":
+        assert tokens[-1] == EOS and not a.ignore_eos
+    elif final.finish_reason == "length":
+        assert len(tokens) == a.max_tokens or a.prompt_len + len(tokens) == max_len
+    else:
+        assert final.finish_reason == "abort"
+    if not a.ignore_eos:
+        assert EOS not in tokens[:-1]
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     config=configs(),
-    num_blocks=st.integers(3, 10) | st.integers(11, 40),  # small: preemption,
+    num_blocks=st.integers(3, 10) | st.integers(11, 40),  # small: preemption
     block_size=st.sampled_from([1, 2, 4, 8]),
     max_model_len=st.integers(4, 80),
     workload=st.lists(arrivals, min_size=1, max_size=14),
@@ -88,27 +127,11 @@ def test_random_workloads_keep_every_invariant(
     admitted: dict[str, Arrival] = {}
     last_arrival = max(a.step for a in workload)
     for step in range(3000):
-        for i, a in enumerate(workload):
-            if a.step == step:
-                rid = f"r{i}"
-                req = submit(
-                    rid, a.prompt_len, a.max_tokens, priority=a.priority, ignore_eos=a.ignore_eos
-                )
-                refused = sched.add_request(req)
-                if refused is None:
-                    admitted[rid] = a
-                else:
-                    assert refused.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.OVERLOADED)
-            if a.abort_step == step and not a.abort_in_flight:
-                out = sched.abort_request(f"r{i}")
-                run.add([out] if out is not None else [])
+        admitted.update(_arrive_and_abort(sched, workload, step, False, run))
         plan = sched.schedule()
         _check_plan_limits(sched, 0 if plan is None else plan.total_tokens)
         if plan is not None:
-            for i, a in enumerate(workload):
-                if a.abort_step == step and a.abort_in_flight:
-                    out = sched.abort_request(f"r{i}")
-                    run.add([out] if out is not None else [])
+            _arrive_and_abort(sched, workload, step, True, run)  # aborts while in flight
             run.add(sched.update(worker.execute(plan)))
             _check_plan_limits(sched, 0)
         elif step > last_arrival and not sched.has_work():
@@ -120,19 +143,5 @@ def test_random_workloads_keep_every_invariant(
     assert set(run.outputs) <= set(admitted)
     event(f"preempted: {sched.stats()['num_preemptions'] > 0}")
     for rid, a in admitted.items():
-        final = run.final(rid)  # exactly one final output, and it is the last
-        event(f"{config.batching} finish: {final.finish_reason}")
-        tokens = run.tokens(rid)
-        assert len(tokens) == final.num_output_tokens <= a.max_tokens
-        assert a.prompt_len + len(tokens) <= max_model_len
-        if final.finish_reason == "stop":
-            assert tokens[-1] == EOS and not a.ignore_eos
-            assert EOS not in tokens[:-1]
-        elif final.finish_reason == "length":
-            assert len(tokens) == a.max_tokens or a.prompt_len + len(tokens) >= min(
-                max_model_len, num_blocks * block_size + 1
-            )
-        else:
-            assert final.finish_reason == "abort"
-        if not a.ignore_eos:
-            assert EOS not in tokens[:-1]
+        event(f"{config.batching} finish: {run.final(rid).finish_reason}")
+        _check_final(run, rid, a, min(max_model_len, num_blocks * block_size + 1))
