@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from test_scheduler_support import CheckingWorker, FakeClock, Run, submit
 
@@ -112,6 +112,35 @@ def _check_final(run: Run, rid: str, a: Arrival, max_len: int) -> None:
     block_size=st.sampled_from([1, 2, 4, 8]),
     max_model_len=st.integers(4, 80),
     workload=st.lists(arrivals, min_size=1, max_size=14),
+)
+# Once a livelock: in-place recompute (static batching) with two prefills taking each other's
+# only free block every step while an earlier request waited forever.
+@example(
+    config=SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=4,
+        chunk_size=1,
+        batch_timeout=0.02,
+        max_wait=0.05,
+        max_waiting=4,
+        policy="short-first",
+        batching="static",
+        watermark=0.0,
+    ),
+    num_blocks=5,
+    block_size=1,
+    max_model_len=52,
+    workload=[
+        Arrival(0, 11, 1, 0, True, None, True),
+        Arrival(0, 5, 9, 0, True, None, False),
+        Arrival(0, 1, 3, 0, False, None, True),
+        Arrival(13, 1, 2, 0, True, None, True),
+        Arrival(0, 2, 12, 0, True, None, True),
+        Arrival(0, 1, 8, 0, True, None, True),
+        Arrival(11, 1, 6, 0, True, None, False),
+        Arrival(11, 1, 15, 0, False, None, False),
+        Arrival(14, 1, 14, 0, True, None, False),
+    ],
 )
 def test_random_workloads_keep_every_invariant(
     config: SchedulerConfig,
