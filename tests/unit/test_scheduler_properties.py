@@ -12,7 +12,7 @@ from typing import Optional
 
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import CheckingWorker, FakeClock, Run, submit
+from test_scheduler_support import CheckingWorker, FakeClock, Run, submit, token_for
 
 from services.scheduler import Scheduler, SchedulerConfig
 from shared.protocol.errors import ErrorCode
@@ -93,6 +93,8 @@ def _check_final(run: Run, rid: str, a: Arrival, max_len: int) -> None:
     """`max_len`: what max_model_len and the whole KV pool allow one request."""
     final = run.final(rid)  # exactly one final output, and it is the last
     tokens = run.tokens(rid)
+    # whatever was preempted and recomputed, the outputs are the model's, in order
+    assert tokens == [token_for(rid, i, VOCAB) for i in range(len(tokens))]
     assert len(tokens) == final.num_output_tokens <= a.max_tokens
     assert a.prompt_len + len(tokens) <= max_len
     if final.finish_reason == "stop":
