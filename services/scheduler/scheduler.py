@@ -188,8 +188,9 @@ class Scheduler:
 
     def _schedule_decodes(self, step: StepBuilder) -> list[Request]:
         """Every running decode gets one token; budget always suffices (config guarantees
-        max_num_batched_tokens >= max_num_seqs). Static padding comes after live requests.
-        Returns the running requests in prefill, in batch order."""
+        max_num_batched_tokens >= max_num_seqs). Only when blocks are out and nobody ranked
+        below it holds any does a decode wait a step. Static padding comes after live
+        requests. Returns the running requests in prefill, in batch order."""
         block_size = self.block_size
         padding: list[Request] = []
         prefills: list[Request] = []
