@@ -133,6 +133,7 @@ def _serve_loop(
                 encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message))
             )
             continue
+        _log_sequences(msg, log)
         reply = _run_step(runner, msg, log)
         num_steps += 1
         # Only rank 0 answers with results; every rank reports its own failures.
@@ -140,6 +141,21 @@ def _serve_loop(
             sock.send(encode(reply))
     log.info("worker_stopped", reason="signal", num_steps=num_steps)
     return 0
+
+
+def _log_sequences(plan: StepPlan, log: Any) -> None:
+    """One line per request joining or leaving this worker (`conveyor logs --rid` shows them)."""
+    for rid in plan.released_rids:
+        log.info("sequence_released", rid=rid, step_id=plan.step_id)
+    for seq in plan.new_seqs:
+        log.info(
+            "sequence_started",
+            rid=seq.rid,
+            step_id=plan.step_id,
+            num_tokens=len(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_blocks=len(seq.block_ids),
+        )
 
 
 def _run_step(runner: StepRunner, plan: StepPlan, log: Any) -> StepResult | WorkerFailure:

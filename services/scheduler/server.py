@@ -271,7 +271,7 @@ class SchedulerServer:
         fields.update(
             step_id=result.step_id,
             num_seqs=flight.plan.num_seqs,
-            num_tokens=flight.plan.total_tokens,
+            total_tokens=flight.plan.total_tokens,
             num_outputs=n_out,
             t_plan=flight.sent_at,
             t_result=now,
@@ -319,12 +319,15 @@ class SchedulerServer:
                 return
             parts = self.fe.recv_multipart()
             ident, frame = parts[0], parts[-1]
-            self._frontends[ident] = time.monotonic()
             try:
                 msg = decode(frame, max_size=self.config.max_frame_bytes)
             except DecodeError as exc:
                 self.log.warning("bad_frontend_frame", code=exc.code, message=exc.message)
                 continue
+            # Any message proves a frontend alive; a one-off StatsQuery (a healthcheck) does
+            # not make its sender a frontend to watch.
+            if ident in self._frontends or isinstance(msg, (FrontendHello, SubmitRequest)):
+                self._frontends[ident] = time.monotonic()
             self._on_frontend_message(ident, msg)
 
     def _on_frontend_message(self, ident: bytes, msg: Any) -> None:
@@ -416,7 +419,7 @@ class SchedulerServer:
             num_frontends=float(len(self._frontends)),
             num_workers_ready=float(len(self._ranks)),
             num_live_requests=float(len(self._owners)),
-            num_steps=float(self._num_steps),
+            num_results=float(self._num_steps),
         )
         return stats
 
@@ -452,6 +455,8 @@ def _as_fields(obj: Any) -> dict[str, Any]:
     """A dataclass (or mapping) as flat log fields; anything else as one `record` field."""
     if obj is None:
         return {}
+    if hasattr(obj, "to_dict"):  # StepRecord: its own flat form, derived counts included
+        return dict(obj.to_dict())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
