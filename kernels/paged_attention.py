@@ -78,6 +78,57 @@ def paged_attention_ref(
 
 
 @triton.jit
+def _attend_tiles(
+    q, q_pos, kv_end, tile_lo, tile_hi, table_row, k_base, v_base,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over key tiles [tile_lo, tile_hi) of one
+    # sequence and KV head; keys after a row's position q_pos (or at/after kv_end) are hidden.
+    # Returns the unnormalized accumulator, the running max (log2 domain) and the running sum.
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # int64 key positions: the interpreter checks every int32 add for overflow, int64 ones not.
+    offs_n = tl.arange(0, TILE_N).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * TILE_N + offs_n  # [TILE_N]
+        kv_ok = kv_pos < kv_end
+        block = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        slot = kv_pos % BLOCK_SIZE
+        k_off = block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+        k = tl.load(  # [HEAD_DIM_PAD, TILE_N]
+            k_base + k_off,
+            mask=d_ok[:, None] & kv_ok[None, :],
+            other=0.0,
+        )
+        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
+        v = tl.load(  # [TILE_N, HEAD_DIM_PAD]
+            v_base + v_off,
+            mask=kv_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -136,41 +187,13 @@ def _unified_attention_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
-    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    # int64 key positions: the interpreter checks every int32 add for overflow, int64 ones not.
-    offs_n = tl.arange(0, TILE_N).to(tl.int64)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        kv_pos = tile * TILE_N + offs_n  # [TILE_N]
-        kv_ok = kv_pos < kv_end
-        block = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        slot = kv_pos % BLOCK_SIZE
-        k_off = block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
-        k = tl.load(  # [HEAD_DIM_PAD, TILE_N]
-            k_cache_ptr + kv_head * stride_kh + k_off,
-            mask=d_ok[:, None] & kv_ok[None, :],
-            other=0.0,
-        )
-        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
-        v = tl.load(  # [TILE_N, HEAD_DIM_PAD]
-            v_cache_ptr + kv_head * stride_vh + v_off,
-            mask=kv_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _attend_tiles(
+        q, q_pos, kv_end, tile_lo, tile_hi, table_row,
+        k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -252,8 +275,38 @@ def _default_num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_k
     if programs >= num_sms:
         return 1
     by_fill = math.ceil(2 * num_sms / programs)
-    by_len = math.ceil(max_kv / 512)  # keep >= ~512 keys per split
+    by_len = math.ceil(max_kv / 256)  # keep >= ~256 keys (4 tiles) per split
     return max(1, min(16, by_fill, by_len))
+
+
+def _launch_shape(
+    q: torch.Tensor,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_kv: int,
+    block_m: Optional[int],
+    tile_n: Optional[int],
+    num_splits: Optional[int],
+) -> tuple[int, int, int]:
+    """(rows per program, keys per tile, KV splits): the caller's choice or a default from the
+    shapes alone. On a GPU every tl.dot dimension must be >= 16."""
+    num_tokens, group = q.shape[0], q.shape[1] // num_kv_heads
+    on_gpu = q.device.type == "cuda"
+    if block_m is None:
+        # Prefill-heavy batches (several queries per sequence) take taller blocks; on CPU tall
+        # blocks mean fewer interpreted programs.
+        block_m = 64 if num_tokens > 4 * num_seqs or not on_gpu else 16
+    block_m = max(block_m, next_pow2(group), 16 if on_gpu else 1)
+    tile_n = tile_n if tile_n is not None else (64 if on_gpu else 128)
+    if tile_n != next_pow2(tile_n) or (on_gpu and tile_n < 16):
+        raise ValueError(f"tile_n must be a power of two (>= 16 on GPU), got {tile_n}")
+    if block_m != next_pow2(block_m):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if num_splits is None:
+        num_splits = _default_num_splits(q, num_seqs, num_kv_heads, max_kv)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return block_m, tile_n, num_splits
 
 
 def paged_attention(
@@ -283,22 +336,9 @@ def paged_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    on_gpu = q.device.type == "cuda"
-    if block_m is None:
-        # Prefill-heavy batches (several queries per sequence) take taller blocks.
-        block_m = 64 if num_tokens > 4 * num_seqs or not on_gpu else 16
-    block_m = max(block_m, next_pow2(group), 16 if on_gpu else 1)
-    tile_n = tile_n if tile_n is not None else (64 if on_gpu else 128)
-    if tile_n != next_pow2(tile_n) or (on_gpu and tile_n < 16):
-        raise ValueError(f"tile_n must be a power of two (>= 16 on GPU), got {tile_n}")
-    if block_m != next_pow2(block_m):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
-    max_kv = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = _default_num_splits(q, num_seqs, num_kv_heads, max_kv)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-
+    block_m, tile_n, num_splits = _launch_shape(
+        q, num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_m, tile_n, num_splits
+    )
     if out is None:
         out = torch.empty_like(q)
     check_out("out", out, q, tuple(q.shape))
