@@ -10,7 +10,6 @@ start their own instead of using this one.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,19 +17,10 @@ from typing import Any, Optional
 
 import pytest
 
-from conveyor.launcher import LocalStack, StackSettings, gateway_available
+from conveyor.launcher import LocalStack
+from tests.e2e.stack_tools import engine_settings
 
 READY_TIMEOUT_S = 600.0  # model load on a busy 2-core machine; normally ~15-40 s
-# Small enough to allocate fast, large enough for 64 concurrent short requests (each block
-# holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
-ENGINE_WORKER_FLAGS = {"dtype": "float32", "kv_cache_memory": "384MiB", "max_model_len": "2048"}
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (tests run in parallel: never a fixed port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -52,20 +42,6 @@ class Engine:
             if line.startswith("{"):
                 out.append(json.loads(line))
         return out
-
-
-def engine_settings(log_dir: Path, gateway: bool = True, **overrides: Any) -> StackSettings:
-    """Settings for a real-model stack on free ports (also used by tests that need their own)."""
-    fields: dict[str, Any] = dict(
-        frontend_address=f"tcp://127.0.0.1:{free_port()}",
-        worker_flags=dict(ENGINE_WORKER_FLAGS),
-        gateway=gateway and gateway_available(),
-        http_port=free_port(),
-        log_dir=log_dir,
-        drain_timeout_s=5.0,
-    )
-    fields.update(overrides)
-    return StackSettings(**fields)
 
 
 @pytest.fixture(scope="session")
