@@ -1,0 +1,133 @@
+"""docker-compose.yml: valid for Debian's docker-compose (no Docker engine needed), and
+coherent: the tokenizer, scheduler and worker started as plain processes with exactly the
+commands and environment the compose file gives them (container addresses mapped to
+127.0.0.1 on free ports, container paths to temporary ones) serve a request, and the
+compose healthchecks pass against them. Rough runtime: 30-120 s (a bf16 model load).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.client import Client
+from tests.e2e.stack_tools import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_SERVICES = ("scheduler", "worker", "tokenizer")
+ADDRESS = re.compile(r"tcp://[\w.*-]+:(\d+)")
+
+
+def _docker_compose() -> str:
+    found = shutil.which("docker-compose")
+    assert found, "install Debian's docker-compose (.ci/run does): it validates the file"
+    return found
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"],
+                                   ["docker-compose.yml", "docker-compose.gpu.yml"]])  # fmt: skip
+def test_compose_config_is_valid(files: list[str]) -> None:
+    argv = [_docker_compose()] + [a for f in files for a in ("-f", f)] + ["config", "-q"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    return env
+
+
+def _service_env(spec: dict) -> dict[str, str]:
+    files = spec.get("env_file", [])
+    env: dict[str, str] = {}
+    for name in [files] if isinstance(files, str) else files:
+        env.update(_read_env_file(ROOT / name))
+    env.update({k: str(v) for k, v in (spec.get("environment") or {}).items()})
+    return env
+
+
+class _Mapper:
+    """Container world -> this machine: one free local port per compose port."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ports: dict[str, int] = {}
+        self.paths = {"/tmp/": f"{tmp}/"}
+
+    def port(self, port: str) -> int:
+        return self.ports.setdefault(port, free_port())
+
+    def value(self, text: str) -> str:
+        text = ADDRESS.sub(lambda m: f"tcp://127.0.0.1:{self.port(m.group(1))}", text)
+        for inside, outside in self.paths.items():
+            text = text.replace(inside, outside)
+        return text
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return [sys.executable if a == "python" else self.value(a) for a in argv]
+
+
+@pytest.fixture
+def compose_stack(tmp_path: Path) -> Iterator[tuple[dict, _Mapper]]:
+    spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    mapper = _Mapper(tmp_path)
+    procs = []
+    try:
+        for name in ENGINE_SERVICES:
+            env = {k: mapper.value(v) for k, v in _service_env(spec[name]).items()}
+            # The image bakes the converted model into /models; here the host's cache holds it.
+            env.pop("CONVEYOR_CACHE_DIR")
+            env.update(PATH=os.environ["PATH"], HOME=os.environ.get("HOME", "/root"),
+                       PYTHONPATH=str(ROOT))  # fmt: skip
+            if "CONVEYOR_CACHE_DIR" in os.environ:
+                env["CONVEYOR_CACHE_DIR"] = os.environ["CONVEYOR_CACHE_DIR"]
+            log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+            argv = mapper.argv(spec[name]["command"])
+            proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            procs.append((proc, log))
+        yield spec, mapper
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, log in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def _healthy(spec: dict, mapper: _Mapper, name: str) -> bool:
+    argv = spec[name]["healthcheck"]["test"]
+    assert argv[0] == "CMD"
+    done = subprocess.run(mapper.argv(argv[1:]), cwd=ROOT, capture_output=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    return done.returncode == 0
+
+
+def test_compose_services_run_as_plain_processes(compose_stack: tuple[dict, _Mapper]) -> None:
+    spec, mapper = compose_stack
+    deadline = time.monotonic() + 600
+    while not all(_healthy(spec, mapper, name) for name in ENGINE_SERVICES):
+        assert time.monotonic() < deadline, "the compose services never became healthy"
+        time.sleep(1.0)
+    published = spec["tokenizer"]["ports"][0].split(":")[-1]
+    with Client(f"tcp://127.0.0.1:{mapper.port(published)}", timeout=300) as client:
+        done = client.generate("The capital of France is", max_tokens=4, temperature=0.0)
+    assert done.usage["completion_tokens"] == 4 and done.text.strip()

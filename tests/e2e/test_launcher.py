@@ -1,0 +1,139 @@
+"""The user face: `conveyor up` (issue test 5, second half), `generate`, `stats`, `logs`.
+
+`up` runs as a real child process with the SIMULATED worker (fast start; the supervision is
+what is tested): SIGTERM stops it with exit 0 and no process behind; a killed worker makes it
+report and exit non-zero, again with no process behind. `generate`, `stats` and `logs` run
+against the session's shared engine. Rough runtime: 30-60 s on the shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conveyor.launcher import probe_health
+from shared.client import Client
+from tests.e2e.stack_tools import descendants, free_port, wait_gone
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("services.scheduler", "services.simworker", "services.tokenizer")
+
+
+def _conveyor(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "conveyor", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)  # fmt: skip
+
+
+class _UpProcess:
+    """`conveyor up` as a child; a thread collects its stdout so it never blocks."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)  # fmt: skip
+        self.lines: list[str] = []
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_serving(self, timeout: float) -> None:
+        """Until `up` says it serves (it has seen the engine ready itself)."""
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith("serving on") for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "conveyor up never became ready"
+            time.sleep(0.2)
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        self._pump.join(5)
+        return self.proc.returncode, "".join(self.lines), err
+
+
+def _start_up(tmp_path: Path) -> tuple[_UpProcess, dict[int, str]]:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    up = _UpProcess([sys.executable, "-m", "conveyor", "up", "--worker", "sim", "--no-gateway",
+                     "--frontend-addr", address, "--log-dir", str(tmp_path / "logs")])  # fmt: skip
+    up.wait_serving(timeout=300)
+    assert probe_health(address, timeout=5.0)
+    children = descendants(up.proc.pid)
+    for module in SERVICES:
+        assert any(module in cmd for cmd in children.values()), (module, children)
+    return up, children
+
+
+def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
+    up, children = _start_up(tmp_path)
+    up.proc.send_signal(signal.SIGTERM)
+    rc, out, _err = up.finish(timeout=60)
+    assert rc == 0
+    assert wait_gone(list(children), timeout=5) == []
+    # every service's output went to its own prefixed stream and its own log file
+    for name in ("scheduler", "worker", "tokenizer"):
+        assert f"{name:>9} | " in out
+        assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
+
+
+def test_up_reports_a_dead_worker_and_exits_nonzero(tmp_path: Path) -> None:
+    up, children = _start_up(tmp_path)
+    worker = next(pid for pid, cmd in children.items() if "services.simworker" in cmd)
+    os.kill(worker, signal.SIGKILL)
+    rc, _out, err = up.finish(timeout=60)
+    assert rc == 1
+    assert "worker died" in err
+    assert wait_gone(list(children), timeout=5) == []
+
+
+def test_generate_streams_the_text(engine: Any) -> None:
+    done = _conveyor("generate", "The capital of France is", "--max-tokens", "6",
+                     "--temperature", "0", "--address", engine.frontend_address)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with Client(engine.frontend_address, timeout=300) as client:
+        want = client.generate("The capital of France is", max_tokens=6, temperature=0.0)
+    assert done.stdout == want.text + "\n"
+
+
+def test_generate_errors_go_to_stderr_with_nonzero_exit(engine: Any) -> None:
+    bad = _conveyor("generate", "Hi", "--temperature", "-1", "--address", engine.frontend_address)
+    assert bad.returncode == 1 and "invalid_params" in bad.stderr and bad.stdout == ""
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    gone = _conveyor("generate", "Hi", "--address", nobody, "--timeout", "2")
+    assert gone.returncode == 1 and "engine_unreachable" in gone.stderr
+
+
+def test_stats_prints_engine_counters(engine: Any) -> None:
+    done = _conveyor("stats", "--address", engine.frontend_address)
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["ready"] is True and stats["engine"]["kv_blocks_total"] > 0
+
+
+def test_logs_show_one_requests_journey(engine: Any) -> None:
+    with Client(engine.frontend_address, timeout=300) as client:
+        client.generate("Hello there", max_tokens=3, request_id="journey-1")
+    deadline = time.monotonic() + 10
+    while True:  # the launcher's log writer may lag by a moment
+        done = _conveyor("logs", "--rid", "journey-1", "--log-dir", str(engine.log_dir),
+                         "--json")  # fmt: skip
+        records = [json.loads(line) for line in done.stdout.splitlines()]
+        services = {r["service"] for r in records}
+        if {"tokenizer", "scheduler", "worker"} <= services or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {"tokenizer", "scheduler", "worker"} <= services, records
+    assert len({r["rid"] for r in records}) == 1  # the client id resolved to one rid
+    assert records == sorted(records, key=lambda r: r["ts"])
