@@ -297,7 +297,10 @@ def _launch_shape(
         # blocks mean fewer interpreted programs.
         block_m = 64 if num_tokens > 4 * num_seqs or not on_gpu else 16
     block_m = max(block_m, next_pow2(group), 16 if on_gpu else 1)
-    tile_n = tile_n if tile_n is not None else (64 if on_gpu else 128)
+    if tile_n is None:
+        # Compiled for sm_90 (cuobjdump -res-usage), 64-row blocks of head_dim 128 with 64-key
+        # tiles need 205 registers a thread; 32-key tiles 162. Everything else fits with 64.
+        tile_n = 128 if not on_gpu else (32 if block_m >= 64 and q.shape[2] > 64 else 64)
     if tile_n != next_pow2(tile_n) or (on_gpu and tile_n < 16):
         raise ValueError(f"tile_n must be a power of two (>= 16 on GPU), got {tile_n}")
     if block_m != next_pow2(block_m):
@@ -307,6 +310,12 @@ def _launch_shape(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return block_m, tile_n, num_splits
+
+
+def _num_warps(block_m: int, head_dim: int) -> int:
+    # With 4 warps, head_dim 128 spills registers to the stack even in 16-row blocks (255
+    # registers + 328 bytes of stack at sm_90); 8 warps hold every default shape without spills.
+    return 8 if block_m >= 64 or head_dim > 64 else 4
 
 
 def paged_attention(
@@ -369,6 +378,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=tile_n, SEQS_PAD=max(16, next_pow2(num_seqs)), NUM_SPLITS=num_splits,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=_num_warps(block_m, head_dim),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
