@@ -346,7 +346,7 @@ class SchedulerServer:
 
     def _on_submit(self, ident: bytes, req: SubmitRequest) -> None:
         rejection = None
-        if self._draining_since is not None:
+        if self._drain_requested:
             rejection = (ErrorCode.SHUTTING_DOWN, "the engine is shutting down")
         elif self.sched is None:
             rejection = (ErrorCode.NOT_READY, "the worker is not ready")

@@ -52,17 +52,20 @@ class Frontend:
         self.sock.setsockopt(zmq.IDENTITY, name.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
+        self.last_hello = 0.0
 
     def send(self, msg: Any) -> None:
         self.sock.send(encode(msg))
 
     def recv(self, timeout: float = 10.0) -> Any:
-        """The next message; sends a heartbeat hello every second meanwhile."""
+        """The next message; keeps the heartbeat (a hello every second) meanwhile."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.sock.poll(1000):
+            if time.monotonic() - self.last_hello >= 1.0:
+                self.send(FrontendHello(self.name))
+                self.last_hello = time.monotonic()
+            if self.sock.poll(200):
                 return decode(self.sock.recv())
-            self.send(FrontendHello(self.name))
         raise AssertionError(f"{self.name}: nothing within {timeout} s")
 
     def wait_for(self, kind: type, timeout: float = 60.0) -> Any:
@@ -199,3 +202,26 @@ def _check_hung_worker(a: Frontend, worker: subprocess.Popen[bytes]) -> None:
     assert isinstance(a.wait_for(EngineNotReady, timeout=10), EngineNotReady)
     assert time.monotonic() - stopped < 5.0
     worker.send_signal(signal.SIGCONT)
+
+
+def test_sigterm_drains_then_stops_the_worker(parts: Parts) -> None:
+    fe = Frontend(parts.sched_addr, "fe-d")
+    worker = _start_worker(parts.worker_addr, parts.tmp_path)
+    try:
+        fe.send(FrontendHello("fe-d"))
+        fe.wait_for(EngineReady)
+        fe.send(_submit("d-1", 300))
+        fe.wait_for(OutputBatch)
+        parts.scheduler.send_signal(signal.SIGTERM)
+        fe.send(_submit("d-2", 4))
+        assert fe.wait_for(RequestRejected).code == "shutting_down"
+        final = None
+        while final is None:
+            outs = fe.wait_for(OutputBatch).outputs
+            final = next((o for o in outs if o.rid == "d-1" and o.finish_reason), None)
+        assert final.finish_reason == "length" and final.num_output_tokens == 300
+        assert parts.scheduler.wait(30) == 0
+        assert worker.wait(30) == 0  # told to stop by the scheduler, not killed
+    finally:
+        worker.kill()
+        worker.wait()
