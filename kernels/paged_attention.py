@@ -298,9 +298,7 @@ def _launch_shape(
         block_m = 64 if num_tokens > 4 * num_seqs or not on_gpu else 16
     block_m = max(block_m, next_pow2(group), 16 if on_gpu else 1)
     if tile_n is None:
-        # Compiled for sm_90 (cuobjdump -res-usage), 64-row blocks of head_dim 128 with 64-key
-        # tiles need 205 registers a thread; 32-key tiles 162. Everything else fits with 64.
-        tile_n = 128 if not on_gpu else (32 if block_m >= 64 and q.shape[2] > 64 else 64)
+        tile_n = 64 if on_gpu else 128
     if tile_n != next_pow2(tile_n) or (on_gpu and tile_n < 16):
         raise ValueError(f"tile_n must be a power of two (>= 16 on GPU), got {tile_n}")
     if block_m != next_pow2(block_m):
@@ -313,9 +311,10 @@ def _launch_shape(
 
 
 def _num_warps(block_m: int, head_dim: int) -> int:
-    # With 4 warps, head_dim 128 spills registers to the stack even in 16-row blocks (255
-    # registers + 328 bytes of stack at sm_90); 8 warps hold every default shape without spills.
-    return 8 if block_m >= 64 or head_dim > 64 else 4
+    # Registers a thread at sm_90 (bench/gpu_compile.py, 64-key tiles, bf16): 16-row blocks
+    # 96 (head_dim 64) / 158 (128) with 4 warps; 64-row blocks 174 (64) with 4 warps, 248 (128)
+    # with 4 and 186 with 8. None spills; 8 warps keep the largest under ~200.
+    return 8 if block_m >= 64 and head_dim > 64 else 4
 
 
 def paged_attention(
