@@ -2,6 +2,8 @@
 
 Importable with only torch, triton, numpy and the standard library (the GPU check imports it on a
 bare CUDA machine). On CPU the kernels run only under TRITON_INTERPRET=1 (tests).
+The package attributes below are the functions, which shadow their modules' names here
+(`kernels.rotary` is the function); `from kernels.rotary import ...` still reads the module.
 """
 
 from kernels.paged_attention import paged_attention, paged_attention_ref

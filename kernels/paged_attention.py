@@ -147,8 +147,8 @@ def _unified_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; this program's
-    # sequence is the last one whose first block is <= q_block_id. (Inline: each call of a jitted
-    # helper costs the interpreter a re-patch of triton.language.)
+    # sequence is the last one whose first block is <= q_block_id. (Kept inline and helpers kept
+    # few: the interpreter re-patches triton.language on every call of a jitted helper.)
     offs_seq = tl.arange(0, SEQS_PAD)
     seq_ok = offs_seq < num_seqs
     seq_starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_ok, other=0)
