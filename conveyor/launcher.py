@@ -30,6 +30,7 @@ from conveyor.procs import ServiceProcess, stop_in_order
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
 WORKER_KINDS = ("model", "sim")
+STEP_MARK = '"event":"step"'  # the scheduler's per-step lines: many per second when busy
 
 
 class StackError(RuntimeError):
@@ -54,6 +55,7 @@ class StackSettings:
     served_model_name: Optional[str] = None
     log_dir: Path = Path("logs")
     echo: Optional[TextIO] = None  # where prefixed service output goes (None: files only)
+    echo_steps: bool = False  # also echo the scheduler's per-step lines (always in the file)
     drain_timeout_s: float = 10.0  # SIGTERM grace for in-flight requests
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
 
@@ -139,8 +141,9 @@ class LocalStack:
         argv = [sys.executable, "-m", module]
         for key, value in flags.items():
             argv += ["--" + key.replace("_", "-"), value]
+        hide = () if self.settings.echo_steps else (STEP_MARK,)
         self.services[name] = ServiceProcess(
-            name, argv, self._env(name), self.log_dir, self.settings.echo, cwd=ROOT
+            name, argv, self._env(name), self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
         )
         self._note(f"started {name} (pid {self.services[name].pid})")
 

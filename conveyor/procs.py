@@ -43,7 +43,9 @@ class ServiceProcess:
         log_dir: Path,
         echo: Optional[TextIO],
         cwd: Optional[Path] = None,
+        hide: tuple[str, ...] = (),
     ) -> None:
+        """`hide`: substrings of lines kept out of the echo (they still go to the log file)."""
         self.name = name
         self.argv = argv
         self.log_path = log_dir / f"{name}.log"
@@ -64,6 +66,7 @@ class ServiceProcess:
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._echo = echo
+        self._hide = hide
         self._thread = threading.Thread(target=self._pump, name=f"tee-{name}", daemon=True)
         self._thread.start()
 
@@ -78,7 +81,7 @@ class ServiceProcess:
             self.tail.append(line)
             self._log.write(line)
             self._log.flush()
-            if self._echo is not None:
+            if self._echo is not None and not any(h in line for h in self._hide):
                 with _PRINT_LOCK:
                     self._echo.write(prefix + line)
                     self._echo.flush()

@@ -65,6 +65,8 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM")  # fmt: skip
     a.add_argument("--ready-timeout", type=float, default=600.0)
     a.add_argument("--quiet", action="store_true", help="logs to files only, not to stdout")
+    a.add_argument("--show-steps", action="store_true",
+                   help="also print the scheduler's step lines (always in its log)")  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> StackSettings:
@@ -87,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         served_model_name=args.served_model_name,
         log_dir=args.log_dir,
         echo=None if args.quiet else sys.stdout,
+        echo_steps=args.show_steps,
         drain_timeout_s=args.drain_timeout,
     )
 
@@ -114,8 +117,13 @@ def run_stack(
         stack.start()
         if not _wait_ready(stack, ready_timeout, stop):
             return 0 if stop.is_set() else 2
-        if demo_prompt is not None:
-            _answer(stack.frontend_address, demo_prompt)
+        if demo_prompt is not None:  # in a thread, so Ctrl-C is not held up by the answer
+            asking = threading.Thread(
+                target=_answer, args=(stack.frontend_address, demo_prompt), daemon=True
+            )
+            asking.start()
+            while asking.is_alive() and not stop.wait(0.2):
+                pass
         print(f"serving on {stack.frontend_address}"
               + (f" and {stack.http_url}" if stack.http_url else "")
               + f"; logs in {stack.log_dir}; Ctrl-C stops", flush=True)  # fmt: skip
@@ -158,14 +166,17 @@ def _serve(stack: LocalStack, stop: threading.Event) -> int:
 
 
 def _answer(address: str, prompt: str) -> None:
+    """Ask the sample question and print the whole answer as one block (log lines from the
+    services would otherwise interleave with a streamed answer)."""
     from shared.client import Client, EngineError
 
-    print(f"\n> {prompt}\n", flush=True)
-    with Client(address, timeout=120.0) as client:
+    with Client(address, timeout=300.0) as client:
         try:
-            for chunk in client.stream(messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=96, temperature=0.0):  # fmt: skip
-                print(chunk.text, end="", flush=True)
+            done = client.generate(messages=[{"role": "user", "content": prompt}],
+                                   max_tokens=64, temperature=0.0)  # fmt: skip
         except EngineError as exc:
-            print(f"\nconveyor: the sample prompt failed: {exc}", file=sys.stderr)
-    print("\n", flush=True)
+            print(f"conveyor: the sample prompt failed: {exc}", file=sys.stderr, flush=True)
+            return
+    seconds = done.timings.get("e2e_s") or 0.0
+    print(f"\n> {prompt}\n{done.text.strip()}\n({done.usage.get('completion_tokens')} tokens "
+          f"in {seconds:.1f} s)\n", flush=True)  # fmt: skip
