@@ -119,9 +119,10 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
         sched.wait()
 
 
-def _start_worker(worker_addr: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+def _start_worker(worker_addr: str, tmp_path: Path, rank: int = 0) -> subprocess.Popen[bytes]:
     return _spawn("services.simworker", "--plan-addr", worker_addr, "--sim-num-blocks", "256",
-                  "--sim-max-model-len", "2048", log=tmp_path / "worker.log")  # fmt: skip
+                  "--sim-max-model-len", "2048", "--rank", str(rank),
+                  log=tmp_path / f"worker-{rank}.log")  # fmt: skip
 
 
 def test_routing_aborts_and_readiness(parts: Parts) -> None:
@@ -225,3 +226,33 @@ def test_sigterm_drains_then_stops_the_worker(parts: Parts) -> None:
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_every_rank_gets_every_plan_and_rank_0_answers(tmp_path: Path) -> None:
+    sched_addr, worker_addr = f"ipc://{tmp_path}/s.sock", f"ipc://{tmp_path}/w.sock"
+    flags = ["--scheduler-addr", sched_addr, "--worker-addr", worker_addr, "--num-workers", "2"]
+    procs = [_spawn("services.scheduler", *flags, log=tmp_path / "scheduler.log")]
+    try:
+        fe = Frontend(sched_addr, "fe-tp")
+        procs.append(_start_worker(worker_addr, tmp_path, rank=0))
+        fe.send(FrontendHello("fe-tp"))
+        assert isinstance(fe.recv(), EngineNotReady)  # one rank of two is not enough
+        procs.append(_start_worker(worker_addr, tmp_path, rank=1))
+        fe.wait_for(EngineReady)
+        fe.send(_submit("tp-1", 8))
+        final = None
+        while final is None:
+            final = next((o for o in fe.wait_for(OutputBatch).outputs if o.finish_reason), None)
+        assert final.num_output_tokens == 8
+        fe.send(StatsQuery("q"))
+        steps = fe.wait_for(StatsReply).stats["num_steps"]
+        procs[0].send_signal(signal.SIGTERM)  # drain: both ranks are told to stop
+        assert procs[0].wait(30) == 0
+        for rank in (0, 1):
+            assert procs[1 + rank].wait(30) == 0
+            lines = (tmp_path / f"worker-{rank}.log").read_text()
+            assert f'"num_steps":{int(steps)}' in lines, (rank, lines[-500:])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
