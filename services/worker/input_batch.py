@@ -80,6 +80,8 @@ class InputBatch:
                 raise ValueError(f"rid {rid!r}: position {end - 1} >= max_model_len")
             if end > len(state.block_ids) * self.block_size:
                 raise ValueError(f"rid {rid!r}: block table too short for position {end - 1}")
+            if start > len(state.token_ids):
+                raise ValueError(f"rid {rid!r}: chunk starts at {start}, beyond its tokens")
             chunk = plan.token_ids[offset : offset + n]
             state.token_ids[start:end] = chunk
             offset += n

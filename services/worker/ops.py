@@ -106,10 +106,13 @@ class TorchOps:
         cos = cs[:, None, :half]  # [T, 1, D/2]
         sin = cs[:, None, half:]
         for x in (q, k):
+            # .float() is a view for fp32: compute both halves before writing either
             x1 = x[..., :half].float()
             x2 = x[..., half:].float()
-            x[..., :half] = (x1 * cos - x2 * sin).to(x.dtype)
-            x[..., half:] = (x2 * cos + x1 * sin).to(x.dtype)
+            out1 = x1 * cos - x2 * sin
+            out2 = x2 * cos + x1 * sin
+            x[..., :half] = out1.to(x.dtype)
+            x[..., half:] = out2.to(x.dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         inter = x.shape[-1] // 2

@@ -32,7 +32,7 @@ def _splitmix64(x: int) -> int:
 
 
 def draw_uniform(seed: int, n: int) -> float:
-    """u in (0, 1], a pure function of (seed, n): the draw for output token n."""
+    """u in (0, 1], a pure function of (seed mod 2**64, n): the draw for output token n."""
     z = _splitmix64(_splitmix64(seed & _MASK64) ^ (n & _MASK64))
     return ((z >> 11) + 1) / float(1 << 53)
 

@@ -234,3 +234,28 @@ def test_forward_matches_transformers(tmp_path: Path, overrides: dict) -> None:
     )
     got = runner.compute_logits(plan)[0]
     assert (got - want[-1]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from services.worker.model import rotary_cache
+    from services.worker.ops import TorchOps
+    from services.worker.weights import ModelArgs
+
+    args = ModelArgs("LlamaForCausalLM", 10, 64, 128, 1, 4, 2, 16, 1e-5, 1e5, 64, True, False)
+    cache = rotary_cache(args, 64, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(7, 4, 16, generator=gen).to(dtype)
+    k = torch.randn(7, 2, 16, generator=gen).to(dtype)
+    pos = torch.tensor([0, 1, 2, 30, 31, 50, 63])
+    cos = torch.cat([cache[pos, :8]] * 2, dim=-1)[None]  # [1, T, D] as HF's rotary_emb gives
+    sin = torch.cat([cache[pos, 8:]] * 2, dim=-1)[None]
+    want_q, want_k = apply_rotary_pos_emb(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], cos, sin
+    )
+    TorchOps().rotary(q, k, pos, cache)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert (q.float() - want_q[0].transpose(0, 1)).abs().max().item() < tol
+    assert (k.float() - want_k[0].transpose(0, 1)).abs().max().item() < tol
