@@ -42,11 +42,13 @@ class AsyncClient:
         address: str = DEFAULT_ADDRESS,
         timeout: float = 60.0,
         context: Optional[zmq.asyncio.Context] = None,
+        connect_timeout: float = 5.0,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError("timeout must be > 0")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeout and connect_timeout must be > 0")
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = min(connect_timeout, timeout)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._reader: Optional[asyncio.Task] = None
@@ -162,7 +164,11 @@ class AsyncClient:
     async def _start(self, rid: str, frame: bytes) -> None:
         """Register `rid`'s queue, then send its first frame."""
         self._queues[rid] = asyncio.Queue()
-        await self._send(frame)
+        try:
+            await self._send(frame)
+        except BaseException:
+            self._queues.pop(rid, None)  # never sent: nothing to abort
+            raise
 
     async def _send(self, frame: bytes) -> None:
         if self._closed:
@@ -171,8 +177,14 @@ class AsyncClient:
             self._loop = asyncio.get_running_loop()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # as in Client: queue nothing unconnected
             self._sock.connect(self.address)
             self._reader = asyncio.create_task(self._read())
+        if not await self._sock.poll(int(self.connect_timeout * 1000), zmq.POLLOUT):
+            raise EngineError(
+                ErrorCode.ENGINE_UNREACHABLE,
+                f"cannot connect to {self.address} within {self.connect_timeout:g} s",
+            )
         await self._sock.send(frame)
 
     async def _read(self) -> None:

@@ -37,20 +37,27 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
 class Client:
     """`timeout`: seconds without any message from the frontend before EngineError
     (`engine_unreachable`). The frontend sends heartbeats while a request is in flight, so a
-    long generation or a long queue does not hit it."""
+    long generation or a long queue does not hit it. `connect_timeout`: how long a request
+    waits for a connection to the frontend before the same error (never longer than
+    `timeout`)."""
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         timeout: float = 60.0,
         context: Optional[zmq.Context] = None,
+        connect_timeout: float = 5.0,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError("timeout must be > 0")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeout and connect_timeout must be > 0")
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = min(connect_timeout, timeout)
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Queue nothing while not connected: a request to an absent frontend fails at once
+        # (after connect_timeout) instead of waiting in a queue for the full timeout.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.connect(address)
         self._inbox: dict[str, deque[dict[str, Any]]] = {}  # ids being waited for
         self._abandoned: set[str] = set()  # aborted by close(): drop their late replies
@@ -120,8 +127,8 @@ class Client:
         owned = request_id not in self._inbox  # else a live stream of ours shares the box
         self._abandoned.discard(request_id)  # its `aborted` now answers this call
         self._inbox.setdefault(request_id, deque())
-        self._send(encode_client_message("abort", request_id))
         try:
+            self._send(encode_client_message("abort", request_id))
             msg = self._next_for(request_id, ("aborted",))
         finally:
             if owned:
@@ -152,8 +159,8 @@ class Client:
     def _query(self, kind: str) -> dict[str, Any]:
         qid = f"{kind}-{uuid.uuid4().hex}"
         self._inbox[qid] = deque()
-        self._send(encode_client_message(kind, qid))
         try:
+            self._send(encode_client_message(kind, qid))
             msg = self._next_for(qid, (kind, "error"))
         finally:
             self._inbox.pop(qid, None)
@@ -174,12 +181,21 @@ class Client:
         rid = request_id or uuid.uuid4().hex
         fields = request_fields(prompt, messages, prompt_token_ids, stream, priority, params)
         self._inbox[rid] = deque()
-        self._send(encode_client_message("generate", rid, **fields))
+        try:
+            self._send(encode_client_message("generate", rid, **fields))
+        except EngineError:
+            self._inbox.pop(rid, None)  # never sent: nothing to abort
+            raise
         return rid
 
     def _send(self, frame: bytes) -> None:
         if self._closed:
             raise EngineError(ErrorCode.ENGINE_UNREACHABLE, "the client is closed")
+        if not self._sock.poll(int(self.connect_timeout * 1000), zmq.POLLOUT):
+            raise EngineError(
+                ErrorCode.ENGINE_UNREACHABLE,
+                f"cannot connect to {self.address} within {self.connect_timeout:g} s",
+            )
         self._sock.send(frame)
 
     def _next_for(self, rid: str, kinds: tuple[str, ...]) -> dict[str, Any]:
