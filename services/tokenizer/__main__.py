@@ -8,24 +8,23 @@ may finish within the grace period, then the scheduler hears FrontendBye and the
 from __future__ import annotations
 
 import os
+import signal
+import sys
+from types import FrameType
+from typing import Optional
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers is imported
+import zmq
 
-import signal  # noqa: E402
-import sys  # noqa: E402
-from types import FrameType  # noqa: E402
-from typing import Optional  # noqa: E402
-
-import zmq  # noqa: E402
-
-from services.tokenizer.config import build_parser, config_from_args  # noqa: E402
-from services.tokenizer.server import FrontendServer  # noqa: E402
-from services.tokenizer.text_codec import load_text_codec  # noqa: E402
-from shared.logging import configure_logging  # noqa: E402
-from shared.model_files import prepare_model  # noqa: E402
+from services.tokenizer.config import build_parser, config_from_args
+from services.tokenizer.server import FrontendServer
+from services.tokenizer.text_codec import load_text_codec
+from shared.logging import configure_logging
+from shared.model_files import prepare_model
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # Read by `tokenizers` when it first encodes, not at import: one thread from here on.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -360,6 +360,7 @@ class FrontendServer:
                 continue  # a failed send already dropped it with its connection
             state = self._forget(rid)
             self._num_errors_total += 1
+            self.log.info("request_failed", rid=rid, code=code)
             self._send_client(state.identity, state.error(code, message))
 
     def _send_scheduler(self, frame: bytes) -> bool:
@@ -424,6 +425,7 @@ class FrontendServer:
             if rid not in self._requests:
                 continue
             state = self._forget(rid)
+            self.log.info("request_failed", rid=rid, code=ErrorCode.SHUTTING_DOWN)
             self._send_scheduler(encode(AbortRequest(rid, "shutdown")))
             msg = "the frontend stopped before the request finished"
             self._send_client(state.identity, state.error(ErrorCode.SHUTTING_DOWN, msg))
