@@ -16,6 +16,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -165,25 +166,28 @@ class LocalStack:
 
     # ---- readiness and liveness --------------------------------------------------------------
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        """Block until the frontend says ready (worker handshake done) and the gateway listens.
+    def is_ready(self) -> bool:
+        """One look (about a second): the frontend says ready (worker handshake done) and the
+        gateway, if any, listens. Raises StackError when a service has exited."""
+        self._raise_if_dead()
+        if not probe_health(self.frontend_address, timeout=1.0):
+            return False
+        s = self.settings
+        return self.http_url is None or _port_open(s.http_host, s.http_port)
 
-        Raises StackError when a service exits first or the timeout passes.
-        """
+    def wait_ready(self, timeout: float = 300.0, stop: Optional[threading.Event] = None) -> bool:
+        """Block until ready; False when `stop` was set first. Raises StackError when a
+        service exits first or the timeout passes."""
         deadline = time.monotonic() + timeout
-        while not probe_health(self.frontend_address, timeout=1.0):
-            self._raise_if_dead()
+        while not self.is_ready():
+            if stop is not None and stop.is_set():
+                return False
             if time.monotonic() > deadline:
                 raise StackError(f"engine not ready after {timeout:.0f} s")
-        while self.http_url is not None and not _port_open(
-            self.settings.http_host, self.settings.http_port
-        ):
-            self._raise_if_dead()
-            if time.monotonic() > deadline:
-                raise StackError(f"gateway not listening after {timeout:.0f} s")
             time.sleep(0.2)
         self._note(f"ready: frontend {self.frontend_address}"
                    + (f", HTTP {self.http_url}" if self.http_url else ""))  # fmt: skip
+        return True
 
     def dead_service(self) -> Optional[tuple[str, int]]:
         """(name, exit code) of the first service that has exited, or None."""

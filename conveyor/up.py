@@ -135,18 +135,9 @@ def run_stack(
 
 
 def _wait_ready(stack: LocalStack, timeout: float, stop: threading.Event) -> bool:
+    """True once ready; False on Ctrl-C (honoured even during a slow model load) or failure."""
     try:
-        # In slices, so Ctrl-C during a slow model load is honoured promptly.
-        waited = 0.0
-        while not stop.is_set():
-            try:
-                stack.wait_ready(timeout=min(2.0, timeout - waited))
-                return True
-            except StackError:
-                waited += 2.0
-                if stack.dead_service() is not None or waited >= timeout:
-                    raise
-        return False
+        return stack.wait_ready(timeout=timeout, stop=stop)
     except StackError as exc:
         print(f"conveyor: the engine did not start: {exc}", file=sys.stderr, flush=True)
         return False
