@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Optional
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.server import SchedulerServer, ServerConfig
 from shared.config_flags import add_config_flags, config_from_args
 from shared.env import env_float, env_int, env_str
@@ -84,9 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     log = configure_logging("scheduler", args.log_level, args.log_file)
     log.info("scheduler_config", **{k: v for k, v in vars(args).items() if k != "log_file"})
 
-    def make_scheduler(ready: WorkerReady):  # noqa: ANN202 - the core's own type
-        from services.scheduler.scheduler import Scheduler
-
+    def make_scheduler(ready: WorkerReady) -> Scheduler:
         return Scheduler(
             sched_config,
             ready.num_blocks,
