@@ -137,3 +137,26 @@ def test_logs_show_one_requests_journey(engine: Any) -> None:
     assert {"tokenizer", "scheduler", "worker"} <= services, records
     assert len({r["rid"] for r in records}) == 1  # the client id resolved to one rid
     assert records == sorted(records, key=lambda r: r["ts"])
+
+
+def test_chat_answers_each_line_with_the_chat_template(engine: Any) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "chat", "--address", engine.frontend_address,
+         "--max-tokens", "5", "--temperature", "0"],
+        cwd=ROOT, input="Hello!\nAnd again?\n\n", text=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with Client(engine.frontend_address, timeout=300) as client:
+        first = client.generate(messages=[{"role": "user", "content": "Hello!"}],
+                                max_tokens=5, temperature=0.0)  # fmt: skip
+    assert done.stdout.startswith("you> " + first.text)
+    assert done.stdout.count("you> ") == 3  # two questions, then the empty line ends it
+
+
+def test_model_prepare_and_passthroughs() -> None:
+    done = _conveyor("model", "prepare")
+    assert done.returncode == 0, done.stderr
+    assert (Path(done.stdout.strip()) / "config.json").is_file()
+    for command in ("bench", "sim"):
+        helped = _conveyor(command, "--help")
+        assert helped.returncode == 0 and "usage" in helped.stdout.lower(), helped.stderr
