@@ -10,6 +10,7 @@ start their own instead of using this one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,6 @@ class Engine:
 
     def log_records(self, service: str) -> list[dict[str, Any]]:
         """Every JSON line of one service's log so far."""
-        import json
-
         path = self.log_dir / f"{service}.log"
         out = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
