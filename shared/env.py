@@ -30,7 +30,7 @@ KNOWN: dict[str, str] = {
     "SCHEDULER_TIMEOUT": "tokenizer: scheduler silence (s) before in-flight requests fail",
     "LOG_FILE": "a service's own log file (the launcher sets logs/<service>.log)",
     "NUM_WORKERS": "scheduler: worker ranks to wait for before admitting requests (default 1)",
-    "MAX_FRAME_BYTES": "largest frame a service accepts before answering frame_too_large",
+    "MAX_FRAME_BYTES": "tokenizer: largest client frame before answering frame_too_large",
     "FRONTEND_TIMEOUT": "scheduler: seconds of frontend silence before its requests are aborted",
     "DRAIN_TIMEOUT": "SIGTERM grace period (s) for in-flight requests before stopping",
     "RANK": "worker: this process's rank (0 answers with results)",

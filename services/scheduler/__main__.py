@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_int("NUM_WORKERS", 1),
         help="worker ranks to wait for (CONVEYOR_NUM_WORKERS)",
     )
-    p.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", 16 << 20))
+    # Internal frames only; not CONVEYOR_MAX_FRAME_BYTES, which limits clients' frames.
+    p.add_argument("--max-frame-bytes", type=int, default=16 << 20,
+                   help="larger frames from a frontend are dropped (default 16 MiB)")  # fmt: skip
     p.add_argument(
         "--frontend-timeout",
         type=float,

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env_path("READY_FILE"),
         help="created once ready, removed on exit (CONVEYOR_READY_FILE)",
     )
-    p.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", None))
+    # Internal frames only; not CONVEYOR_MAX_FRAME_BYTES, which limits clients' frames.
+    p.add_argument("--max-frame-bytes", type=int, default=None,
+                   help="larger plans get a WorkerFailure (default: no limit)")  # fmt: skip
     p.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
     p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
     add_config_flags(p, WorkerConfig)
