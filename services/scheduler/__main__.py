@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--frontend-timeout",
         type=float,
-        default=env_float("FRONTEND_TIMEOUT", 3.0),
+        default=env_float("FRONTEND_TIMEOUT", 10.0),
         help="seconds of frontend silence before its requests are aborted",
     )
     p.add_argument(

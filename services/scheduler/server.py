@@ -79,7 +79,7 @@ class ServerConfig:
     num_workers: int = 1  # ranks that must say WorkerReady before requests are admitted
     max_frame_bytes: int = 16 << 20  # larger frames from a frontend are dropped with a log line
     hard_max_frame_bytes: int = 256 << 20  # zmq.MAXMSGSIZE: the peer is disconnected
-    frontend_timeout_s: float = 3.0  # a frontend silent this long is gone
+    frontend_timeout_s: float = 10.0  # silent this long (it beats every 1 s): gone
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
 
     def __post_init__(self) -> None:

@@ -95,7 +95,7 @@ def test_tokenizer_encodes_like_transformers_gguf_tokenizer(folder: Path) -> Non
     path = default_gguf_path()
     theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ours = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    for text in TEXTS[:-1]:
+    for text in TEXTS:
         assert ours.encode(text).ids == theirs(text)["input_ids"], text
         assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
 
