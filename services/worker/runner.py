@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.input_batch import InputBatch, RequestState
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.model import LlamaModel
@@ -51,7 +51,8 @@ class ModelRunner:
         self.folder: Path = prepare_model(config.model)
         self.args: ModelArgs = model_args(self.folder)
         self.max_model_len = self._max_model_len(config, self.args)
-        self.dtype = TORCH_DTYPES[config.dtype]
+        self.dtype_name = resolve_dtype(config)
+        self.dtype = TORCH_DTYPES[self.dtype_name]
         num_blocks = num_blocks_for(self.args, config, self.dtype, self.max_model_len)
         weights = load_weights(self.folder, self.dtype, config.device)
         self.model = LlamaModel(
@@ -84,7 +85,7 @@ class ModelRunner:
             model_name=self.model_name,
             vocab_size=self.args.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
-            dtype=self.config.dtype,
+            dtype=self.dtype_name,
             device=self.config.device,
         )
 

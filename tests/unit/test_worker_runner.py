@@ -259,3 +259,12 @@ def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert (q.float() - want_q[0].transpose(0, 1)).abs().max().item() < tol
     assert (k.float() - want_k[0].transpose(0, 1)).abs().max().item() < tol
+
+
+def test_auto_dtype_follows_the_cpu(tiny: Path) -> None:
+    from services.worker.config import cpu_has_native_bf16, resolve_dtype
+
+    want = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve_dtype(WorkerConfig()) == want
+    assert resolve_dtype(WorkerConfig(device="cuda")) == "bfloat16"
+    assert make_runner(tiny, dtype="auto").ready_message().dtype == want
