@@ -1,0 +1,207 @@
+"""Time one worker step against transformers' forward with its contiguous cache.
+
+Decode: one step at batch 1, 8, 32, 128 with ~256 cached tokens per sequence; prefill: one
+512-token prompt. Both engines run in this one process on the same weights and dtype, so the
+ratios are fair even on a shared machine (take the minimum of several repeats). The KV contents
+are random: step time does not depend on them.
+
+    PYTHONPATH=. python bench/worker_step_bench.py [--dtype auto] [--batches 1,8,32,128]
+        [--context 256] [--prefill 512] [--repeat 5] [--threads 2] [--out results/...json]
+
+Writes JSON to results/ and prints a markdown table of times and ratios (ours / transformers;
+below 1 means the paged step is faster) for docs/PERFORMANCE.md. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from services.worker.config import WorkerConfig, resolve_dtype
+from services.worker.runner import ModelRunner
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import NewSequence, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def ours_decode(runner: ModelRunner, batch: int, context: int, step_id: int) -> Callable:
+    """A plan whose sequences already hold `context` tokens (their blocks exist; contents are
+    whatever the pool holds), then one decode token each."""
+    bs = runner.kv_cache.block_size
+    per_seq = -(-(context + 1) // bs)
+    if per_seq * batch > runner.kv_cache.num_blocks:
+        raise ValueError(f"KV pool too small for batch {batch}: raise --kv-cache-memory")
+    rids = [f"b{batch}-{i}" for i in range(batch)]
+    news = [
+        NewSequence(
+            rid,
+            [7] * (context + 1),
+            context + 1,
+            list(range(i * per_seq, (i + 1) * per_seq)),
+            GREEDY,
+        )
+        for i, rid in enumerate(rids)
+    ]
+    runner.batch.apply_plan(StepPlan(step_id, news, [], [], [], [], [], []))
+
+    def run() -> None:
+        plan = StepPlan(
+            step_id,
+            [],
+            rids,
+            [context] * batch,
+            [1] * batch,
+            [7] * batch,
+            [[] for _ in rids],
+            [True] * batch,
+        )
+        runner.execute(plan)
+
+    return run
+
+
+def ours_prefill(runner: ModelRunner, length: int) -> Callable:
+    blocks = list(range(-(-length // runner.kv_cache.block_size)))
+    ids = [(i * 31) % 40000 + 10 for i in range(length)]
+
+    def run() -> None:
+        plan = StepPlan(
+            0,
+            [NewSequence("prefill", ids, length, blocks, GREEDY)],
+            ["prefill"],
+            [0],
+            [length],
+            ids,
+            [[]],
+            [True],
+            released_rids=["prefill"],
+        )
+        runner.execute(plan)
+
+    return run
+
+
+def hf_decode(model, batch: int, context: int, dtype: torch.dtype) -> Callable:
+    from transformers import DynamicCache
+
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer)
+    ids = torch.full((batch, 1), 7)
+    pos = torch.full((batch, 1), context)
+
+    def run() -> None:
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # drop the token just appended: every run sees `context` cached
+
+    return run
+
+
+def hf_prefill(model, length: int) -> Callable:
+    ids = torch.tensor([[(i * 31) % 40000 + 10 for i in range(length)]])
+
+    def run() -> None:
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=True)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="results/worker_step_bench.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    args.dtype = resolve_dtype(WorkerConfig(dtype=args.dtype))
+    dtype = getattr(torch, args.dtype)
+    need = max(batches) * (args.context + 16) * 2 * 30 * 3 * 64 * dtype.itemsize
+    runner = ModelRunner(WorkerConfig(dtype=args.dtype, kv_cache_memory=max(need, 1 << 30)))
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(runner.folder, dtype=dtype).eval()
+    rows = []
+    cases = [
+        (
+            f"decode B={b}",
+            ours_decode(runner, b, args.context, i),
+            hf_decode(model, b, args.context, dtype),
+        )
+        for i, b in enumerate(batches)
+    ]
+    cases.append(
+        (
+            f"prefill {args.prefill}",
+            ours_prefill(runner, args.prefill),
+            hf_prefill(model, args.prefill),
+        )
+    )
+    for name, ours, theirs in cases:
+        t_ours, t_hf = timed(ours, args.repeat), timed(theirs, args.repeat)
+        rows.append(
+            {
+                "case": name,
+                "ours_min_s": min(t_ours),
+                "hf_min_s": min(t_hf),
+                "ours_median_s": statistics.median(t_ours),
+                "hf_median_s": statistics.median(t_hf),
+                "ratio_min": min(t_ours) / min(t_hf),
+            }
+        )
+        print(
+            f"{name}: ours {min(t_ours) * 1e3:.1f} ms, transformers {min(t_hf) * 1e3:.1f} ms, "
+            f"ratio {rows[-1]['ratio_min']:.2f}",
+            flush=True,
+        )
+    report = {
+        "dtype": args.dtype,
+        "context": args.context,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(
+        f"\n| step ({args.dtype}, {args.context} cached) | ours (ms) | transformers (ms) | ratio |"
+    )
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['ours_min_s'] * 1e3:.1f} | {r['hf_min_s'] * 1e3:.1f} "
+            f"| {r['ratio_min']:.2f} |"
+        )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
