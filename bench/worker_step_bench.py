@@ -112,7 +112,7 @@ def hf_decode(model, batch: int, context: int, dtype: torch.dtype) -> Callable:
 
     def run() -> None:
         with torch.inference_mode():
-            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True)
         cache.crop(-1)  # drop the token just appended: every run sees `context` cached
 
     return run

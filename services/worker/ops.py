@@ -23,11 +23,14 @@ import torch.nn.functional as F
 class _Group:
     """Sequences attended together: one SDPA call with padded queries and keys."""
 
-    q_index: torch.Tensor  # [Bg, Lq] int64 flat query row of each (seq, i); padding -> a valid row
-    q_valid: torch.Tensor  # [Bg, Lq] bool, false on padding
-    slots: torch.Tensor  # [Bg, L] int64 cache slot of each key position (padding -> slot 0)
-    mask: torch.Tensor  # [Bg, 1, Lq, L] bool, true where query i may attend to key j
-    out_rows: torch.Tensor  # [sum q_len] int64 == q_index[q_valid]
+    num_seqs: int  # Bg
+    q_len: int  # Lq, the longest query run in the group
+    num_blocks: int  # nb, the longest block table in the group; keys padded to nb * bs
+    q_index: torch.Tensor  # [Bg * Lq] int64 flat query row of each (seq, i); padding -> valid
+    valid: torch.Tensor  # [sum q_len] int64 positions in [Bg * Lq] that are real queries
+    out_rows: torch.Tensor  # [sum q_len] int64 flat output row of each real query
+    blocks: torch.Tensor  # [Bg * nb] int64 block ids, row by row (padding -> block 0)
+    mask: torch.Tensor  # [Bg, 1, Lq, nb * bs] additive: 0 where query i may see key j, else -inf
 
 
 class TorchOps:
@@ -62,24 +65,21 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         t, h, d = q.shape
-        hkv = k_cache.shape[2]
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
         group_size = h // hkv
-        k_flat = k_cache.view(-1, hkv, d)
-        v_flat = v_cache.view(-1, hkv, d)
         out = q.new_empty(t, h, d)
-        for g in self._groups(query_start_loc, seq_lens, block_tables, k_cache.shape[1]):
-            bg, lq = g.q_index.shape
+        for g in self._groups(query_start_loc, seq_lens, block_tables, bs, q.dtype):
+            bg, lq, ctx = g.num_seqs, g.q_len, g.num_blocks * bs
             # queries sharing a KV head become rows of one matrix: [Bg, Hkv, G*Lq, D]
-            qg = q[g.q_index].view(bg, lq, hkv, group_size, d).permute(0, 2, 3, 1, 4)
-            qg = qg.reshape(bg, hkv, group_size * lq, d)
-            kg = k_flat[g.slots].transpose(1, 2)  # [Bg, Hkv, L, D]
-            vg = v_flat[g.slots].transpose(1, 2)
-            mask = g.mask.expand(bg, group_size, lq, g.mask.shape[-1]).reshape(
-                bg, 1, group_size * lq, -1
-            )
+            qg = q.index_select(0, g.q_index).view(bg, lq, hkv, group_size, d)
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(bg, hkv, group_size * lq, d)
+            # whole blocks are gathered (a few large copies, not one per token)
+            kg = k_cache.index_select(0, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
+            vg = v_cache.index_select(0, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
+            mask = g.mask.expand(bg, group_size, lq, ctx).reshape(bg, 1, group_size * lq, ctx)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-            og = og.view(bg, hkv, group_size, lq, d).permute(0, 3, 1, 2, 4).reshape(bg, lq, h, d)
-            out[g.out_rows] = og[g.q_valid]
+            og = og.view(bg, hkv, group_size, lq, d).permute(0, 3, 1, 2, 4).reshape(bg * lq, h, d)
+            out.index_copy_(0, g.out_rows, og.index_select(0, g.valid))
         return out
 
     def rms_norm(
@@ -124,6 +124,7 @@ class TorchOps:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         block_size: int,
+        dtype: torch.dtype,
     ) -> list[_Group]:
         key = (query_start_loc, seq_lens, block_tables)
         memo = self._memo_key
@@ -137,7 +138,12 @@ class TorchOps:
             if idx.numel() > 0:
                 groups.append(
                     _build_group(
-                        qsl[idx], q_lens[idx], seq_lens[idx].long(), block_tables[idx], block_size
+                        qsl[idx],
+                        q_lens[idx],
+                        seq_lens[idx].long(),
+                        block_tables[idx],
+                        block_size,
+                        dtype,
                     )
                 )
         # holding the tensors keeps their ids from being reused by a later step's tensors
@@ -151,21 +157,24 @@ def _build_group(
     seq_lens: torch.Tensor,  # [Bg]
     block_tables: torch.Tensor,  # [Bg, max_blocks]
     block_size: int,
+    dtype: torch.dtype,
 ) -> _Group:
     lq = int(q_lens.max())
-    ctx = int(seq_lens.max())
+    nb = -(-int(seq_lens.max()) // block_size)
     i = torch.arange(lq)
     q_valid = i[None, :] < q_lens[:, None]  # [Bg, Lq]
     q_index = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
     q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # absolute position of each query
-    j = torch.arange(ctx)
-    mask = j[None, None, :] <= q_pos[:, :, None]  # causal; also hides keys >= seq_len
-    blocks = block_tables[:, j // block_size].long()  # [Bg, L]
-    slots = blocks * block_size + (j % block_size)[None, :]
+    j = torch.arange(nb * block_size)
+    allowed = j[None, None, :] <= q_pos[:, :, None]  # causal; also hides keys >= seq_len
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     return _Group(
-        q_index=q_index,
-        q_valid=q_valid,
-        slots=slots,
-        mask=mask[:, None],
+        num_seqs=int(starts.shape[0]),
+        q_len=lq,
+        num_blocks=nb,
+        q_index=q_index.flatten(),
+        valid=q_valid.flatten().nonzero().flatten(),
         out_rows=q_index[q_valid],
+        blocks=block_tables[:, :nb].long().flatten(),
+        mask=mask[:, None],
     )
