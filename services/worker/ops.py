@@ -73,9 +73,10 @@ class TorchOps:
             # queries sharing a KV head become rows of one matrix: [Bg, Hkv, G*Lq, D]
             qg = q.index_select(0, g.q_index).view(bg, lq, hkv, group_size, d)
             qg = qg.permute(0, 2, 3, 1, 4).reshape(bg, hkv, group_size * lq, d)
-            # whole blocks are gathered (a few large copies, not one per token)
-            kg = k_cache.index_select(0, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
-            vg = v_cache.index_select(0, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
+            # whole blocks are gathered as rows of a 2-D view: a few large row copies (3x faster
+            # than index_select over the 4-D cache on this CPU), not one copy per token
+            kg = _gather_blocks(k_cache, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
+            vg = _gather_blocks(v_cache, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
             mask = g.mask.expand(bg, group_size, lq, ctx).reshape(bg, 1, group_size * lq, ctx)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             og = og.view(bg, hkv, group_size, lq, d).permute(0, 3, 1, 2, 4).reshape(bg * lq, h, d)
@@ -178,3 +179,8 @@ def _build_group(
         blocks=block_tables[:, :nb].long().flatten(),
         mask=mask[:, None],
     )
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hkv, D], blocks [n] -> [n, bs * Hkv * D] (contiguous copy)."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
