@@ -262,8 +262,9 @@ class SchedulerServer:
         self._last_step_id = result.step_id
         self._num_steps += 1
         outputs = self.sched.update(result)
-        self._log_step(flight, result, now, len(outputs))
+        # The worker waits for the next plan: send it before logging and emitting outputs.
         self._maybe_send_plan(back_to_back=True)
+        self._log_step(flight, result, now, len(outputs))
         self._emit(outputs, result.step_id)
 
     def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
