@@ -7,7 +7,8 @@ and the environment beats the built-in default. Add new variables to `KNOWN` wit
 from __future__ import annotations
 
 import os
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 PREFIX = "CONVEYOR_"
 
@@ -82,3 +83,16 @@ def env_bool(name: str, default: bool = False) -> bool:
     if raw.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{PREFIX}{name}={raw!r} is not a boolean")
+
+
+def env_path(name: str) -> Optional[Path]:
+    """CONVEYOR_<name> as a Path, or None when unset or empty."""
+    raw = env_str(name)
+    return Path(raw) if raw else None
+
+
+def add_log_flags(parser: Any) -> None:
+    """`--log-file` and `--log-level` (CONVEYOR_LOG_FILE, CONVEYOR_LOG_LEVEL) on a parser or
+    argument group; every service takes the same two."""
+    parser.add_argument("--log-file", type=Path, default=env_path("LOG_FILE"))
+    parser.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))

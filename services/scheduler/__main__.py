@@ -9,7 +9,6 @@ import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 from types import FrameType
 from typing import Optional
 
@@ -17,7 +16,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server import SchedulerServer, ServerConfig
 from shared.config_flags import add_config_flags, config_from_args
-from shared.env import env_float, env_int, env_str
+from shared.env import add_log_flags, env_float, env_int, env_str
 from shared.logging import configure_logging
 from shared.protocol.worker_channel import WorkerReady
 
@@ -58,15 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("DRAIN_TIMEOUT", 30.0),
         help="SIGTERM grace period for in-flight requests (CONVEYOR_DRAIN_TIMEOUT)",
     )
-    p.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
-    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_log_flags(p)
     add_config_flags(p, SchedulerConfig)
     return p
-
-
-def _env_path(name: str) -> Optional[Path]:
-    value = env_str(name)
-    return Path(value) if value else None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

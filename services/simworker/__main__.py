@@ -18,7 +18,7 @@ from typing import Optional
 from services.simworker.config import WEIGHT_DTYPE_BYTES, SimConfig
 from services.simworker.profiles import DEVICES, MODELS
 from services.simworker.runner import SimRunner
-from shared.env import env_int, env_str
+from shared.env import add_log_flags, env_int, env_path, env_str
 from shared.logging import configure_logging
 from shared.worker_server import serve_worker
 
@@ -70,16 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the scheduler's worker address (CONVEYOR_WORKER_ADDR)",
     )
     proc.add_argument("--rank", type=int, default=env_int("RANK", 0))
-    proc.add_argument("--ready-file", type=Path, default=_env_path("READY_FILE"))
+    proc.add_argument("--ready-file", type=Path, default=env_path("READY_FILE"))
     proc.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", None))
-    proc.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
-    proc.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_log_flags(proc)
     return p  # fmt: skip
-
-
-def _env_path(name: str) -> Optional[Path]:
-    value = env_str(name)
-    return Path(value) if value else None
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-from shared.env import env_float, env_int, env_str
+from shared.env import add_log_flags, env_float, env_int, env_str
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_FRONTEND_ADDR = "tcp://127.0.0.1:5557"
@@ -99,8 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of scheduler silence before in-flight requests fail with "
         "engine_unreachable (CONVEYOR_SCHEDULER_TIMEOUT)",
     )
-    p.add_argument("--log-file", type=Path, default=Path(v) if (v := env_str("LOG_FILE")) else None)
-    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_log_flags(p)
     return p
 
 

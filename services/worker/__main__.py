@@ -13,7 +13,7 @@ from typing import Optional
 from services.worker.config import WorkerConfig
 from services.worker.server import run_worker
 from shared.config_flags import add_config_flags, config_from_args
-from shared.env import env_int, env_str
+from shared.env import add_log_flags, env_int, env_path, env_str
 
 DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"
 
@@ -31,21 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ready-file",
         type=Path,
-        default=_env_path("READY_FILE"),
+        default=env_path("READY_FILE"),
         help="created once ready, removed on exit (CONVEYOR_READY_FILE)",
     )
     # Internal frames only; not CONVEYOR_MAX_FRAME_BYTES, which limits clients' frames.
     p.add_argument("--max-frame-bytes", type=int, default=None,
                    help="larger plans get a WorkerFailure (default: no limit)")  # fmt: skip
-    p.add_argument("--log-file", type=Path, default=_env_path("LOG_FILE"))
-    p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_log_flags(p)
     add_config_flags(p, WorkerConfig)
     return p
-
-
-def _env_path(name: str) -> Optional[Path]:
-    value = env_str(name)
-    return Path(value) if value else None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
