@@ -39,7 +39,7 @@ bench: model
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff format --check $$(git ls-files "*.py")
 
 clean:
 	rm -rf $(VENV) logs results .pytest_cache

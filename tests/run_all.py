@@ -24,7 +24,9 @@ GROUPS: list[tuple[str, list[str], dict[str, str]]] = [
 ]
 
 
-def run_group(name: str, paths: list[str], extra_env: dict[str, str], xml: Path) -> tuple[int, dict]:
+def run_group(
+    name: str, paths: list[str], extra_env: dict[str, str], xml: Path
+) -> tuple[int, dict]:
     env = {**os.environ, **extra_env}
     existing = [p for p in paths if (ROOT / p).exists()]
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", *existing]

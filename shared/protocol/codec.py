@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import msgpack
 
@@ -139,7 +140,9 @@ def _converters(hint: Any) -> tuple[_Converter, Callable[[Any, str], Any]]:
     if origin is dict:
         enc, dec = _converters(args[1])
         return (lambda v: {k: enc(x) for k, x in v.items()}), (
-            lambda v, p: {_need(k, str, p): dec(x, f"{p}[{k}]") for k, x in _need(v, dict, p).items()}
+            lambda v, p: {
+                _need(k, str, p): dec(x, f"{p}[{k}]") for k, x in _need(v, dict, p).items()
+            }
         )
     prim = _primitive_check(hint)
     if prim is None:

@@ -13,7 +13,6 @@ from typing import Optional
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import TokenLogprobs
 
-
 # ---- frontend -> scheduler -------------------------------------------------------------------
 
 

@@ -28,12 +28,18 @@ def test_round_trip_plan_and_result() -> None:
         (msgpack.packb([1, 2]), ErrorCode.MALFORMED_MESSAGE),
         (msgpack.packb({"type": "nope"}), ErrorCode.UNKNOWN_TYPE),
         (msgpack.packb({"step_id": 1}), ErrorCode.UNKNOWN_TYPE),
-        (msgpack.packb({"type": "step_result", "step_id": "x", "rids": [], "token_ids": []}),
-         ErrorCode.INVALID_FIELD),
-        (msgpack.packb({"type": "step_result", "rids": [], "token_ids": []}),
-         ErrorCode.INVALID_FIELD),
-        (msgpack.packb({"type": "step_result", "step_id": 1, "rids": [1], "token_ids": []}),
-         ErrorCode.INVALID_FIELD),
+        (
+            msgpack.packb({"type": "step_result", "step_id": "x", "rids": [], "token_ids": []}),
+            ErrorCode.INVALID_FIELD,
+        ),
+        (
+            msgpack.packb({"type": "step_result", "rids": [], "token_ids": []}),
+            ErrorCode.INVALID_FIELD,
+        ),
+        (
+            msgpack.packb({"type": "step_result", "step_id": 1, "rids": [1], "token_ids": []}),
+            ErrorCode.INVALID_FIELD,
+        ),
     ],
 )
 def test_bad_frames_have_stable_codes(frame: bytes, code: str) -> None:
