@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--dtype", default=None, help="worker dtype (default: the worker's)")
     m.add_argument("--num-threads", type=int, default=None)
-    m.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))
+    m.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32"))
     m.add_argument(
         "--context-lens",
         type=_ints,

@@ -28,7 +28,7 @@ class MeasureGrid:
     """Which shapes to time. Decodes: every batch size at every context; prefills: every
     length alone and `prefill_batch` at once; mixed: (decodes, prompt chunk) beside each other."""
 
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     context_lens: tuple[int, ...] = (128, 512)
     prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
     prefill_batch: int = 4
