@@ -25,6 +25,7 @@ from typing import Any, Optional, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from services.scheduler.stats import StepRecord
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
     AbortRequest,
@@ -57,7 +58,7 @@ MIN_POLL_S = 0.002  # floor for the core's timers, so a zero timeout never spins
 class SchedulerCore(Protocol):
     """The parts of services.scheduler.Scheduler this loop uses (docs/design/contracts.md)."""
 
-    last_step_record: Any
+    last_step_record: Optional[StepRecord]
 
     def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]: ...
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]: ...
@@ -94,7 +95,7 @@ class ServerConfig:
 @dataclass(slots=True)
 class _InFlight:
     plan: StepPlan
-    record: dict[str, Any]  # the core's StepRecord for this plan, as log fields
+    record: Optional[StepRecord]  # what the core decided for this plan (the step log line)
     sent_at: float  # time.time() when the plan left
     gap_s: Optional[float]  # previous result -> this plan, when sent back to back
 
@@ -194,7 +195,7 @@ class SchedulerServer:
         if not self._send_workers(frame):
             return
         gap = sent_at - self._last_result_at if back_to_back and self._last_result_at else None
-        record = _as_fields(self.sched.last_step_record)
+        record = self.sched.last_step_record
         self._in_flight = _InFlight(plan=plan, record=record, sent_at=sent_at, gap_s=gap)
 
     def _send_workers(self, frame: bytes) -> bool:
@@ -228,7 +229,7 @@ class SchedulerServer:
         if self.sched is not None:  # a rank came back without us seeing it go: start afresh
             self._on_worker_lost(f"rank {ready.rank} said ready again")
         self._ranks[ready.rank] = ready
-        self.log.info("worker_ready", **_as_fields(ready))
+        self.log.info("worker_ready", **dataclasses.asdict(ready))
         if len(self._ranks) < self.config.num_workers:
             return
         first = self._ranks[min(self._ranks)]
@@ -268,7 +269,8 @@ class SchedulerServer:
         self._emit(outputs, result.step_id)
 
     def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
-        fields = dict(flight.record)
+        # converted once, after the next plan has left: the record is not copied on send
+        fields = flight.record.to_dict() if flight.record is not None else {}
         fields.update(
             step_id=result.step_id,
             num_seqs=flight.plan.num_seqs,
@@ -450,16 +452,3 @@ class SchedulerServer:
         for ident in list(self._frontends):
             self._send_frontend(ident, EngineShutdown(reason="scheduler stopped"))
         self._stopped = True
-
-
-def _as_fields(obj: Any) -> dict[str, Any]:
-    """A dataclass (or mapping) as flat log fields; anything else as one `record` field."""
-    if obj is None:
-        return {}
-    if hasattr(obj, "to_dict"):  # StepRecord: its own flat form, derived counts included
-        return dict(obj.to_dict())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return dict(obj)
-    return {"record": repr(obj)}
