@@ -1,11 +1,13 @@
-"""The scheduler core's own cost per step: one `schedule()` + one `update()`, no worker, no I/O.
+"""The scheduler's own cost per step, result frame to plan frame, with no worker and no sockets.
 
     PYTHONPATH=. .venv/bin/python bench/scheduler_bench.py --running 256,1024 --steps 200
 
 For each N it fills the batch with N requests of `--context` tokens (block size 16), runs them
 until all N are decoding, then times `--steps` steps of pure decode, and again `--steps` mixed
 steps in which a new `--context`-token prompt is prefilled in `--chunk`-token chunks beside the N
-decodes. The "worker" answers instantly with a fixed token; building its answer is not timed.
+decodes. Timed per step, as the server runs them between a result and the next plan: decoding
+the result frame, `update()`, `schedule()`, encoding the plan frame. The "worker" answers
+instantly with a fixed token; building and encoding its answer is not timed.
 Goal: <= 200 us per step at 256 running. Run it on a quiet machine only (not while tests or
 other benchmarks run); the figures go in docs/PERFORMANCE.md. Writes JSON to --out.
 """
@@ -21,7 +23,8 @@ import time
 from pathlib import Path
 
 from services.scheduler import Scheduler, SchedulerConfig
-from shared.protocol.engine_channel import RequestOutput, SubmitRequest
+from shared.protocol.codec import decode, encode
+from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
 
@@ -74,48 +77,43 @@ def _warm_up(n: int, args: argparse.Namespace, steps: int) -> Scheduler:
 
 
 def _time_steps(sched: Scheduler, steps: int, new_prompt_len: int) -> dict[str, float]:
-    """Time schedule() and update() separately; with `new_prompt_len`, a new prompt arrives
-    as soon as the previous one is done (so every step holds a prefill chunk)."""
-    sched_us: list[float] = []
-    update_us: list[float] = []
+    """Time the scheduler's part of one step, piece by piece, as the server runs it between a
+    result frame and the next plan frame: decode the result, update(), schedule(), encode the
+    plan. With `new_prompt_len`, a new prompt arrives as soon as the previous one is done (so
+    every step holds a prefill chunk)."""
+    parts: dict[str, list[float]] = {"decode": [], "update": [], "schedule": [], "encode": []}
     arrivals = 0
     gc.collect()
+    plan = sched.schedule()
+    assert plan is not None
     for _ in range(steps):
+        frame = encode(_answer(plan))  # the worker's side: not timed
+        t0 = time.perf_counter()
+        result = decode(frame)
+        t1 = time.perf_counter()
+        sched.update(result)
+        t2 = time.perf_counter()
         if new_prompt_len and (arrivals == 0 or not sched.is_live(f"new-{arrivals:05d}")):
             arrivals += 1
             sched.add_request(_submit(f"new-{arrivals:05d}", new_prompt_len, 1))
-        t0 = time.perf_counter()
-        plan = sched.schedule()
-        t1 = time.perf_counter()
-        assert plan is not None
-        result = _answer(plan)
-        t2 = time.perf_counter()
-        sched.update(result)
         t3 = time.perf_counter()
-        sched_us.append((t1 - t0) * 1e6)
-        update_us.append((t3 - t2) * 1e6)
-    total = [a + b for a, b in zip(sched_us, update_us, strict=True)]
-    return {
-        "schedule_us_median": statistics.median(sched_us),
-        "update_us_median": statistics.median(update_us),
-        "step_us_median": statistics.median(total),
-        "step_us_min": min(total),  # the least disturbed step: best guess on a shared machine
-        "step_us_p90": sorted(total)[int(0.9 * (len(total) - 1))],
-        "step_us_max": max(total),
-    }
-
-
-def _outputs_floor_us(n: int, repeats: int = 50) -> float:
-    """The contract's share: constructing n frozen `RequestOutput`s, which update() must do
-    once per decode (the fastest of `repeats` tries). Printed beside the step so a reader can
-    judge the rest."""
-    rids = [f"req-{i:05d}" for i in range(n)]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _ = [RequestOutput(rid, [TOKEN], None, [], 2047, 1) for rid in rids]
-        times.append((time.perf_counter() - t0) * 1e6)
-    return min(times)
+        plan = sched.schedule()
+        t4 = time.perf_counter()
+        assert plan is not None
+        encode(plan)
+        t5 = time.perf_counter()
+        for name, a, b in (("decode", t0, t1), ("update", t1, t2), ("schedule", t3, t4)):
+            parts[name].append((b - a) * 1e6)
+        parts["encode"].append((t5 - t4) * 1e6)
+    total = [sum(p) for p in zip(*parts.values(), strict=True)]
+    out = {f"{name}_us_median": statistics.median(v) for name, v in parts.items()}
+    out.update(
+        step_us_median=statistics.median(total),
+        step_us_min=min(total),  # the least disturbed step: best guess on a shared machine
+        step_us_p90=sorted(total)[int(0.9 * (len(total) - 1))],
+        step_us_max=max(total),
+    )
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -126,13 +124,12 @@ def main(argv: list[str]) -> int:
         decode = _time_steps(sched, args.steps, 0)
         sched = _warm_up(n, args, args.steps)
         mixed = _time_steps(sched, args.steps, args.context)
-        floor = _outputs_floor_us(n)
-        print(f"N={n:5d} constructing {n} RequestOutput alone: {floor:.1f} us", flush=True)
         for name, r in (("decode", decode), ("mixed", mixed)):
-            results.append({"running": n, "scenario": name, "outputs_floor_us": floor, **r})
+            results.append({"running": n, "scenario": name, **r})
             print(
                 f"N={n:5d} {name:6s} step {r['step_us_median']:8.1f} us median "
-                f"(schedule {r['schedule_us_median']:.1f} + update {r['update_us_median']:.1f}),"
+                f"(decode {r['decode_us_median']:.1f} + update {r['update_us_median']:.1f}"
+                f" + schedule {r['schedule_us_median']:.1f} + encode {r['encode_us_median']:.1f}),"
                 f" min {r['step_us_min']:.1f}, p90 {r['step_us_p90']:.1f},"
                 f" max {r['step_us_max']:.1f}",
                 flush=True,

@@ -24,9 +24,14 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters, StepRecord
 from services.scheduler.step import BuiltStep, StepBuilder
-from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
+from shared.protocol.engine_channel import (
+    OutputBatch,
+    RequestOutput,
+    RequestRejected,
+    SubmitRequest,
+)
 from shared.protocol.errors import ErrorCode
-from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs
 
 RUNNING = RequestStatus.RUNNING
 
@@ -294,10 +299,14 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------
 
-    def update(self, result: StepResult) -> list[RequestOutput]:
+    def update(self, result: StepResult) -> OutputBatch:
         """Called with the in-flight plan's result: append sampled tokens, finish requests
         (stop token, max_tokens, max_model_len) and free their blocks. Tokens of requests that
-        are no longer live (aborted while the plan was in flight) are ignored."""
+        are no longer live (aborted while the plan was in flight) are ignored.
+
+        Returns the step's outputs for every frontend, columnar: a request that goes on costs
+        two list appends here (this loop is on the path between a result and the next plan).
+        """
         if self._inflight is None or result.step_id != self._inflight_step:
             raise ValueError(
                 f"result for step {result.step_id} but step {self._inflight_step} is in flight"
@@ -308,40 +317,55 @@ class Scheduler:
         self._inflight = None
         self._inflight_step = None
         now = self._clock()
-        outputs: list[RequestOutput] = []
-        logprobs = result.logprobs
+        running = RUNNING
+        finished: list[RequestOutput] = []
+        skipped: list[int] = []  # result entries that are not a going-on token (rare)
         num_applied = 0
-        for rid, token in zip(result.rids, result.token_ids, strict=True):
-            req = inflight.get(rid)
-            if req is None:
-                continue  # not sampled in this plan
-            tokens = req.token_ids
-            if len(tokens) != req.num_computed_tokens:
-                continue  # a duplicate
-            if req.status is not RUNNING:
-                if req.padding:
+        for i, (rid, token) in enumerate(zip(result.rids, result.token_ids, strict=True)):
+            req = inflight.get(rid)  # None: not sampled in this plan
+            if req is not None and len(req.token_ids) == req.num_computed_tokens:  # else a dup
+                tokens = req.token_ids
+                if req.status is running:
+                    num_applied += 1
+                    tokens.append(token)
+                    req.protected = False
+                    if req.first_token is None:
+                        req.first_token = now
+                    if token not in req.stop_ids and len(tokens) < req.max_len:
+                        continue  # the common case: it goes on, and stays in the columns
+                    finished.append(self._finish_with(req, token, result.logprobs, now))
+                elif req.padding:  # static batching computes finished members
                     tokens.append(token)
                     num_applied += 1
-                continue  # aborted while in flight
-            num_applied += 1
-            tokens.append(token)
-            req.protected = False
-            if req.first_token is None:
-                req.first_token = now
-            lps = [logprobs[rid]] if logprobs and rid in logprobs else []
-            if token in req.stop_ids or len(tokens) >= req.max_len:
-                reason = "stop" if token in req.stop_ids else "length"
-                self._finish(req, reason, now)
-                outputs.append(req.output([token], lps, reason))
-            else:  # the common case, inlined: one output per decode
-                num_prompt = req.num_prompt_tokens
-                outputs.append(
-                    RequestOutput(rid, [token], None, lps, num_prompt, len(tokens) - num_prompt)
-                )
-        self.counters.num_output_tokens += len(outputs)
+                # else: aborted while the plan was in flight
+            skipped.append(i)
         if num_applied < len(inflight):
-            outputs.extend(self._fail_missing(inflight.values(), now))
-        return outputs
+            finished.extend(self._fail_missing(inflight.values(), now))
+        return self._output_batch(result, skipped, finished)
+
+    def _output_batch(
+        self, result: StepResult, skipped: list[int], finished: list[RequestOutput]
+    ) -> OutputBatch:
+        """The step's outputs: the result's columns minus the `skipped` entries."""
+        rids, token_ids = result.rids, result.token_ids  # read-only lists: shared, not copied
+        if skipped:
+            drop = set(skipped)
+            rids = [r for i, r in enumerate(rids) if i not in drop]
+            token_ids = [t for i, t in enumerate(token_ids) if i not in drop]
+        self.counters.num_output_tokens += len(rids) + sum(len(o.new_token_ids) for o in finished)
+        logprobs = result.logprobs
+        if logprobs:
+            logprobs = {rid: logprobs[rid] for rid in rids if rid in logprobs}
+        return OutputBatch(result.step_id, rids, token_ids, logprobs, finished)
+
+    def _finish_with(
+        self, req: Request, token: int, logprobs: dict[str, TokenLogprobs], now: float
+    ) -> RequestOutput:
+        """`req` sampled its last token: finish it; its final output."""
+        reason = "stop" if token in req.stop_ids else "length"
+        self._finish(req, reason, now)
+        lps = [logprobs[req.rid]] if req.rid in logprobs else []
+        return req.output([token], lps, reason)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         self._mark_finished(req, reason, now)

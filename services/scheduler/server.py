@@ -63,7 +63,7 @@ class SchedulerCore(Protocol):
     def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]: ...
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]: ...
     def schedule(self) -> Optional[StepPlan]: ...
-    def update(self, result: StepResult) -> list[RequestOutput]: ...
+    def update(self, result: StepResult) -> OutputBatch: ...
     def fail_all(self, code: str, message: str) -> list[RequestOutput]: ...
     def next_timeout(self) -> Optional[float]: ...
     def stats(self) -> dict[str, float]: ...
@@ -211,6 +211,7 @@ class SchedulerServer:
     def _on_worker(self) -> None:
         while self.wk.poll(0, zmq.POLLIN):
             ident, frame = self.wk.recv_multipart()[-2:]
+            received_at = time.time()  # the result -> next plan gap starts here, before decode
             try:
                 msg = decode(frame)
             except DecodeError as exc:
@@ -219,7 +220,7 @@ class SchedulerServer:
             if isinstance(msg, WorkerReady):
                 self._on_worker_ready(msg)
             elif isinstance(msg, StepResult):
-                self._on_result(msg)
+                self._on_result(msg, received_at)
             elif isinstance(msg, WorkerFailure):
                 self._on_step_failed(msg)
             else:
@@ -252,12 +253,11 @@ class SchedulerServer:
             block_size=first.block_size,
         )
 
-    def _on_result(self, result: StepResult) -> None:
+    def _on_result(self, result: StepResult, now: float) -> None:
         flight = self._in_flight
         if self.sched is None or flight is None or flight.plan.step_id != result.step_id:
             self.log.warning("stale_result", step_id=result.step_id)
             return
-        now = time.time()
         self._in_flight = None
         self._last_result_at = now
         self._last_step_id = result.step_id
@@ -266,7 +266,7 @@ class SchedulerServer:
         # The worker waits for the next plan: send it before logging and emitting outputs.
         self._maybe_send_plan(back_to_back=True)
         self._log_step(flight, result, now, len(outputs))
-        self._emit(outputs, result.step_id)
+        self._emit(outputs)
 
     def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
         # converted once, after the next plan has left: the record is not copied on send
@@ -290,9 +290,7 @@ class SchedulerServer:
         )
         self._in_flight = None
         if self.sched is not None:
-            self._emit(
-                self.sched.fail_all(ErrorCode.WORKER_FAILED, failure.message), self._last_step_id
-            )
+            self._emit_finals(self.sched.fail_all(ErrorCode.WORKER_FAILED, failure.message))
 
     def _on_monitor(self) -> None:
         while self.wk_monitor.poll(0, zmq.POLLIN):
@@ -305,7 +303,7 @@ class SchedulerServer:
     def _on_worker_lost(self, reason: str) -> None:
         self.log.error("worker_lost", reason=reason, num_live=len(self._owners))
         if self.sched is not None:
-            self._emit(self.sched.fail_all(ErrorCode.WORKER_FAILED, reason), self._last_step_id)
+            self._emit_finals(self.sched.fail_all(ErrorCode.WORKER_FAILED, reason))
         self.sched = None
         self._ranks.clear()
         self._in_flight = None
@@ -376,7 +374,7 @@ class SchedulerServer:
         final = self.sched.abort_request(rid, reason)
         self.log.info("request_aborted", rid=rid, reason=reason)
         if final is not None:
-            self._emit([final], self._last_step_id)
+            self._emit_finals([final])
         self._owners.pop(rid, None)
 
     def _frontend_gone(self, ident: bytes, reason: str) -> None:
@@ -388,25 +386,43 @@ class SchedulerServer:
             if self.sched is not None:
                 self.sched.abort_request(rid, "frontend_gone")
 
-    def _emit(self, outputs: list[RequestOutput], step_id: int) -> None:
-        """Send each frontend its own outputs of one step; finished rids leave `owners`."""
-        batches: dict[bytes, list[RequestOutput]] = {}
-        for out in outputs:
-            owner = self._owners.get(out.rid)
+    def _emit(self, batch: OutputBatch) -> None:
+        """Send each frontend its own part of one step's outputs; finished rids leave
+        `owners`. Called after the next plan has left (off the result -> plan path)."""
+        owners = self._owners
+        groups: dict[bytes, tuple[list[str], list[int], list[RequestOutput]]] = {}
+        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
+            owner = owners.get(rid)
             if owner is None:
                 continue  # its frontend is gone
-            batches.setdefault(owner, []).append(out)
-            if out.finish_reason is not None:
-                del self._owners[out.rid]
-                self.log.info(
-                    "request_finished",
-                    rid=out.rid,
-                    finish_reason=out.finish_reason,
-                    num_output_tokens=out.num_output_tokens,
-                    error_code=out.error_code,
-                )
-        for ident, outs in batches.items():
-            self._send_frontend(ident, OutputBatch(step_id=step_id, outputs=outs))
+            group = groups.get(owner)
+            if group is None:
+                group = groups[owner] = ([], [], [])
+            group[0].append(rid)
+            group[1].append(token)
+        for out in batch.finished:
+            owner = owners.pop(out.rid, None)
+            if owner is None:
+                continue
+            groups.setdefault(owner, ([], [], []))[2].append(out)
+            self.log.info(
+                "request_finished",
+                rid=out.rid,
+                finish_reason=out.finish_reason,
+                num_output_tokens=out.num_output_tokens,
+                error_code=out.error_code,
+            )
+        for ident, (rids, token_ids, finished) in groups.items():
+            logprobs = batch.logprobs
+            if logprobs:
+                logprobs = {rid: logprobs[rid] for rid in rids if rid in logprobs}
+            part = OutputBatch(batch.step_id, rids, token_ids, logprobs, finished)
+            self._send_frontend(ident, part)
+
+    def _emit_finals(self, finals: list[RequestOutput]) -> None:
+        """Outputs outside a step (abort, worker lost): each frontend gets its final ones."""
+        if finals:
+            self._emit(OutputBatch(self._last_step_id, finished=finals))
 
     def _send_frontend(self, ident: bytes, msg: Any) -> None:
         try:

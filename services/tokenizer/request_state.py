@@ -1,8 +1,9 @@
 """One client request inside the frontend: from the scheduler's token ids to client replies.
 
 Owns the request's detokenizer, stop strings, the text generated so far and its timings. The
-server calls `on_output` for each RequestOutput of the request, in order, and `abort` when the
-client aborts; both return the frames to send to the client. Keeps no sockets.
+server calls `on_token` for each new token of a request that goes on, `on_output` for its final
+output, and `abort` when the client aborts; each returns the frames to send to the client.
+Keeps no sockets.
 """
 
 from __future__ import annotations
@@ -59,28 +60,47 @@ class ClientRequest:
     num_ids_sent: int = 0  # token ids already streamed
 
     def on_output(self, out: RequestOutput, now: float) -> Progress:
-        """Apply one step's new tokens; the frames to send, in order."""
+        """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
         if out.new_token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
-            self.token_ids.extend(out.new_token_ids)
-            self.logprobs.extend(out.logprobs)
+            self._take(out.new_token_ids, out.logprobs, now)
         if out.finish_reason == "error":
             code = out.error_code or ErrorCode.WORKER_FAILED
             message = out.error_message or "the engine failed the request"
             return Progress([error_reply(code, message, self.client_id)], True, False, "error")
-        engine_done = out.finish_reason is not None
+        return self._advance(out.new_token_ids, out.finish_reason, out.timings, now)
+
+    def on_token(self, token_id: int, logprobs: Optional[TokenLogprobs], now: float) -> Progress:
+        """Apply one new token of a request that goes on (an OutputBatch column entry)."""
+        new_ids = [token_id]
+        self._take(new_ids, [logprobs] if logprobs is not None else [], now)
+        return self._advance(new_ids, None, None, now)
+
+    def _take(self, new_ids: list[int], logprobs: list[TokenLogprobs], now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.token_ids.extend(new_ids)
+        self.logprobs.extend(logprobs)
+
+    def _advance(
+        self,
+        new_ids: list[int],
+        finish_reason: Optional[str],
+        engine_timings: Optional[RequestTimings],
+        now: float,
+    ) -> Progress:
+        """Detokenize the new ids, look for stop strings; a chunk, or the final frames."""
+        engine_done = finish_reason is not None
         old_len = len(self.text)
-        self.text += self.detokenizer.push(out.new_token_ids, final=engine_done)
+        self.text += self.detokenizer.push(new_ids, final=engine_done)
         match = self.stops.find(self.text, old_len)
         if match is not None:
             self.text = self.text[: match.start]
-            frames = self._final_frames("stop", match.stop, out.timings, now)
+            frames = self._final_frames("stop", match.stop, engine_timings, now)
             return Progress(frames, True, not engine_done, "stop")
         if engine_done:
-            reason = out.finish_reason or "stop"
-            frames = self._final_frames(reason, self._stop_token(reason), out.timings, now)
+            reason = finish_reason or "stop"
+            frames = self._final_frames(reason, self._stop_token(reason), engine_timings, now)
             return Progress(frames, True, False, reason)
         if not self.stream:
             return Progress([])

@@ -19,7 +19,7 @@ import zmq
 from services.tokenizer.admission import Rejection, prompt_ids
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.request_state import ClientRequest
+from services.tokenizer.request_state import ClientRequest, Progress
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
 from shared.protocol import client_channel as cc
@@ -33,6 +33,7 @@ from shared.protocol.engine_channel import (
     FrontendHello,
     OutputBatch,
     RequestRejected,
+    RequestTimings,
     StatsQuery,
     StatsReply,
     SubmitRequest,
@@ -327,25 +328,42 @@ class FrontendServer:
             self.log.warning("unexpected_scheduler_message", type=type(msg).__name__)
 
     def _on_outputs(self, batch: OutputBatch) -> None:
+        """One step's outputs: first the tokens of requests that go on, then final outputs."""
         now = time.monotonic()
-        for out in batch.outputs:
+        logprobs = batch.logprobs
+        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
+            state = self._requests.get(rid)
+            if state is not None:  # else aborted or stopped here already
+                lps = logprobs.get(rid) if logprobs else None
+                self._deliver(rid, state, state.on_token(token, lps, now), None, now)
+        for out in batch.finished:
             state = self._requests.get(out.rid)
-            if state is None:
-                continue  # aborted or stopped here already
-            progress = state.on_output(out, now)
-            if progress.finished:
-                self._forget(out.rid)
-                if progress.abort_in_engine:
-                    self._send_scheduler(encode(AbortRequest(out.rid, "stop_string")))
-                timings = state.timings(out.timings, now)
-                self.log.info(
-                    "request_finished", rid=out.rid, finish_reason=progress.finish_reason,
-                    num_output_tokens=len(state.token_ids), ttft_s=timings.ttft_s,
-                    tpot_s=timings.tpot_s, e2e_s=timings.e2e_s, queue_s=timings.queue_s,
-                )  # fmt: skip
-            for frame in progress.frames:
-                if not self._send_client(state.identity, frame):
-                    break
+            if state is not None:
+                self._deliver(out.rid, state, state.on_output(out, now), out.timings, now)
+
+    def _deliver(
+        self,
+        rid: str,
+        state: ClientRequest,
+        progress: Progress,
+        engine_timings: Optional[RequestTimings],
+        now: float,
+    ) -> None:
+        """Send a request's frames; when it finished here, forget it (and abort it in the
+        engine if only a stop string ended it)."""
+        if progress.finished:
+            self._forget(rid)
+            if progress.abort_in_engine:
+                self._send_scheduler(encode(AbortRequest(rid, "stop_string")))
+            timings = state.timings(engine_timings, now)
+            self.log.info(
+                "request_finished", rid=rid, finish_reason=progress.finish_reason,
+                num_output_tokens=len(state.token_ids), ttft_s=timings.ttft_s,
+                tpot_s=timings.tpot_s, e2e_s=timings.e2e_s, queue_s=timings.queue_s,
+            )  # fmt: skip
+        for frame in progress.frames:
+            if not self._send_client(state.identity, frame):
+                break
 
     def _engine_lost(self, reason: str, code: str, message: str) -> None:
         """Not ready any more: every in-flight request ends with an error."""

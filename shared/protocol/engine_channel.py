@@ -87,7 +87,8 @@ class RequestTimings:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """New tokens for one request after one step; `finish_reason` set on its last output.
+    """New tokens for one request. In an `OutputBatch` only final outputs (finish_reason
+    set, timings attached) travel as objects; a request that goes on travels in its columns.
 
     finish_reason: "stop" (eos or a stop token), "length" (max_tokens or max_model_len),
     "abort", or "error" (then `error_code`/`error_message` say why).
@@ -106,10 +107,39 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class OutputBatch:
-    """All outputs of one step for one frontend."""
+    """All outputs of one step for one frontend, columnar.
+
+    The common case, a request that goes on with one new token, costs two list entries
+    rather than a message object each (hundreds per step; see docs/PERFORMANCE.md):
+
+    * `rids[i]` got `token_ids[i]` this step and is not finished; `logprobs` has an entry for
+      each of these rids that asked for logprobs;
+    * `finished` holds final outputs (their last new tokens included), applied after the
+      columns. A rid appears at most once in a batch.
+    """
 
     step_id: int
-    outputs: list[RequestOutput]
+    rids: list[str] = field(default_factory=list)  # [N]
+    token_ids: list[int] = field(default_factory=list)  # [N]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    finished: list[RequestOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.rids) != len(self.token_ids):
+            raise ValueError("output batch rids and token_ids differ in length")
+
+    def __len__(self) -> int:
+        return len(self.rids) + len(self.finished)
+
+    def as_outputs(self) -> list[RequestOutput]:
+        """Every entry as a RequestOutput, columns first (for tools and tests; the frontend
+        reads the columns). Token counts and timings are set on final outputs only."""
+        lps = self.logprobs
+        outs = [
+            RequestOutput(rid, [tok], None, [lps[rid]] if rid in lps else [])
+            for rid, tok in zip(self.rids, self.token_ids, strict=True)
+        ]
+        return outs + self.finished
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,7 +156,7 @@ def _check_routing(a: Frontend, b: Frontend) -> None:
         tokens: dict[str, int] = {}
         while len(finished) < 4:
             batch = fe.wait_for(OutputBatch)
-            for out in batch.outputs:
+            for out in batch.as_outputs():
                 assert out.rid.startswith(fe.name[-1] + "-"), (fe.name, out.rid)
                 tokens[out.rid] = tokens.get(out.rid, 0) + len(out.new_token_ids)
                 if out.finish_reason is not None:
@@ -198,7 +198,7 @@ def _check_hung_worker(a: Frontend, worker: subprocess.Popen[bytes]) -> None:
     stopped = time.monotonic()
     failed = False
     while not failed:
-        for out in a.wait_for(OutputBatch, timeout=10).outputs:
+        for out in a.wait_for(OutputBatch, timeout=10).as_outputs():
             failed |= out.rid == "a-hang" and out.error_code == "worker_failed"
     assert isinstance(a.wait_for(EngineNotReady, timeout=10), EngineNotReady)
     assert time.monotonic() - stopped < 5.0
@@ -218,7 +218,7 @@ def test_sigterm_drains_then_stops_the_worker(parts: Parts) -> None:
         assert fe.wait_for(RequestRejected).code == "shutting_down"
         final = None
         while final is None:
-            outs = fe.wait_for(OutputBatch).outputs
+            outs = fe.wait_for(OutputBatch).as_outputs()
             final = next((o for o in outs if o.rid == "d-1" and o.finish_reason), None)
         assert final.finish_reason == "length" and final.num_output_tokens == 300
         assert parts.scheduler.wait(30) == 0
@@ -242,7 +242,8 @@ def test_every_rank_gets_every_plan_and_rank_0_answers(tmp_path: Path) -> None:
         fe.send(_submit("tp-1", 8))
         final = None
         while final is None:
-            final = next((o for o in fe.wait_for(OutputBatch).outputs if o.finish_reason), None)
+            outs = fe.wait_for(OutputBatch).finished
+            final = next(iter(outs), None)
         assert final.num_output_tokens == 8
         fe.send(StatsQuery("q"))
         steps = fe.wait_for(StatsReply).stats["num_steps"]

@@ -4,6 +4,7 @@ import msgpack
 import pytest
 
 from shared.protocol import codec
+from shared.protocol.engine_channel import OutputBatch, RequestOutput
 from shared.protocol.errors import ErrorCode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult, TokenLogprobs
@@ -61,3 +62,34 @@ def test_frame_size_limit() -> None:
     with pytest.raises(codec.DecodeError) as info:
         codec.decode(codec.encode(_plan()), max_size=10)
     assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+
+
+@pytest.mark.parametrize(
+    ("column", "bad"),
+    [
+        ("new_block_ids", [[1], "2"]),  # not a list of lists
+        ("new_block_ids", [[1], [2, "3"]]),  # a block id that is not an int
+        ("new_block_ids", [[1], [True]]),  # bool is not int on the wire
+        ("sample", [True, 1]),
+        ("rids", ["a", None]),
+    ],
+)
+def test_columns_are_checked_element_by_element(column: str, bad: list) -> None:
+    plan = StepPlan(1, [], ["a", "b"], [0, 0], [1, 1], [5, 6], [[1], [2]], [True, True])
+    wire = msgpack.unpackb(codec.encode(plan))
+    wire[column] = bad
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(msgpack.packb(wire))
+    assert info.value.code == ErrorCode.INVALID_FIELD and column in info.value.message
+
+
+def test_output_batch_round_trip_and_column_check() -> None:
+    final = RequestOutput("b", [9], "stop", [], 3, 4)
+    batch = OutputBatch(7, ["a"], [5], {"a": TokenLogprobs(-0.5, [5], [-0.5])}, [final])
+    back = codec.decode(codec.encode(batch))
+    assert back == batch and [o.rid for o in back.as_outputs()] == ["a", "b"]
+    wire = msgpack.unpackb(codec.encode(batch))
+    wire["token_ids"] = []
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode(msgpack.packb(wire))
+    assert info.value.code == ErrorCode.INVALID_FIELD

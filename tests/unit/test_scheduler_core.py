@@ -133,9 +133,8 @@ def test_outputs_carry_counts_and_final_timings() -> None:
     sched.add_request(submit("t", 6, 3))
     run = drive(sched, worker, clock, step_time=0.5)
     outs = run.outputs["t"]
-    assert [o.num_output_tokens for o in outs] == [1, 2, 3]
-    assert all(o.num_prompt_tokens == 6 for o in outs)
-    assert all(o.timings is None for o in outs[:-1])
+    assert len(outs) == 3 and outs[-1].num_output_tokens == 3 and outs[-1].num_prompt_tokens == 6
+    assert all(o.timings is None and o.finish_reason is None for o in outs[:-1])
     t = outs[-1].timings
     assert t is not None and t.arrival == 1000.0 and t.first_scheduled == 1000.0
     assert t.first_token == 1000.5 and t.finished == 1001.5 and t.num_preemptions == 0
@@ -148,8 +147,9 @@ def test_logprobs_reach_only_requests_that_asked() -> None:
     plan = sched.schedule()
     assert plan is not None
     lp = TokenLogprobs(-0.25, [7], [-0.25])
-    outs = sched.update(StepResult(plan.step_id, ["lp", "no"], [7, 8], {"lp": lp}))
-    by_rid = {o.rid: o for o in outs}
+    batch = sched.update(StepResult(plan.step_id, ["lp", "no"], [7, 8], {"lp": lp}))
+    assert batch.rids == ["lp", "no"] and batch.token_ids == [7, 8] and batch.logprobs == {"lp": lp}
+    by_rid = {o.rid: o for o in batch.as_outputs()}
     assert by_rid["lp"].logprobs == [lp] and by_rid["no"].logprobs == []
 
 
@@ -181,7 +181,7 @@ def test_abort_while_plan_in_flight_ignores_its_token_and_releases_it() -> None:
     assert plan is not None
     assert sched.abort_request("a") is not None
     outs = sched.update(worker.execute(plan))
-    assert [o.rid for o in outs] == ["b"]
+    assert [o.rid for o in outs.as_outputs()] == ["b"]
     plan2 = sched.schedule()
     assert plan2 is not None and plan2.released_rids == ["a"] and plan2.rids == ["b"]
     sched.update(worker.execute(plan2))
@@ -207,7 +207,7 @@ def test_missing_token_from_the_worker_fails_that_request() -> None:
     plan = sched.schedule()
     assert plan is not None
     outs = sched.update(StepResult(plan.step_id, ["b"], [9]))
-    failed = [o for o in outs if o.rid == "a"]
+    failed = [o for o in outs.finished if o.rid == "a"]
     assert failed and failed[0].error_code == ErrorCode.WORKER_FAILED
     sched.check_integrity()
 
@@ -242,7 +242,8 @@ def test_running_requests_send_only_new_blocks_and_the_last_token() -> None:
     assert [p.new_block_ids for p in plans[1:]] == [[[]], [[]], [[2]], [[]]]
     assert all(p.new_seqs == [] for p in plans[1:])
     assert [p.start_positions for p in plans[1:]] == [[6], [7], [8], [9]]
-    assert plans[2].token_ids == [token_for("a", 1, 1000)] and outs[0].num_output_tokens == 5
+    assert plans[2].token_ids == [token_for("a", 1, 1000)]
+    assert outs.rids == ["a"] and outs.token_ids == [token_for("a", 4, 1000)] and not outs.finished
 
 
 def test_chunked_prefill_samples_only_after_the_last_chunk() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import pytest
 
 from services.scheduler import Scheduler, SchedulerConfig
-from shared.protocol.engine_channel import RequestOutput, SubmitRequest
+from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult, check_plan
 
@@ -120,7 +120,9 @@ class Run:
     plans: list[StepPlan] = field(default_factory=list)
     records: list[object] = field(default_factory=list)
 
-    def add(self, outs: list[RequestOutput]) -> None:
+    def add(self, outs: OutputBatch | list[RequestOutput]) -> None:
+        if isinstance(outs, OutputBatch):
+            outs = outs.as_outputs()
         for out in outs:
             self.outputs.setdefault(out.rid, []).append(out)
 
