@@ -65,17 +65,29 @@ class StepBuilder:
         new to the worker also copies its token ids and block table into a `NewSequence`.
         """
         decodes = self.decodes
-        rids = [r.rid for r in decodes]
-        starts = [r.num_computed_tokens for r in decodes]
-        token_ids = [r.token_ids[r.num_computed_tokens] for r in decodes]
-        new_block_ids = [r.block_ids[r.num_sent_blocks :] for r in decodes]
+        rids: list[str] = []
+        starts: list[int] = []
+        token_ids: list[int] = []
+        new_block_ids: list[list[int]] = []
+        sampled: dict[str, Request] = {}
+        no_blocks: list[int] = []  # shared by every decode that appended none (read-only)
+        for r in decodes:  # one pass: the common case of a step, hundreds of times
+            rid = r.rid
+            start = r.num_computed_tokens
+            blocks = r.block_ids
+            rids.append(rid)
+            starts.append(start)
+            token_ids.append(r.token_ids[start])
+            if len(blocks) == r.num_sent_blocks:
+                new_block_ids.append(no_blocks)
+            else:
+                new_block_ids.append(blocks[r.num_sent_blocks :])
+                r.num_sent_blocks = len(blocks)
+            sampled[rid] = r
+            r.num_computed_tokens = start + 1
         num_tokens = [1] * len(decodes)
         sample = [True] * len(decodes)
         is_prefill = [False] * len(decodes)
-        sampled = {r.rid: r for r in decodes}
-        for r in decodes:
-            r.num_computed_tokens += 1
-            r.num_sent_blocks = len(r.block_ids)
         new_seqs: list[NewSequence] = []
         for req, n in self._chunks.values():
             start = req.num_computed_tokens
