@@ -5,10 +5,11 @@
 For each N it starts a stack (tokenizer + scheduler + `--sim-device none` worker), submits N
 requests with short prompts and long outputs so that N decodes run together for hundreds of
 steps, and reads the worker's `sim_engine_gap` log lines: the time from one step's result to
-the next plan (result transport, scheduler update, output routing, next schedule, plan
-transport). With a zero-cost device that gap is the whole step, so it is what a GPU step would
-have to hide. Run it on a quiet machine only (docs/simulator.md); the figures go in
-docs/PERFORMANCE.md.
+the next plan (result transport, scheduler update, next schedule, plan transport; outputs are
+routed to the tokenizer after the plan has left), and the scheduler's step log: its own side of
+that gap (result frame in -> plan frame out). With a zero-cost device the worker's gap is the
+whole step, so it is what a GPU step would have to hide. Run it on a quiet machine only
+(docs/simulator.md); the figures go in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--running", default="64,256,1024", help="running requests, comma-separated")
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=400)
+    p.add_argument("--output-len", type=int, default=1000)
     p.add_argument("--gpu-step-ms", type=float, default=5.0, help="the GPU step to compare with")
     p.add_argument("--report-every", type=int, default=50, help="steps per worker log line")
     p.add_argument("--stream", action="store_true", help="stream tokens to the client")
@@ -85,6 +86,24 @@ def _gap_lines(log_path: Path, n: int) -> list[dict[str, Any]]:
     return lines
 
 
+def _scheduler_gaps_us(log_path: Path, n: int) -> list[float]:
+    """The scheduler's own side of the gap, from its step log: a result frame's arrival to the
+    next plan frame's send (decode, update, schedule, encode), for pure decode steps of n."""
+    gaps = []
+    for raw in log_path.read_text().splitlines():
+        if not raw.startswith("{"):
+            continue
+        rec = json.loads(raw)
+        if (
+            rec.get("event") == "step"
+            and rec.get("num_seqs") == n
+            and rec.get("num_prefill_tokens") == 0
+            and rec.get("gap_s") is not None
+        ):
+            gaps.append(1e6 * rec["gap_s"])
+    return gaps
+
+
 def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
     """One stack with n running requests; the summary of its engine gaps at batch n."""
     settings = StackSettings(
@@ -106,6 +125,9 @@ def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
     lines = _gap_lines(Path(settings.log_dir) / "worker.log", n)
     if not lines:
         raise RuntimeError(f"no {GAP_EVENT} lines at {n} running: raise --output-len")
+    sched_gaps = sorted(_scheduler_gaps_us(Path(settings.log_dir) / "scheduler.log", n))
+    if not sched_gaps:
+        raise RuntimeError(f"no scheduler step lines at {n} running")
     steps = sum(x["steps"] for x in lines)
     mean_us = sum(x["gap_mean_us"] * x["steps"] for x in lines) / steps
     return {
@@ -114,6 +136,8 @@ def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
         "gap_mean_us": round(mean_us, 1),
         "gap_p50_us": statistics.median(x["gap_p50_us"] for x in lines),
         "gap_p99_us": max(x["gap_p99_us"] for x in lines),
+        "scheduler_gap_p50_us": round(statistics.median(sched_gaps), 1),
+        "scheduler_gap_mean_us": round(statistics.mean(sched_gaps), 1),
         "worker_execute_mean_us": round(statistics.mean(x["execute_mean_us"] for x in lines), 1),
         "fraction_of_gpu_step": round(mean_us / (1000.0 * args.gpu_step_ms), 4),
         "wall_s": round(wall, 2),
@@ -129,13 +153,13 @@ def main(argv: list[str]) -> int:
     results = [measure(n, args, log_root) for n in sizes]
     print(
         f"{'running':>8}{'steps':>7}{'mean us':>10}{'p50 us':>9}{'p99 us':>9}"
-        f"{f'of {args.gpu_step_ms:g} ms':>10}{'tok/s':>10}"
+        f"{f'of {args.gpu_step_ms:g} ms':>10}{'tok/s':>10}{'sched p50 us':>14}"
     )
     for r in results:
         print(
             f"{r['running']:>8}{r['steps']:>7}{r['gap_mean_us']:>10.1f}{r['gap_p50_us']:>9.1f}"
             f"{r['gap_p99_us']:>9.1f}{r['fraction_of_gpu_step']:>10.1%}"
-            f"{r['output_tok_s']:>10.0f}"
+            f"{r['output_tok_s']:>10.0f}{r['scheduler_gap_p50_us']:>14.1f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -41,6 +41,10 @@ from shared.protocol.engine_channel import (
 from shared.protocol.errors import ErrorCode
 
 MAX_MESSAGES_PER_TURN = 512  # per socket, so neither side starves the other
+# ... and at most this long per socket and turn: a backlog of large output batches (1,000
+# running requests, a frontend slower than the engine) must not delay housekeeping, whose
+# FrontendHello keeps the scheduler from declaring this frontend gone.
+MAX_TURN_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +144,9 @@ class FrontendServer:
 
     def _on_clients(self) -> None:
         sock = self._clients
+        deadline = time.monotonic() + MAX_TURN_S
         for _ in range(MAX_MESSAGES_PER_TURN):
-            if not sock.poll(0, zmq.POLLIN):
+            if not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline:
                 return
             parts = sock.recv_multipart()
             ident = parts[0]
@@ -280,8 +285,9 @@ class FrontendServer:
 
     def _on_scheduler(self) -> None:
         sock = self._sched
+        deadline = time.monotonic() + MAX_TURN_S
         for _ in range(MAX_MESSAGES_PER_TURN):
-            if not sock.poll(0, zmq.POLLIN):
+            if not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline:
                 return
             frame = sock.recv()
             self._last_engine_rx = time.monotonic()

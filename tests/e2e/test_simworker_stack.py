@@ -107,3 +107,36 @@ def test_worker_log_says_simulated(stack: LocalStack) -> None:
     # the 40-token request alone gave 39 decode steps at batch 1: engine-gap summaries
     gaps = [x for x in lines if x.get("event") == "sim_engine_gap" and x["num_seqs"] == 1]
     assert gaps and all(x["steps"] == 10 and 0 < x["gap_p50_us"] <= x["gap_p99_us"] for x in gaps)
+
+
+def test_a_frontend_slower_than_the_engine_keeps_its_requests(tmp_path: Path) -> None:
+    """Zero-cost steps with hundreds running: the scheduler emits outputs faster than the
+    tokenizer detokenizes them, so output batches queue up at the frontend. Its heartbeat must
+    still reach the scheduler in time (here 2 s), or every request would be aborted as the
+    requests of a vanished frontend."""
+    settings = StackSettings(
+        worker="sim",
+        sim_device="none",
+        frontend_address=f"tcp://127.0.0.1:{_free_port()}",
+        gateway=False,
+        log_dir=tmp_path,
+        scheduler_flags={
+            "max_num_seqs": "512",
+            "max_num_batched_tokens": "8192",
+            "frontend_timeout": "2",
+        },
+    )
+    n, max_tokens = 512, 400
+
+    async def run(address: str) -> list[int]:
+        async with AsyncClient(address, timeout=120.0) as client:
+            outs = await asyncio.gather(
+                *(client.generate(prompt_token_ids=[1000] * 8, max_tokens=max_tokens, seed=i,
+                                  ignore_eos=True)
+                  for i in range(n))
+            )  # fmt: skip
+        return [len(o.token_ids) for o in outs]
+
+    with LocalStack(settings) as st:
+        assert asyncio.run(run(st.frontend_address)) == [max_tokens] * n
+    assert "silent for" not in Path(tmp_path, "scheduler.log").read_text()
