@@ -9,6 +9,7 @@ Keeps no sockets.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -32,10 +33,15 @@ class Progress:
     """What one output did: frames for the client; whether the request is over; whether the
     scheduler must still be told to stop it (a stop string ended it before the engine did)."""
 
-    frames: list[bytes]
+    frames: Sequence[bytes]
     finished: bool = False
     abort_in_engine: bool = False
     finish_reason: Optional[str] = None
+
+
+# The common answer to a token (not streamed, or held back): one shared immutable instance,
+# since a frozen dataclass costs about a microsecond to build and this runs per token.
+NOTHING_TO_SEND = Progress(())
 
 
 @dataclass
@@ -91,6 +97,9 @@ class ClientRequest:
     ) -> Progress:
         """Detokenize the new ids, look for stop strings; a chunk, or the final frames."""
         engine_done = finish_reason is not None
+        if not engine_done and not self.stream and not self.stops.stops:
+            self.detokenizer.defer(new_ids)  # nobody reads the text before the end
+            return NOTHING_TO_SEND
         old_len = len(self.text)
         self.text += self.detokenizer.push(new_ids, final=engine_done)
         match = self.stops.find(self.text, old_len)
@@ -103,7 +112,7 @@ class ClientRequest:
             frames = self._final_frames(reason, self._stop_token(reason), engine_timings, now)
             return Progress(frames, True, False, reason)
         if not self.stream:
-            return Progress([])
+            return NOTHING_TO_SEND
         safe_len = len(self.text) - self.stops.holdback(self.text)
         return Progress([self._chunk(safe_len)])
 

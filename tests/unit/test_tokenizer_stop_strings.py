@@ -96,7 +96,7 @@ def test_streamed_text_holds_back_a_possible_stop_then_cuts_it() -> None:
 def test_stop_string_ends_the_request_and_asks_the_engine_to_abort() -> None:
     req = request(stream=False, stops=["\n"])
     first = req.on_output(out("line one"), 101.0)
-    assert first.frames == [] and not first.finished  # non-streaming: silent until done
+    assert not first.frames and not first.finished  # non-streaming: silent until done
     last = req.on_output(out(" end\nnext"), 102.0)
     assert last.finished and last.abort_in_engine and last.finish_reason == "stop"
     done = msgpack.unpackb(last.frames[0])
@@ -156,3 +156,23 @@ def test_logprobs_follow_their_tokens() -> None:
     got = [lp["logprob"] for m in msgs if m["type"] == "chunk" for lp in m["logprobs"]]
     assert got == [0.0, -0.1, -0.2]
     assert frames(request(stream=True, stops=[]), [out("ab")])[0]["logprobs"] is None
+
+
+def test_unread_requests_detokenize_once_at_the_end_with_the_same_text() -> None:
+    """Not streamed and without stop strings, nobody reads the text before the end: tokens are
+    taken one by one (on_token) and decoded once; the text equals the streamed one, multi-byte
+    characters split across tokens included."""
+    ids = TOK.encode("naïve café — ok ✓").ids  # one token per byte: characters span tokens
+    texts = []
+    for stream in (True, False):
+        req = request(stream, [])
+        streamed = ""
+        for i, token in enumerate(ids[:-1]):
+            for f in req.on_token(token, None, 101.0 + i).frames:
+                streamed += msgpack.unpackb(f).get("text", "")
+        assert stream or not streamed  # silent until done
+        final = req.on_output(RequestOutput("fe-1-0", ids[-1:], "length"), 120.0).frames
+        done = msgpack.unpackb(final[-1])
+        texts.append(req.text)
+        assert done["usage"]["completion_tokens"] == len(ids)
+    assert texts == ["naïve café — ok ✓"] * 2
