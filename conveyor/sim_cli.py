@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=_pairs("8:128,16:256"),
         help="DECODES:CHUNK pairs: a prompt chunk prefilled beside running decodes",
     )
-    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--repeats", type=int, default=3, help="timed steps per shape in a row")
+    m.add_argument(
+        "--rounds", type=int, default=3, help="passes over all shapes (times are pooled)"
+    )
     m.set_defaults(func=cmd_measure)
     c = sub.add_parser("calibrate", help="fit a device profile to measured timings")
     c.add_argument("timings", type=Path)
@@ -202,6 +205,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
         prefill_batch=args.prefill_batch,
         mixed=tuple(args.mixed),
         repeats=args.repeats,
+        rounds=args.rounds,
     )
     kwargs: dict[str, Any] = {"model": args.model, "num_threads": args.num_threads}
     if args.dtype:

@@ -34,11 +34,13 @@ class MeasureGrid:
     prefill_batch: int = 4
     mixed: tuple[tuple[int, int], ...] = ((8, 128), (16, 256))
     mixed_context: int = 256
-    repeats: int = 3
+    repeats: int = 3  # timed steps per shape in a row (after one warm-up step)
+    rounds: int = 1  # passes over the whole grid
 
     def __post_init__(self) -> None:
         sizes = [*self.batch_sizes, *self.context_lens, *self.prefill_lens, self.prefill_batch]
-        sizes += [v for pair in self.mixed for v in pair] + [self.mixed_context, self.repeats]
+        sizes += [v for pair in self.mixed for v in pair]
+        sizes += [self.mixed_context, self.repeats, self.rounds]
         if any(not isinstance(v, int) or v <= 0 for v in sizes):
             raise ValueError("every size, length and repeat count must be a positive integer")
 
@@ -124,18 +126,18 @@ class StepTimer:
             last.update(self.prefill(seqs[i : i + per_step])[1])
         return [s.rid for s in seqs], last
 
-    def decode_samples(self, batch: int, ctx: int, repeats: int) -> list[dict]:
-        """`repeats` timed decode steps of `batch` sequences at context ~`ctx`."""
+    def decode_sample(self, batch: int, ctx: int, repeats: int) -> dict:
+        """`repeats` timed decode steps of `batch` sequences at context ~`ctx` (one sample:
+        the context grows by one token a step, which is noise next to `ctx`)."""
         rids, last = self.running(batch, ctx, repeats + 2)
-        samples = []
+        seconds = []
         for step in range(repeats + 1):  # the first decode is a warm-up for this shape
             starts = [ctx + step] * batch
             t, sampled = self.run([], rids, starts, [[last[r]] for r in rids])
             last.update(sampled)
-            if step:
-                samples.append(_sample("decode", starts, [1] * batch, [t]))
+            seconds.append(t)
         self.release_all(rids)
-        return samples
+        return _sample("decode", [ctx + 1] * batch, [1] * batch, seconds[1:])
 
     def prefill_sample(self, batch: int, prompt_len: int, repeats: int) -> dict:
         """`batch` fresh prompts of `prompt_len` tokens in one step, timed `repeats` times."""
@@ -146,10 +148,11 @@ class StepTimer:
             self.release_all([s.rid for s in seqs])
         return _sample("prefill", [0] * batch, [prompt_len] * batch, seconds[1:])
 
-    def mixed_samples(self, batch: int, chunk: int, ctx: int, repeats: int) -> list[dict]:
-        """A fresh prompt of `chunk` tokens prefilled beside `batch` decodes at context ~ctx."""
+    def mixed_sample(self, batch: int, chunk: int, ctx: int, repeats: int) -> dict:
+        """A fresh prompt of `chunk` tokens prefilled beside `batch` decodes at context ~ctx,
+        timed `repeats` times (one sample)."""
         rids, last = self.running(batch, ctx, repeats + 2)
-        samples = []
+        seconds = []
         for step in range(repeats + 1):  # the first is a warm-up for this shape
             (new,) = self.new_seqs(1, chunk, chunk + 1)
             starts = [0] + [ctx + step] * batch
@@ -157,30 +160,41 @@ class StepTimer:
             t, sampled = self.run([new], [new.rid, *rids], starts, chunks)
             last.update(sampled)
             self.run([], [], [], [], released=[new.rid])  # its blocks stay taken: no reuse
-            if step:
-                samples.append(_sample("mixed", starts, [chunk] + [1] * batch, [t]))
+            seconds.append(t)
         self.release_all(rids)
-        return samples
+        return _sample("mixed", [0] + [ctx + 1] * batch, [chunk] + [1] * batch, seconds[1:])
 
 
 def collect_timings(
     runner: Any, grid: MeasureGrid, progress: Optional[Callable[[str], None]] = None
 ) -> list[dict]:
-    """Time every shape of `grid` on `runner`; the `samples` of a timings file."""
+    """Time every shape of `grid` on `runner`, `grid.rounds` times over; the `samples` of a
+    timings file, one per shape, holding its times from every round. Rounds (rather than more
+    repeats in a row) spread each shape's times over the whole run, so a spell of slowness on
+    a shared machine touches a few times of every shape instead of all times of a few."""
     timer = StepTimer(runner)
     say = progress or (lambda _text: None)
+    samples = _one_round(timer, grid, say)
+    for r in range(1, grid.rounds):
+        say(f"round {r + 1} of {grid.rounds}")
+        for sample, again in zip(samples, _one_round(timer, grid, say), strict=True):
+            sample["seconds"] += again["seconds"]
+    return samples
+
+
+def _one_round(timer: StepTimer, grid: MeasureGrid, say: Callable[[str], None]) -> list[dict]:
     samples: list[dict] = []
     for ctx in grid.context_lens:
         for b in grid.batch_sizes:
-            samples += timer.decode_samples(b, ctx, grid.repeats)
-            say(f"decode B={b} ctx={ctx}: {_ms(samples[-grid.repeats :])}")
+            samples.append(timer.decode_sample(b, ctx, grid.repeats))
+            say(f"decode B={b} ctx={ctx}: {_ms(samples[-1:])}")
     for n in grid.prefill_lens:
         for b in sorted({1, grid.prefill_batch}):
             samples.append(timer.prefill_sample(b, n, grid.repeats))
             say(f"prefill B={b} len={n}: {_ms(samples[-1:])}")
     for b, chunk in grid.mixed:
-        samples += timer.mixed_samples(b, chunk, grid.mixed_context, grid.repeats)
-        say(f"mixed {chunk}-token chunk + {b} decodes: {_ms(samples[-grid.repeats :])}")
+        samples.append(timer.mixed_sample(b, chunk, grid.mixed_context, grid.repeats))
+        say(f"mixed {chunk}-token chunk + {b} decodes: {_ms(samples[-1:])}")
     return samples
 
 

@@ -3,6 +3,7 @@ its plans must pass the runner's step-contract checks, and its timings must feed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -29,14 +30,22 @@ def test_grid_shapes_and_contract() -> None:
     runner = SimRunner(SimConfig(device="none", model="smollm2-135m", num_blocks=64))
     samples = collect_timings(runner, SMALL)  # SimRunner raises on any contract breach
     kinds = [s["kind"] for s in samples]
-    assert kinds.count("decode") == 2 * 2 * 2  # batch sizes x contexts x repeats
+    assert kinds.count("decode") == 2 * 2  # batch sizes x contexts
     assert kinds.count("prefill") == 2 * 2  # lengths x {1, prefill_batch}
-    assert kinds.count("mixed") == 2
+    assert kinds.count("mixed") == 1
     decodes = [s for s in samples if s["kind"] == "decode"]
-    assert decodes[0]["start_positions"] == [17] and decodes[1]["start_positions"] == [18]
+    assert decodes[0]["start_positions"] == [17] and decodes[1]["start_positions"] == [17] * 4
     mixed = [s for s in samples if s["kind"] == "mixed"][0]
     assert mixed["num_tokens"] == [20, 1, 1, 1] and mixed["start_positions"] == [0, 31, 31, 31]
-    assert all(len(s["seconds"]) == (2 if s["kind"] == "prefill" else 1) for s in samples)
+    assert all(len(s["seconds"]) == 2 for s in samples)  # repeats
+
+
+def test_rounds_gather_every_shape_once_with_all_its_times() -> None:
+    runner = SimRunner(SimConfig(device="none", model="smollm2-135m", num_blocks=64))
+    grid = dataclasses.replace(SMALL, rounds=3)
+    samples = collect_timings(runner, grid)
+    assert len(samples) == len(collect_timings(runner, SMALL))
+    assert all(len(s["seconds"]) == 2 * 3 for s in samples)  # repeats x rounds
 
 
 def test_pool_too_small_is_a_clear_error() -> None:
