@@ -179,7 +179,9 @@ def timings_shapes(timings: list[Any]) -> list[str]:
 def _print_fit(result: FitResult, labels: list[str]) -> None:
     p = result.profile
     print("fitted profile (SIMULATED device):")
-    for key in ("dense_flops", "attention_flops", "bandwidth", "launch_s", "per_seq_s"):
+    keys = ("dense_flops", "attention_flops", "bandwidth", "kv_bandwidth", "pack_bandwidth",
+            "launch_s", "per_seq_s", "prefill_step_s")  # fmt: skip
+    for key in keys:
         print(f"  {key:<16} {getattr(p, key)}")
     print(f"{'sample':<34}{'measured ms':>12}{'model ms':>10}{'error':>8}")
     for label, m, pr, e in zip(

@@ -1,7 +1,10 @@
 """Fit a device profile's free coefficients to measured step timings (least squares).
 
-The cost model is  t = launch + per_seq * B + max(lin / dense + attn / attention, bytes / bw).
-With the inverse rates as unknowns, each branch of the max is linear, so the fit alternates:
+The cost model (cost_model.py) is
+    t = launch + per_seq * B + chunk * prefill_step
+        + max(lin / dense + attn / attention, W / bw + KV / kv_bw + multi * W / pack_bw)
+(`chunk`: the step holds a prompt chunk; `multi`: it computes more than one token). With the
+inverse rates as unknowns, each branch of the max is linear, so the fit alternates:
 assign every sample to the branch that decides it, solve one non-negative least-squares problem
 over relative errors, re-assign, until the assignment stops changing. It starts from every split
 of the samples by arithmetic intensity (FLOPs per byte) and keeps the best, since the branch
@@ -29,8 +32,20 @@ from services.simworker.profiles import DeviceProfile, ModelShape, get_model
 
 TIMINGS_FORMAT = "conveyor-sim-timings/1"
 MAX_ALTERNATIONS = 50
-# columns of the design matrix: launch, per_seq, 1/dense, 1/attention, 1/bandwidth
-NUM_COEFFS = 5
+# columns of the design matrix, in this order
+COEFFS = (
+    "launch_s",
+    "per_seq_s",
+    "prefill_step_s",
+    "1/dense_flops",
+    "1/attention_flops",
+    "1/bandwidth",
+    "1/kv_bandwidth",
+    "1/pack_bandwidth",
+)
+NUM_COEFFS = len(COEFFS)
+_COMPUTE = slice(3, 5)
+_MEMORY = slice(5, 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +107,24 @@ def _work(model: ModelShape, t: Timing) -> StepWork:
     return step_work(model, t.start_positions, t.num_tokens, t.num_sampled)
 
 
+def _features(works: list[StepWork]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[N, 3] overheads (1, B, chunk), [N, 2] compute (lin, attn), [N, 3] memory
+    (W, KV, multi * W): each row times its coefficients is that part of the step's time."""
+    over = np.array([[1.0, w.num_seqs, float(w.has_chunk)] for w in works])
+    comp = np.array([[w.linear_flops, w.attention_flops] for w in works])
+    mem = np.array([[w.weight_bytes, w.kv_bytes, w.weight_bytes * (w.num_tokens > 1)]
+                    for w in works])  # fmt: skip
+    return over, comp, mem
+
+
 def _design(works: list[StepWork], memory_branch: np.ndarray) -> np.ndarray:
-    """[N, 5] rows: [1, B, lin, attn, 0] where compute decides, [1, B, 0, 0, bytes] elsewhere."""
+    """[N, 8] rows: the overheads, then the compute features where compute decides the step,
+    the memory features elsewhere (zeros in the other branch's columns)."""
+    over, comp, mem = _features(works)
     rows = np.zeros((len(works), NUM_COEFFS))
-    for i, w in enumerate(works):
-        rows[i, 0], rows[i, 1] = 1.0, w.num_seqs
-        if memory_branch[i]:
-            rows[i, 4] = w.memory_bytes
-        else:
-            rows[i, 2], rows[i, 3] = w.linear_flops, w.attention_flops
+    rows[:, :3] = over
+    rows[:, _COMPUTE] = comp * ~memory_branch[:, None]
+    rows[:, _MEMORY] = mem * memory_branch[:, None]
     return rows
 
 
@@ -126,13 +150,11 @@ def _fit_branches(works: list[StepWork], y: np.ndarray, start: np.ndarray) -> np
     """Alternate branch assignment and least squares from one starting assignment."""
     memory_branch = start.copy()
     coeffs = np.zeros(NUM_COEFFS)
+    _, comp, mem = _features(works)
     for _ in range(MAX_ALTERNATIONS):
         a = _design(works, memory_branch) / y[:, None]  # relative error: rows over t
         coeffs = nonneg_lstsq(a, np.ones(len(y)))
-        compute = np.array([coeffs[2] * w.linear_flops + coeffs[3] * w.attention_flops
-                            for w in works])  # fmt: skip
-        memory = np.array([coeffs[4] * w.memory_bytes for w in works])
-        new = memory > compute
+        new = mem @ coeffs[_MEMORY] > comp @ coeffs[_COMPUTE]
         if (new == memory_branch).all():
             break
         memory_branch = new
@@ -145,14 +167,17 @@ def _profile(coeffs: np.ndarray, base: DeviceProfile, name: str, source: str) ->
 
     return DeviceProfile(
         name=name,
-        dense_flops=rate(coeffs[2]),
-        attention_flops=rate(coeffs[3]),
-        bandwidth=rate(coeffs[4]),
+        dense_flops=rate(coeffs[3]),
+        attention_flops=rate(coeffs[4]),
+        bandwidth=rate(coeffs[5]),
         memory_bytes=base.memory_bytes,
         launch_s=float(coeffs[0]),
         per_seq_s=float(coeffs[1]),
         memory_utilization=base.memory_utilization,
         source=source,
+        kv_bandwidth=rate(coeffs[6]),
+        pack_bandwidth=rate(coeffs[7]),
+        prefill_step_s=float(coeffs[2]),
     )
 
 

@@ -1,8 +1,9 @@
 """The step cost model of the simulated worker (docs/simulator.md has the formula).
 
-    time = launch_s + per_seq_s * B + max(compute, memory)
+    time = launch_s + per_seq_s * B + [a prompt chunk runs] * prefill_step_s + max(compute, memory)
     compute = linear FLOPs / dense_flops + attention FLOPs / attention_flops
-    memory  = (weight bytes + KV bytes read + KV bytes written) / bandwidth
+    memory  = weight bytes / bandwidth + (KV bytes read + KV bytes written) / kv_bandwidth
+              + [more than one token] * weight bytes / pack_bandwidth
 
 where, for a step over B sequences, sequence b having `s_b` tokens cached and computing `n_b`:
     linear FLOPs    = 2 * P_layers * sum(n_b) + 2 * P_head * (sequences that sample)
@@ -11,7 +12,9 @@ where, for a step over B sequences, sequence b having `s_b` tokens cached and co
                       after the new K/V are written into it)
     KV written      = kv_bytes_per_token * sum_b n_b
 One decode token costs 2 FLOPs per weight it meets; a query at position p meets p + 1 keys, each
-costing 2*H*D for QK^T and 2*H*D for PV per layer.
+costing 2*H*D for QK^T and 2*H*D for PV per layer. The GPU profiles read the KV cache at their
+memory bandwidth and leave the pack and prefill-step terms at zero: for them the formula is the
+plain roofline. The CPU's profile needs all three (docs/simulator.md, "CPU terms").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class StepWork:
 
     num_seqs: int
     num_tokens: int
+    has_chunk: bool  # some sequence computes more than one token (a prompt chunk)
     linear_flops: float
     attention_flops: float
     weight_bytes: float
@@ -70,7 +74,9 @@ def step_work(
     total_tokens = 0
     attn_pairs = 0.0  # sum over query tokens of the keys each attends to
     kv_tokens_read = 0
+    has_chunk = False
     for s, n in zip(start_positions, num_tokens, strict=True):
+        has_chunk |= n > 1
         total_tokens += n
         attn_pairs += n * s + n * (n + 1) / 2
         kv_tokens_read += s + n
@@ -81,6 +87,7 @@ def step_work(
     return StepWork(
         num_seqs=len(num_tokens),
         num_tokens=total_tokens,
+        has_chunk=has_chunk,
         linear_flops=linear,
         attention_flops=attention,
         weight_bytes=float(model.step_weight_bytes),
@@ -101,8 +108,13 @@ def step_cost(device: DeviceProfile, work: StepWork) -> StepCost:
     """The modelled time of `work` on `device`; exactly 0 on the zero-cost profile."""
     compute = _over(work.linear_flops, device.dense_flops)
     compute += _over(work.attention_flops, device.attention_flops)
-    memory = _over(work.memory_bytes, device.bandwidth)
+    memory = _over(work.weight_bytes, device.bandwidth)
+    memory += _over(work.kv_bytes, device.kv_bandwidth)
+    if work.num_tokens > 1:
+        memory += _over(work.weight_bytes, device.pack_bandwidth)
     overhead = device.launch_s + device.per_seq_s * work.num_seqs
+    if work.has_chunk:
+        overhead += device.prefill_step_s
     return StepCost(compute_s=compute, memory_s=memory, overhead_s=overhead)
 
 

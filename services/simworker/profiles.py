@@ -33,15 +33,25 @@ class DeviceProfile:
     per_seq_s: float = 0.0  # extra cost per scheduled sequence (per-sequence host work)
     memory_utilization: float = 0.9  # fraction of memory_bytes weights + KV may use
     source: str = ""  # where the numbers come from (datasheet or calibration run)
+    # bytes/s of KV cache traffic: a GPU reads it at `bandwidth`; the CPU worker first copies
+    # every sequence's blocks into one tensor, a slower pass; None: free
+    kv_bandwidth: Optional[float] = None
+    # Terms a CPU needs and a GPU does not (docs/simulator.md, "CPU terms"); their defaults
+    # leave a profile a plain roofline:
+    # bytes/s of the extra pass over the weights a matrix-matrix product makes (CPU BLAS packs
+    # the weight matrix; a one-token step runs matrix-vector kernels without it); None: no pass
+    pack_bandwidth: Optional[float] = None
+    prefill_step_s: float = 0.0  # fixed extra cost of a step holding a prompt chunk (> 1 token)
 
     def __post_init__(self) -> None:
-        for rate in ("dense_flops", "attention_flops", "bandwidth"):
+        for rate in ("dense_flops", "attention_flops", "bandwidth", "kv_bandwidth",
+                     "pack_bandwidth"):  # fmt: skip
             value = getattr(self, rate)
             if value is not None and not value > 0:
                 raise ValueError(f"device {self.name}: {rate} must be > 0 or None (free)")
         if self.memory_bytes <= 0:
             raise ValueError(f"device {self.name}: memory_bytes must be > 0")
-        if self.launch_s < 0 or self.per_seq_s < 0:
+        if self.launch_s < 0 or self.per_seq_s < 0 or self.prefill_step_s < 0:
             raise ValueError(f"device {self.name}: overheads must be >= 0")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"device {self.name}: memory_utilization must be in (0, 1]")
@@ -49,8 +59,10 @@ class DeviceProfile:
     @property
     def zero_cost(self) -> bool:
         """True when every step costs exactly 0 s (the `none` profile)."""
-        rates = (self.dense_flops, self.attention_flops, self.bandwidth)
-        return all(r is None for r in rates) and self.launch_s == 0 and self.per_seq_s == 0
+        rates = (self.dense_flops, self.attention_flops, self.bandwidth, self.kv_bandwidth,
+                 self.pack_bandwidth)  # fmt: skip
+        overheads = (self.launch_s, self.per_seq_s, self.prefill_step_s)
+        return all(r is None for r in rates) and all(o == 0 for o in overheads)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -145,6 +157,7 @@ def _gpu(
         dense_flops=bf16_dense * GPU_COMPUTE_EFFICIENCY,
         attention_flops=bf16_dense * GPU_ATTENTION_EFFICIENCY,
         bandwidth=bandwidth * GPU_BANDWIDTH_EFFICIENCY,
+        kv_bandwidth=bandwidth * GPU_BANDWIDTH_EFFICIENCY,  # paged attention reads HBM directly
         memory_bytes=int(memory),
         launch_s=GPU_LAUNCH_S,
         per_seq_s=0.0,
@@ -162,21 +175,27 @@ DEVICES: dict[str, DeviceProfile] = {
     # NVIDIA A100 80GB SXM datasheet (nvidia.com/en-us/data-center/a100/): 80 GB HBM2e,
     # 2,039 GB/s, BF16 Tensor Core 312 TFLOPS dense (624 with sparsity).
     "a100": _gpu("a100", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 80GB SXM datasheet"),
-    # This machine's 2 cores running the real worker on SmolLM2-135M. Provisional numbers from
-    # docs FACTS (linear layers, bf16, 2 threads: 32 tok 26 ms ... 512 tok 141 ms -> ~0.22 ms per
-    # token = ~1e12 FLOP/s per 212 MFLOP token, ~19 ms fixed). Replace with a calibrated profile:
-    # `conveyor sim measure` then `conveyor sim calibrate` (docs/simulator.md).
+    # This machine's 2 cores running the real worker on SmolLM2-135M in fp32 (2 threads),
+    # calibrated: `conveyor sim measure` (24 shapes x 9 steps, 2026-11-30) then `conveyor sim
+    # calibrate` -> max error 12.2% over decodes at B = 1-32 (contexts 129 and 513), prefills of
+    # 16-2,048 tokens and mixed steps (docs/PERFORMANCE.md §6). launch_s holds the one weight
+    # read every step makes (matrix-vector at one token); pack_bandwidth the extra pass of
+    # matrix-matrix kernels; kv_bandwidth the block gather before attention. Recalibrate on any
+    # other machine.
     "cpu-smollm2": DeviceProfile(
         name="cpu-smollm2",
-        dense_flops=0.95 * TERA,
-        attention_flops=0.05 * TERA,
+        dense_flops=85.0e9,
+        attention_flops=95.3e9,
         bandwidth=None,
         # ~ the real worker's default 1 GiB KV pool once weights and the reserve are taken.
         memory_bytes=int(1.45 * GB),
         memory_utilization=1.0,
-        launch_s=19e-3,
-        per_seq_s=0.3e-3,
-        source="provisional, from FACTS.md linear-layer timings; calibrate to replace",
+        launch_s=99.6e-3,
+        per_seq_s=4.55e-3,
+        kv_bandwidth=1.42e9,
+        pack_bandwidth=3.61e9,
+        prefill_step_s=39.5e-3,
+        source="calibrated on this 2-core machine (docs/PERFORMANCE.md §6)",
     ),
     # Zero cost: every step returns at once. Memory as an H200's so KV capacity is realistic.
     "none": DeviceProfile(

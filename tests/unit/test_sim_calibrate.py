@@ -17,7 +17,13 @@ MODEL = MODELS["smollm2-135m"]
 # compute-bound (512 tokens * 212 MFLOP at 1 TFLOP/s = 109 ms): both branches get samples.
 TRUE = DeviceProfile(
     "truth", dense_flops=1e12, attention_flops=2e11, bandwidth=5e10, memory_bytes=10**9,
-    launch_s=5e-3, per_seq_s=2e-4,
+    launch_s=5e-3, per_seq_s=2e-4, kv_bandwidth=5e10,
+)  # fmt: skip
+# A CPU-like truth: KV copied at its own (slower) rate, a packing pass over the weights when
+# more than one token is computed, a fixed extra cost for steps holding a prompt chunk.
+TRUE_CPU = DeviceProfile(
+    "truth-cpu", dense_flops=8e10, attention_flops=5e10, bandwidth=6e9, memory_bytes=10**9,
+    launch_s=2e-2, per_seq_s=4e-3, kv_bandwidth=1.5e9, pack_bandwidth=3e9, prefill_step_s=3e-2,
 )  # fmt: skip
 
 
@@ -33,11 +39,11 @@ def _shapes() -> list[tuple[list[int], list[int], int]]:
     return shapes
 
 
-def _write(tmp_path, noise: float, seed: int = 0):
+def _write(tmp_path, noise: float, seed: int = 0, truth: DeviceProfile = TRUE):
     rng = random.Random(seed)
     samples = []
     for starts, tokens, sampled in _shapes():
-        t = step_cost(TRUE, step_work(MODEL, starts, tokens, sampled)).total_s
+        t = step_cost(truth, step_work(MODEL, starts, tokens, sampled)).total_s
         reps = [t * (1 + rng.uniform(-noise, noise)) for _ in range(3)]
         samples.append(
             {"start_positions": starts, "num_tokens": tokens, "num_sampled": sampled,
@@ -59,8 +65,24 @@ def test_recovers_exact_coefficients(tmp_path) -> None:
     assert fit.dense_flops == pytest.approx(1e12, rel=1e-6)
     assert fit.attention_flops == pytest.approx(2e11, rel=1e-6)
     assert fit.bandwidth == pytest.approx(5e10, rel=1e-6)
+    assert fit.kv_bandwidth == pytest.approx(5e10, rel=1e-6)
+    assert fit.pack_bandwidth is None and fit.prefill_step_s == 0.0  # a GPU-like truth
     assert fit.launch_s == pytest.approx(5e-3, rel=1e-6)
     assert fit.per_seq_s == pytest.approx(2e-4, rel=1e-6)
+
+
+def test_recovers_the_cpu_terms(tmp_path) -> None:
+    assert {step_cost(TRUE_CPU, step_work(MODEL, *s)).bound for s in _shapes()} == {
+        "compute",
+        "memory",
+    }
+    model, timings = load_timings(_write(tmp_path, noise=0.0, truth=TRUE_CPU))
+    result = fit_profile(model, timings, TRUE_CPU, "fit", "test")
+    fit = result.profile
+    assert result.max_abs_error < 1e-6
+    for key in ("dense_flops", "attention_flops", "bandwidth", "kv_bandwidth", "pack_bandwidth",
+                "launch_s", "per_seq_s", "prefill_step_s"):  # fmt: skip
+        assert getattr(fit, key) == pytest.approx(getattr(TRUE_CPU, key), rel=1e-6), key
 
 
 def test_noisy_timings_fit_within_fifteen_percent(tmp_path) -> None:

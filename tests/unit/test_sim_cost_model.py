@@ -22,7 +22,7 @@ from services.simworker.profiles import (
 TINY = ModelShape("tiny", 2, 4, 8, 2, 1, 2, 10, True, 64, [1])
 DEV = DeviceProfile(
     "test", dense_flops=1000.0, attention_flops=100.0, bandwidth=1000.0, memory_bytes=10**6,
-    launch_s=0.5, per_seq_s=0.1,
+    launch_s=0.5, per_seq_s=0.1, kv_bandwidth=1000.0,
 )  # fmt: skip
 
 
@@ -53,10 +53,28 @@ def test_mixed_step_memory_bound_by_hand() -> None:
     assert w.linear_flops == 2 * 2 * 144 * 5 + 2 * 40 * 2  # 3040
     assert w.attention_flops == 4 * 2 * 2 * 2 * (4 * 5 / 2 + 6)  # 16 pairs -> 512
     assert w.kv_bytes == 16 * ((4 + 6) + 5)  # 240
-    slow_memory = DeviceProfile("m", 1e6, 1e6, 10.0, 10**6, launch_s=0.01, per_seq_s=0.002)
+    slow_memory = DeviceProfile(
+        "m", 1e6, 1e6, 10.0, 10**6, launch_s=0.01, per_seq_s=0.002, kv_bandwidth=10.0
+    )
     c = step_cost(slow_memory, w)
     assert c.bound == "memory"
     assert c.total_s == pytest.approx(0.01 + 2 * 0.002 + (656 + 240) / 10.0)
+
+
+def test_cpu_terms_by_hand() -> None:
+    """KV traffic at its own rate; a second pass over the weights when more than one token is
+    computed (matrix-matrix kernels); a fixed extra cost when a prompt chunk runs."""
+    cpu = DeviceProfile(
+        "cpu", None, None, bandwidth=100.0, memory_bytes=10**6, launch_s=0.5,
+        kv_bandwidth=10.0, pack_bandwidth=50.0, prefill_step_s=2.0,
+    )  # fmt: skip
+    one = step_cost(cpu, step_work(TINY, [5], [1], num_sampled=1))
+    assert one.total_s == pytest.approx(0.5 + 656 / 100 + 112 / 10)  # one token: no pack pass
+    two = step_cost(cpu, step_work(TINY, [5, 5], [1, 1], num_sampled=2))
+    assert two.total_s == pytest.approx(0.5 + 656 / 100 + 224 / 10 + 656 / 50)  # no chunk
+    chunk = step_cost(cpu, step_work(TINY, [0], [4], num_sampled=1))
+    assert chunk.overhead_s == pytest.approx(0.5 + 2.0)
+    assert chunk.memory_s == pytest.approx(656 / 100 + 16 * (4 + 4) / 10 + 656 / 50)
 
 
 def test_prefill_attention_is_causal_and_continues_from_cache() -> None:
