@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.steplog import read_step_log
 from conveyor.launcher import LocalStack, StackSettings
+from conveyor.logview import read_lines
 from services.simworker.overhead import GAP_EVENT
 from shared.client import AsyncClient
 
@@ -75,33 +77,20 @@ async def _drive(address: str, n: int, args: argparse.Namespace) -> float:
     return wall
 
 
-def _gap_lines(log_path: Path, n: int) -> list[dict[str, Any]]:
-    lines = []
-    for raw in log_path.read_text().splitlines():
-        if not raw.startswith("{"):
-            continue
-        rec = json.loads(raw)
-        if rec.get("event") == GAP_EVENT and rec.get("num_seqs") == n:
-            lines.append(rec)
-    return lines
+def _gap_lines(log_dir: Path, n: int) -> list[dict[str, Any]]:
+    """The worker's engine-gap summaries at batch n."""
+    return [
+        r for r in read_lines(log_dir) if r.get("event") == GAP_EVENT and r.get("num_seqs") == n
+    ]
 
 
-def _scheduler_gaps_us(log_path: Path, n: int) -> list[float]:
+def _scheduler_gaps_us(log_dir: Path, n: int) -> list[float]:
     """The scheduler's own side of the gap, from its step log: a result frame's arrival to the
     next plan frame's send (decode, update, schedule, encode), for pure decode steps of n."""
-    gaps = []
-    for raw in log_path.read_text().splitlines():
-        if not raw.startswith("{"):
-            continue
-        rec = json.loads(raw)
-        if (
-            rec.get("event") == "step"
-            and rec.get("num_seqs") == n
-            and rec.get("num_prefill_tokens") == 0
-            and rec.get("gap_s") is not None
-        ):
-            gaps.append(1e6 * rec["gap_s"])
-    return gaps
+    steps = read_step_log(log_dir / "scheduler.log")
+    return [
+        1e6 * s.gap_s for s in steps if s.num_seqs == n and s.is_decode_only and s.gap_s is not None
+    ]
 
 
 def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
@@ -122,10 +111,10 @@ def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
     )
     with LocalStack(settings) as stack:
         wall = asyncio.run(_drive(stack.frontend_address, n, args))
-    lines = _gap_lines(Path(settings.log_dir) / "worker.log", n)
+    lines = _gap_lines(Path(settings.log_dir), n)
     if not lines:
         raise RuntimeError(f"no {GAP_EVENT} lines at {n} running: raise --output-len")
-    sched_gaps = sorted(_scheduler_gaps_us(Path(settings.log_dir) / "scheduler.log", n))
+    sched_gaps = sorted(_scheduler_gaps_us(Path(settings.log_dir), n))
     if not sched_gaps:
         raise RuntimeError(f"no scheduler step lines at {n} running")
     steps = sum(x["steps"] for x in lines)

@@ -33,6 +33,7 @@ class StepEntry:
     num_waiting: Optional[int] = None
     batch_utilization: Optional[float] = None
     forward_s: Optional[float] = None
+    gap_s: Optional[float] = None  # previous result -> this plan, on the scheduler's side
 
     @property
     def num_seqs(self) -> int:
@@ -81,6 +82,7 @@ def parse_step_line(obj: Mapping[str, Any]) -> Optional[StepEntry]:
         num_waiting=_opt_int(obj.get("num_waiting")),
         batch_utilization=_opt_float(obj.get("batch_utilization")),
         forward_s=_opt_float(obj.get("forward_s")),
+        gap_s=_opt_float(obj.get("gap_s")),
     )
 
 

@@ -304,8 +304,10 @@ class Scheduler:
         (stop token, max_tokens, max_model_len) and free their blocks. Tokens of requests that
         are no longer live (aborted while the plan was in flight) are ignored.
 
-        Returns the step's outputs for every frontend, columnar: a request that goes on costs
-        two list appends here (this loop is on the path between a result and the next plan).
+        Returns the step's outputs for every frontend, columnar (this loop is on the path
+        between a result and the next plan: a request that goes on costs no allocation). Its
+        `logprobs` are the result's, possibly with entries of finished or ignored rids; the
+        server keeps each frontend's own when it splits the batch.
         """
         if self._inflight is None or result.step_id != self._inflight_step:
             raise ValueError(
@@ -353,10 +355,8 @@ class Scheduler:
             rids = [r for i, r in enumerate(rids) if i not in drop]
             token_ids = [t for i, t in enumerate(token_ids) if i not in drop]
         self.counters.num_output_tokens += len(rids) + sum(len(o.new_token_ids) for o in finished)
-        logprobs = result.logprobs
-        if logprobs:
-            logprobs = {rid: logprobs[rid] for rid in rids if rid in logprobs}
-        return OutputBatch(result.step_id, rids, token_ids, logprobs, finished)
+        # the result's logprobs as they are: the server cuts them per frontend (off this path)
+        return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished)
 
     def _finish_with(
         self, req: Request, token: int, logprobs: dict[str, TokenLogprobs], now: float

@@ -46,6 +46,7 @@ COEFFS = (
 NUM_COEFFS = len(COEFFS)
 _COMPUTE = slice(3, 5)
 _MEMORY = slice(5, 8)
+_Features = tuple[np.ndarray, np.ndarray, np.ndarray]  # overheads, compute, memory (_features)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,7 @@ def _work(model: ModelShape, t: Timing) -> StepWork:
     return step_work(model, t.start_positions, t.num_tokens, t.num_sampled)
 
 
-def _features(works: list[StepWork]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _features(works: list[StepWork]) -> _Features:
     """[N, 3] overheads (1, B, chunk), [N, 2] compute (lin, attn), [N, 3] memory
     (W, KV, multi * W): each row times its coefficients is that part of the step's time."""
     over = np.array([[1.0, w.num_seqs, float(w.has_chunk)] for w in works])
@@ -117,11 +118,11 @@ def _features(works: list[StepWork]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return over, comp, mem
 
 
-def _design(works: list[StepWork], memory_branch: np.ndarray) -> np.ndarray:
+def _design(features: _Features, memory_branch: np.ndarray) -> np.ndarray:
     """[N, 8] rows: the overheads, then the compute features where compute decides the step,
     the memory features elsewhere (zeros in the other branch's columns)."""
-    over, comp, mem = _features(works)
-    rows = np.zeros((len(works), NUM_COEFFS))
+    over, comp, mem = features
+    rows = np.zeros((len(memory_branch), NUM_COEFFS))
     rows[:, :3] = over
     rows[:, _COMPUTE] = comp * ~memory_branch[:, None]
     rows[:, _MEMORY] = mem * memory_branch[:, None]
@@ -146,13 +147,13 @@ def nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def _fit_branches(works: list[StepWork], y: np.ndarray, start: np.ndarray) -> np.ndarray:
+def _fit_branches(features: _Features, y: np.ndarray, start: np.ndarray) -> np.ndarray:
     """Alternate branch assignment and least squares from one starting assignment."""
     memory_branch = start.copy()
     coeffs = np.zeros(NUM_COEFFS)
-    _, comp, mem = _features(works)
+    _, comp, mem = features
     for _ in range(MAX_ALTERNATIONS):
-        a = _design(works, memory_branch) / y[:, None]  # relative error: rows over t
+        a = _design(features, memory_branch) / y[:, None]  # relative error: rows over t
         coeffs = nonneg_lstsq(a, np.ones(len(y)))
         new = mem @ coeffs[_MEMORY] > comp @ coeffs[_COMPUTE]
         if (new == memory_branch).all():
@@ -186,6 +187,7 @@ def fit_profile(
 ) -> FitResult:
     """The profile minimizing squared relative error over `timings` (memory from `base`)."""
     works = [_work(model, t) for t in timings]
+    features = _features(works)
     y = np.array([t.seconds for t in timings])
     intensity = np.array([(w.linear_flops + w.attention_flops) / w.memory_bytes for w in works])
     order = np.argsort(intensity)
@@ -193,7 +195,7 @@ def fit_profile(
     for split in range(len(works) + 1):  # the least intense `split` samples start memory-bound
         start = np.zeros(len(works), dtype=bool)
         start[order[:split]] = True
-        profile = _profile(_fit_branches(works, y, start), base, name, source)
+        profile = _profile(_fit_branches(features, y, start), base, name, source)
         pred = np.array([step_cost(profile, w).total_s for w in works])
         candidates.append((float(np.sum(((pred - y) / y) ** 2)), profile))
     profile = min(candidates, key=lambda c: c[0])[1]

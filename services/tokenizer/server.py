@@ -11,6 +11,7 @@ fails, and every request of that connection is aborted in the scheduler.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -143,12 +144,7 @@ class FrontendServer:
     # ---- client side -------------------------------------------------------------------------
 
     def _on_clients(self) -> None:
-        sock = self._clients
-        deadline = time.monotonic() + MAX_TURN_S
-        for _ in range(MAX_MESSAGES_PER_TURN):
-            if not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline:
-                return
-            parts = sock.recv_multipart()
+        for parts in _one_turn(self._clients):
             ident = parts[0]
             if len(parts) != 2:
                 msg = "send exactly one frame per message from a DEALER socket"
@@ -284,12 +280,8 @@ class FrontendServer:
     # ---- scheduler side ----------------------------------------------------------------------
 
     def _on_scheduler(self) -> None:
-        sock = self._sched
-        deadline = time.monotonic() + MAX_TURN_S
-        for _ in range(MAX_MESSAGES_PER_TURN):
-            if not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline:
-                return
-            frame = sock.recv()
+        for parts in _one_turn(self._sched):
+            frame = parts[-1]  # the scheduler sends one frame per message
             self._last_engine_rx = time.monotonic()
             try:
                 msg = decode(frame)
@@ -455,3 +447,14 @@ class FrontendServer:
             self._send_client(state.identity, state.error(ErrorCode.SHUTTING_DOWN, msg))
         self._send_scheduler(encode(FrontendBye(self.config.frontend_id)))
         self._stopped = True
+
+
+def _one_turn(sock: zmq.Socket) -> Iterator[list[bytes]]:
+    """The messages waiting on `sock` that one turn of the loop handles: at most
+    MAX_MESSAGES_PER_TURN of them, and none started after MAX_TURN_S of work, so that neither
+    socket starves the other and housekeeping runs between turns."""
+    deadline = time.monotonic() + MAX_TURN_S
+    for _ in range(MAX_MESSAGES_PER_TURN):
+        if time.monotonic() > deadline or not sock.poll(0, zmq.POLLIN):
+            return
+        yield sock.recv_multipart()

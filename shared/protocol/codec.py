@@ -156,19 +156,10 @@ def _converters(hint: Any) -> tuple[_Converter, Callable[[Any, str], Any]]:
 
 
 def _primitive_check(hint: Any) -> Optional[Callable[[Any], bool]]:
-    if hint is bool:
-        return lambda v: type(v) is bool
-    if hint is int:
-        return lambda v: type(v) is int
-    if hint is float:
-        return lambda v: type(v) in (float, int)
-    if hint is str:
-        return lambda v: type(v) is str
-    if hint is bytes:
-        return lambda v: type(v) is bytes
     if hint is Any:
         return lambda v: True
-    return None
+    allowed = _primitive_types(hint)
+    return None if allowed is None else (lambda v: type(v) in allowed)
 
 
 def _check_prim(v: Any, ok: Callable[[Any], bool], path: str) -> Any:
@@ -177,15 +168,19 @@ def _check_prim(v: Any, ok: Callable[[Any], bool], path: str) -> Any:
     return v
 
 
+# The exact Python types msgpack may decode for each primitive annotation (bool is not int).
+_PRIMITIVE_TYPES: dict[Any, frozenset[type]] = {
+    bool: frozenset({bool}),
+    int: frozenset({int}),
+    float: frozenset({float, int}),
+    str: frozenset({str}),
+    bytes: frozenset({bytes}),
+}
+
+
 def _primitive_types(hint: Any) -> Optional[frozenset[type]]:
-    """The exact Python types msgpack may decode for a primitive annotation (None: not one)."""
-    return {
-        bool: frozenset({bool}),
-        int: frozenset({int}),
-        float: frozenset({float, int}),
-        str: frozenset({str}),
-        bytes: frozenset({bytes}),
-    }.get(hint)
+    """The types allowed for a primitive annotation; None when `hint` is not one."""
+    return _PRIMITIVE_TYPES.get(hint)
 
 
 def _check_prim_list(v: Any, allowed: frozenset[type], path: str) -> list:
