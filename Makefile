@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Tools the tests need that are not Python libraries of ours live in folders `make test` owns.
+TOOLS := .tools
+COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
@@ -30,7 +33,19 @@ demo: model
 up: model
 	$(BIN)/python -m conveyor up
 
-test: $(STAMP)
+# docker-compose 1.29.2 (the Python program Debian also ships) validates compose files without a
+# Docker engine. It gets a venv of its own: it pins PyYAML<6, jsonschema<4 and python-dotenv<1,
+# which must not replace the engine's. PyYAML 5.4.1 has no wheel for Python 3.11+ and its sdist
+# builds only with Cython<3, hence the build constraint.
+$(COMPOSE):
+	rm -rf $(TOOLS)/compose
+	$(PY) -m venv $(TOOLS)/compose
+	echo 'cython<3' > $(TOOLS)/compose-build-constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(TOOLS)/compose-build-constraints.txt \
+		$(TOOLS)/compose/bin/pip install -q docker-compose==1.29.2
+	$(COMPOSE) version
+
+test: $(STAMP) $(COMPOSE)
 	$(BIN)/python -m conveyor model prepare
 	$(BIN)/python -m tests.run_all
 
@@ -42,4 +57,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $$(git ls-files "*.py")
 
 clean:
-	rm -rf $(VENV) logs results .pytest_cache
+	rm -rf $(VENV) $(TOOLS) logs results .pytest_cache

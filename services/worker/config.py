@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from shared.env import env_str
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # "auto": bfloat16 on CUDA; on CPU bfloat16 only where the CPU has native bf16 matmuls
@@ -55,12 +57,18 @@ class WorkerConfig:
 
 
 def resolve_dtype(config: WorkerConfig) -> str:
-    """The concrete dtype for `config.dtype` ("auto" resolved as described above)."""
+    """The concrete dtype for `config.dtype` ("auto" resolved as described above; on CPU,
+    CONVEYOR_AUTO_DTYPE replaces the machine's own choice)."""
     if config.dtype != "auto":
         return config.dtype
-    if config.device.startswith("cuda") or cpu_has_native_bf16():
+    if config.device.startswith("cuda"):
         return "bfloat16"
-    return "float32"
+    forced = env_str("AUTO_DTYPE")
+    if forced is not None:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"CONVEYOR_AUTO_DTYPE must be float32 or bfloat16, got {forced!r}")
+        return forced
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -222,7 +222,8 @@ def test_logprobs_reported_for_requests_that_ask(tiny: Path) -> None:
 
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "tie_word_embeddings": False}])
 def test_forward_matches_transformers(tmp_path: Path, overrides: dict) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     folder = write_tiny_model(tmp_path, seed=5, **overrides)
     ref = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     ids = [random.Random(1).randrange(3, 265) for _ in range(37)]
@@ -261,10 +262,25 @@ def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
     assert (k.float() - want_k[0].transpose(0, 1)).abs().max().item() < tol
 
 
-def test_auto_dtype_follows_the_cpu(tiny: Path) -> None:
+def test_auto_dtype_follows_the_cpu(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from services.worker.config import cpu_has_native_bf16, resolve_dtype
 
+    monkeypatch.delenv("CONVEYOR_AUTO_DTYPE", raising=False)
     want = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert resolve_dtype(WorkerConfig()) == want
     assert resolve_dtype(WorkerConfig(device="cuda")) == "bfloat16"
     assert make_runner(tiny, dtype="auto").ready_message().dtype == want
+
+
+@pytest.mark.parametrize("forced", ["float32", "bfloat16"])
+def test_auto_dtype_can_be_pinned(tiny: Path, monkeypatch: pytest.MonkeyPatch, forced: str) -> None:
+    """CONVEYOR_AUTO_DTYPE runs `auto` as a machine with the other choice would."""
+    from services.worker.config import resolve_dtype
+
+    monkeypatch.setenv("CONVEYOR_AUTO_DTYPE", forced)
+    assert resolve_dtype(WorkerConfig()) == forced
+    assert resolve_dtype(WorkerConfig(dtype="float32")) == "float32"  # explicit wins
+    assert make_runner(tiny, dtype="auto").ready_message().dtype == forced
+    monkeypatch.setenv("CONVEYOR_AUTO_DTYPE", "int8")
+    with pytest.raises(ValueError, match="CONVEYOR_AUTO_DTYPE"):
+        resolve_dtype(WorkerConfig())
