@@ -61,8 +61,9 @@ class HFReference:
     model: Any
     tokenizer: Any
 
-    def greedy(self, prompt: str, max_new_tokens: int) -> tuple[list[int], str]:
-        """Greedy continuation of a raw prompt (no chat template): (new ids, their text)."""
+    def greedy(self, prompt: str, max_new_tokens: int) -> tuple[list[int], str, list[Any]]:
+        """Greedy continuation of a raw prompt (no chat template): (new ids, their text, the
+        logits [vocab] that chose each id)."""
         import torch
 
         ids = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
@@ -73,9 +74,12 @@ class HFReference:
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=self.tokenizer.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        new_ids = out[0, ids.shape[1] :].tolist()
-        return new_ids, self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        new_ids = out.sequences[0, ids.shape[1] :].tolist()
+        logits = [step[0] for step in out.logits]
+        return new_ids, self.tokenizer.decode(new_ids, skip_special_tokens=True), logits
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from shared.client import AsyncClient, Client, Completion, EngineError
+from tests.bounds import SLOW_HOST_MARGIN_S
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -30,6 +31,10 @@ def client(engine: Any) -> Iterator[Client]:
 def long_params(c: Client) -> dict[str, Any]:
     """Enough tokens to be still running when the test acts on it."""
     return {"max_tokens": min(2000, c.health()["max_model_len"] - 64), "ignore_eos": True}
+
+
+# Aborted and vanished clients' requests are promised to be gone within 5 s (README, Faults).
+IDLE_WITHIN_S = 5.0 + SLOW_HOST_MARGIN_S
 
 
 def wait_idle(c: Client, within: float) -> dict[str, Any]:
@@ -88,7 +93,7 @@ def test_closing_a_stream_aborts_it(client: Client) -> None:
     first = next(it)
     assert first.token_ids
     it.close()
-    wait_idle(client, 5)
+    wait_idle(client, IDLE_WITHIN_S)
     assert client.abort(it.id) is False  # already gone: acknowledged, not an error
 
 
@@ -98,7 +103,7 @@ def test_abort_ends_the_stream_with_done(client: Client) -> None:
     assert client.abort(it.id) is True
     list(it)
     assert it.done is not None and it.done.finish_reason == "abort"
-    wait_idle(client, 5)
+    wait_idle(client, IDLE_WITHIN_S)
 
 
 def test_vanished_clients_are_aborted_within_5_s(engine: Any, client: Client) -> None:
@@ -118,7 +123,7 @@ def test_vanished_clients_are_aborted_within_5_s(engine: Any, client: Client) ->
         time.sleep(0.1)
     streaming.close()  # no abort sent by either
     raw.close(0)
-    wait_idle(client, 5)
+    wait_idle(client, IDLE_WITHIN_S)
 
 
 def test_unreachable_engine_is_a_clear_error() -> None:
@@ -129,7 +134,9 @@ def test_unreachable_engine_is_a_clear_error() -> None:
     t0 = time.monotonic()
     with pytest.raises(EngineError) as info:
         c.generate("x")
-    assert info.value.code == "engine_unreachable" and time.monotonic() - t0 < 5
+    # the client promises its own timeout (0.5 s here)
+    assert info.value.code == "engine_unreachable"
+    assert time.monotonic() - t0 < 0.5 + SLOW_HOST_MARGIN_S
     with pytest.raises(EngineError):
         c.health()
     c.close()
@@ -175,4 +182,4 @@ def test_async_client(engine: Any, client: Client) -> None:
             assert stats["engine"] is not None
 
     asyncio.run(main())
-    wait_idle(client, 5)
+    wait_idle(client, IDLE_WITHIN_S)

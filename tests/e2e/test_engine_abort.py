@@ -18,10 +18,11 @@ import pytest
 import zmq
 
 from shared.client import AsyncClient, Client
+from tests.bounds import SLOW_HOST_MARGIN_S
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-FREE_WITHIN_S = 5.0
+FREE_WITHIN_S = 5.0 + SLOW_HOST_MARGIN_S  # promised: 5 s (README, Faults)
 LONG = {"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
 
 

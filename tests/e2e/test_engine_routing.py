@@ -37,6 +37,7 @@ from shared.protocol.engine_channel import (
     SubmitRequest,
 )
 from shared.protocol.sampling import SamplingParams
+from tests.bounds import SLOW_HOST_MARGIN_S
 
 pytestmark = pytest.mark.e2e
 
@@ -188,7 +189,8 @@ def _cpu_seconds(pid: int) -> float:
 def _check_idle_cpu(sched_pid: int) -> None:
     before = _cpu_seconds(sched_pid)
     time.sleep(3.0)
-    assert _cpu_seconds(sched_pid) - before < 0.3  # blocked in poll, not spinning
+    # blocked in poll, not spinning: a spinning loop takes a core's share even on a busy host
+    assert _cpu_seconds(sched_pid) - before < 0.5
 
 
 def _check_hung_worker(a: Frontend, worker: subprocess.Popen[bytes]) -> None:
@@ -201,7 +203,8 @@ def _check_hung_worker(a: Frontend, worker: subprocess.Popen[bytes]) -> None:
         for out in a.wait_for(OutputBatch, timeout=10).as_outputs():
             failed |= out.rid == "a-hang" and out.error_code == "worker_failed"
     assert isinstance(a.wait_for(EngineNotReady, timeout=10), EngineNotReady)
-    assert time.monotonic() - stopped < 5.0
+    # promised: a hung worker is dropped within 5 s (3 s heartbeat timeout, README)
+    assert time.monotonic() - stopped < 5.0 + SLOW_HOST_MARGIN_S
     worker.send_signal(signal.SIGCONT)
 
 

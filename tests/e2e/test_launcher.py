@@ -22,6 +22,7 @@ import pytest
 
 from conveyor.launcher import probe_health
 from shared.client import Client
+from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import descendants, free_port, wait_gone
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +70,7 @@ def _start_up(tmp_path: Path) -> tuple[_UpProcess, dict[int, str]]:
     up = _UpProcess([sys.executable, "-m", "conveyor", "up", "--worker", "sim", "--no-gateway",
                      "--frontend-addr", address, "--log-dir", str(tmp_path / "logs")])  # fmt: skip
     up.wait_serving(timeout=300)
-    assert probe_health(address, timeout=5.0)
+    assert probe_health(address, timeout=5.0 + SLOW_HOST_MARGIN_S)
     children = descendants(up.proc.pid)
     for module in SERVICES:
         assert any(module in cmd for cmd in children.values()), (module, children)
@@ -81,7 +82,7 @@ def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
     up.proc.send_signal(signal.SIGTERM)
     rc, out, _err = up.finish(timeout=60)
     assert rc == 0
-    assert wait_gone(list(children), timeout=5) == []
+    assert wait_gone(list(children), timeout=5 + SLOW_HOST_MARGIN_S) == []
     # every service's output went to its own prefixed stream and its own log file
     for name in ("scheduler", "worker", "tokenizer"):
         assert f"{name:>9} | " in out
@@ -95,7 +96,7 @@ def test_up_reports_a_dead_worker_and_exits_nonzero(tmp_path: Path) -> None:
     rc, _out, err = up.finish(timeout=60)
     assert rc == 1
     assert "worker died" in err
-    assert wait_gone(list(children), timeout=5) == []
+    assert wait_gone(list(children), timeout=5 + SLOW_HOST_MARGIN_S) == []
 
 
 def test_generate_streams_the_text(engine: Any) -> None:

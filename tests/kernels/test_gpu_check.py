@@ -18,7 +18,7 @@ FORBIDDEN = ("zmq", "msgpack", "structlog", "orjson", "pytest", "services", "sha
 PROBE = """
 import runpy, sys
 check = runpy.run_path("bench/gpu_check.py", run_name="gpu_check")
-rc = check["main"](["--dry-run", "--out", sys.argv[1]])
+rc = check["main"](["--dry-run", "--out", sys.argv[1], "--time-limit", "500"])
 bad = sorted(n for n in {forbidden!r} if n in sys.modules)
 print("FORBIDDEN", bad)
 sys.exit(rc)
@@ -26,6 +26,8 @@ sys.exit(rc)
 
 
 def test_dry_run_covers_every_section_and_imports_only_torch_and_triton(tmp_path: Path) -> None:
+    # The soft limit (500 s, hard stop 20 s later) sits under the 600 s subprocess timeout: the
+    # test checks that every section runs, not how fast this host's interpreter is.
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)  # the script must find kernels/ by itself

@@ -2,7 +2,9 @@
 
 Greedy continuations of 8 chat prompts, prefill chunked at 16 tokens and the sequences
 interleaved in mixed steps, must equal transformers' greedy `generate()` token for token; the
-logits of a sequence in a mixed batch must equal its logits alone. Runtime ~60 s on 2 cores.
+logits of a sequence in a mixed batch must equal its logits alone. Exact, except at a near-tie
+of the reference's own logits (tests/greedy_reference.py), which the test reports.
+Runtime ~60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from services.worker.testing import PlanDriver
 from shared.model_files import prepare_model
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
+from tests.greedy_reference import compare_greedy
 
 pytestmark = pytest.mark.model
 NUM_NEW_TOKENS = 32
@@ -70,15 +73,17 @@ def prompts(folder) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(folder, prompts) -> list[list[int]]:
-    """transformers' greedy continuations (end-of-sequence ignored, so all are 32 long)."""
+def reference(folder, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' greedy continuations (end-of-sequence ignored, so all are 32 long), each
+    with the logits [vocab] that chose each token."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # else generate() stops at <|im_end|>
     cfg = GenerationConfig(
-        max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2
-    )
+        max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=2,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -86,7 +91,7 @@ def reference(folder, prompts) -> list[list[int]]:
             # otherwise mask out of attention
             mask = torch.ones(1, len(ids), dtype=torch.long)
             gen = model.generate(torch.tensor([ids]), attention_mask=mask, generation_config=cfg)
-            out.append(gen[0, len(ids) :].tolist())
+            out.append((gen.sequences[0, len(ids) :].tolist(), [s[0] for s in gen.logits]))
     return out
 
 
@@ -111,9 +116,11 @@ def test_greedy_matches_transformers_in_mixed_chunked_steps(runner, prompts, ref
         ]
         mixed_steps += int(1 in counts and any(c > 1 for c in counts))
         driver.step(live)
-    got = [driver.seqs[f"p{i}"].outputs for i in range(len(prompts))]
-    assert all(len(r) == NUM_NEW_TOKENS for r in reference)
-    assert got == reference
+    assert all(len(ids) == NUM_NEW_TOKENS for ids, _ in reference)
+    for i, (want, logits) in enumerate(reference):
+        got = driver.seqs[f"p{i}"].outputs
+        if compare_greedy(got, want, logits, QUESTIONS[i]) is None:
+            assert len(got) == NUM_NEW_TOKENS
     assert mixed_steps >= 5
 
 
