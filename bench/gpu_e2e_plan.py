@@ -1,0 +1,91 @@
+"""What `bench/gpu_e2e.py` runs, per mode: sizes, flags and time limits (standard library only).
+
+The device plan fits 300 s on one H200 with room to spare; expected durations (not measured
+yet): install ~5 s, models ~15 s (beside gpu_check), gpu_check <= its 90 s soft limit,
+correctness ~40 s, each model's stack ~20 s to start plus its bursts, transformers ~15-30 s per
+model. Every stage limit is an upper bound, and the overall deadline trims the last ones, so
+the run stops in time even when a stage hangs.
+
+Bursts use the `mixed` workload (prompts 32-512 and outputs 16-256 tokens) at scale 0.5: all
+requests sent at once, EOS ignored, the same requests for the engine and for transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Served:
+    """One model's serving stages: `conveyor up` + bursts, then transformers' static batch."""
+
+    bursts: str  # burst sizes, "64,256"
+    scale: float  # workload length scale
+    serve_args: tuple[str, ...]  # extra bench/gpu_e2e_serve.py flags
+    serve_limit_s: float
+    hf_limit_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    dry_run: bool
+    device: str  # where the engine, the checks and transformers run
+    dtype: str  # the served dtype (the correctness stage tests fp32 and bf16 itself)
+    time_limit_s: float
+    check_soft_limit_s: float  # gpu_check's own --time-limit (its alarm fires 20 s later)
+    limits: dict[str, float]  # install, models, gpu_check, correctness
+    # Run the stages after `models` side by side (dry run only: on the device each stage has the
+    # GPU to itself, or its figures would measure the others)
+    parallel: bool
+    correct_args: tuple[str, ...]
+    serving: dict[str, Served]
+
+
+def _serve_args(kv: str, max_len: int, budget: int, chunk: int, warmup: int, warm_scale: float,
+                ready_s: float) -> tuple[str, ...]:  # fmt: skip
+    return ("--kv-cache-memory", kv, "--max-model-len", str(max_len),
+            "--max-num-batched-tokens", str(budget), "--chunk-size", str(chunk),
+            "--warmup-prompts", str(warmup), "--warmup-scale", str(warm_scale),
+            "--ready-timeout", str(ready_s))  # fmt: skip
+
+
+DEVICE = Plan(
+    name="device",
+    dry_run=False,
+    device="cuda",
+    dtype="bfloat16",
+    time_limit_s=300.0,
+    check_soft_limit_s=90.0,
+    limits={"install": 30.0, "models": 120.0, "gpu_check": 125.0, "correctness": 75.0},
+    parallel=False,
+    correct_args=("--num-prompts", "8", "--prompt-len", "20,60", "--new-tokens", "16"),
+    serving={
+        # ~2.2 GiB of KV at 256 x 384 tokens; 8 GiB leaves room
+        "smollm2": Served("64,256", 0.5, _serve_args("8GiB", 512, 8192, 512, 32, 0.1, 90),
+                          serve_limit_s=75.0, hf_limit_s=45.0),
+        # ~12 GiB of KV at 1,024 x 384 tokens (32 KiB per token in bf16)
+        "llama-1b": Served("256,1024", 0.5,
+                           _serve_args("32GiB", 512, 8192, 512, 32, 0.1, 90),
+                           serve_limit_s=100.0, hf_limit_s=60.0),
+    },  # fmt: skip
+)
+
+DRY_RUN = Plan(
+    name="dry-run",
+    dry_run=True,
+    device="cpu",
+    dtype="float32",
+    time_limit_s=600.0,  # a shared 2-core machine; the test's own timeout is tighter
+    check_soft_limit_s=1.0,  # a few kernel checks, then it stops itself (reported)
+    limits={"install": 60.0, "models": 60.0, "gpu_check": 90.0, "correctness": 150.0},
+    parallel=True,
+    correct_args=("--num-prompts", "2", "--prompt-len", "4,12", "--new-tokens", "3"),
+    serving={
+        kind: Served("2,4", 0.05, _serve_args("64MiB", 256, 256, 64, 1, 0.05, 120),
+                     serve_limit_s=150.0, hf_limit_s=90.0)
+        for kind in ("smollm2", "llama-1b")
+    },  # fmt: skip
+)
+
+PLANS = {"device": DEVICE, "dry-run": DRY_RUN}
