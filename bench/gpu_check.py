@@ -65,8 +65,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to exercise the script on CPU)")
         return 2
-    deadline = Deadline(args.time_limit)
-    report = _new_report(torch, args)
+    report = _new_report(torch, args)  # imports triton: seconds on a busy machine
+    deadline = Deadline(args.time_limit)  # counts from here, so a short limit still runs a case
     previous = signal.signal(signal.SIGALRM, _raise_time_up)
     signal.alarm(int(args.time_limit + HARD_STOP_MARGIN_S))
     try:

@@ -9,7 +9,8 @@ Stages, each a child process with its own time limit inside one overall limit (d
 4. `correctness`: fp32 greedy = transformers, bf16 within tolerance, Triton = torch on the
    same plans (bench/gpu_e2e_correct.py);
 5. `serve_*`: `conveyor up --device cuda` + `conveyor bench` bursts per model
-   (bench/gpu_e2e_serve.py); `hf_*`: the same bursts through transformers' static generate();
+   (bench/gpu_e2e_serve.py); `hf_static`: the same bursts through transformers' static
+   `generate()` (bench/gpu_e2e_hf.py);
 6. the report: `$OUT/gpu_e2e.json` (every stage, `ok` each), `gpu_e2e.md` (the table),
    `gpu_e2e.log` (every child's output), `gpu_check.json`, `logs.tar.gz` (the services' logs).
 
@@ -78,8 +79,14 @@ class Runner:
             return stage
         self.log.write(f"\n===== {stage.name}: {' '.join(stage.argv)}\n")
         stage.started = time.monotonic()
-        stage.proc = subprocess.Popen(stage.argv, cwd=ROOT, env=self.env, stdout=self.log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        stage.proc = subprocess.Popen(
+            stage.argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return stage
 
     def finish(self, *stages: Stage) -> None:
@@ -95,15 +102,21 @@ class Runner:
                     continue
                 if timed_out:
                     _kill_group(proc)
-                stage.record = {"ok": rc == 0, "rc": rc, "timed_out": timed_out,
-                                "seconds": round(now - stage.started, 1)}  # fmt: skip
+                stage.record = {
+                    "ok": rc == 0,
+                    "rc": rc,
+                    "timed_out": timed_out,
+                    "seconds": round(now - stage.started, 1),
+                }
                 pending.remove((stage, proc))
             time.sleep(POLL_S)
         for stage in stages:
             stage.record.update(name=stage.name, limit_s=round(stage.limit_s, 1))
-            print(f"gpu_e2e: {stage.name}: {'ok' if stage.record['ok'] else 'FAILED'} "
-                  f"{ {k: v for k, v in stage.record.items() if k not in ('name', 'ok')} }",
-                  flush=True)  # fmt: skip
+            print(
+                f"gpu_e2e: {stage.name}: {'ok' if stage.record['ok'] else 'FAILED'} "
+                f"{ {k: v for k, v in stage.record.items() if k not in ('name', 'ok')} }",
+                flush=True,
+            )
 
     def run(self, *stages: Stage) -> None:
         """Start the stages together and wait for all of them."""
@@ -135,42 +148,113 @@ def py(module: str, *args: Any) -> list[str]:
 def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage]:
     """Every stage's command for this plan (models under work/, JSON under work/)."""
     models = work / "models"
-    install = ["install", "--wheels", ROOT / ".gpu" / "wheels", "--target", site,
-               "--json", work / "install.json"] + (["--cross"] if plan.dry_run else [])  # fmt: skip
-    check = [ROOT / "bench" / "gpu_check.sh", "--out", out / "gpu_check.json", "--time-limit",
-             plan.check_soft_limit_s] + (["--dry-run"] if plan.dry_run else [])  # fmt: skip
+    install = [
+        "install",
+        "--wheels",
+        ROOT / ".gpu" / "wheels",
+        "--target",
+        site,
+        "--json",
+        work / "install.json",
+    ] + (["--cross"] if plan.dry_run else [])
+    check = [
+        ROOT / "bench" / "gpu_check.sh",
+        "--out",
+        out / "gpu_check.json",
+        "--time-limit",
+        plan.check_soft_limit_s,
+    ] + (["--dry-run"] if plan.dry_run else [])
     stages = {
-        "install": Stage("install", py("bench.gpu_e2e_pack", *install), plan.limits["install"],
-                         work / "install.json"),
+        "install": Stage(
+            "install",
+            py("bench.gpu_e2e_pack", *install),
+            plan.limits["install"],
+            work / "install.json",
+        ),
         # drawn on the CPU: the GPU is busy with gpu_check's timings meanwhile
-        "models": Stage("models", py("bench.gpu_e2e_models", "--out", models, "--device", "cpu",
-                        "--json", work / "models.json", *(["--tiny"] if plan.dry_run else [])),
-                        plan.limits["models"], work / "models.json"),
-        "gpu_check": Stage("gpu_check", [str(a) for a in check], plan.limits["gpu_check"],
-                           out / "gpu_check.json"),
-        "correctness": Stage("correctness", py("bench.gpu_e2e_correct", "--model",
-                             models / "smollm2", "--extra-model", models / "llama-1b",
-                             "--device", plan.device, *plan.correct_args,
-                             "--json", work / "correctness.json"), plan.limits["correctness"],
-                             work / "correctness.json"),
-    }  # fmt: skip
+        "models": Stage(
+            "models",
+            py(
+                "bench.gpu_e2e_models",
+                "--out",
+                models,
+                "--device",
+                "cpu",
+                "--json",
+                work / "models.json",
+                *(["--tiny"] if plan.dry_run else []),
+            ),
+            plan.limits["models"],
+            work / "models.json",
+        ),
+        "gpu_check": Stage(
+            "gpu_check", [str(a) for a in check], plan.limits["gpu_check"], out / "gpu_check.json"
+        ),
+        "correctness": Stage(
+            "correctness",
+            py(
+                "bench.gpu_e2e_correct",
+                "--model",
+                models / "smollm2",
+                "--extra-model",
+                models / "llama-1b",
+                "--device",
+                plan.device,
+                *plan.correct_args,
+                "--json",
+                work / "correctness.json",
+            ),
+            plan.limits["correctness"],
+            work / "correctness.json",
+        ),
+    }
+    runs = []
     for kind, served in plan.serving.items():
-        stages[f"serve_{kind}"] = Stage(f"serve_{kind}", py(
-            "bench.gpu_e2e_serve", "--model", models / kind, "--device", plan.device,
-            "--dtype", plan.dtype, "--bursts", served.bursts, "--scale", served.scale,
-            *served.serve_args, "--log-dir", work / f"logs-{kind}",
-            "--json", work / f"serve_{kind}.json"), served.serve_limit_s,
-            work / f"serve_{kind}.json")  # fmt: skip
-        stages[f"hf_{kind}"] = Stage(f"hf_{kind}", py(
-            "bench.gpu_e2e_hf", "--model", models / kind, "--device", plan.device,
-            "--dtype", plan.dtype, "--bursts", served.bursts, "--scale", served.scale,
-            "--json", work / f"hf_{kind}.json"), served.hf_limit_s, work / f"hf_{kind}.json")  # fmt: skip
+        stages[f"serve_{kind}"] = Stage(
+            f"serve_{kind}",
+            py(
+                "bench.gpu_e2e_serve",
+                "--model",
+                models / kind,
+                "--device",
+                plan.device,
+                "--dtype",
+                plan.dtype,
+                "--bursts",
+                served.bursts,
+                "--scale",
+                served.scale,
+                *served.serve_args,
+                "--log-dir",
+                work / f"logs-{kind}",
+                "--json",
+                work / f"serve_{kind}.json",
+            ),
+            served.serve_limit_s,
+            work / f"serve_{kind}.json",
+        )
+        runs += ["--run", kind, models / kind, served.bursts, served.scale]
+    stages["hf_static"] = Stage(
+        "hf_static",
+        py(
+            "bench.gpu_e2e_hf",
+            *runs,
+            "--device",
+            plan.device,
+            "--dtype",
+            plan.dtype,
+            "--json",
+            work / "hf_static.json",
+        ),
+        plan.limits["hf_static"],
+        work / "hf_static.json",
+    )
     return stages
 
 
 def run_all(runner: Runner, stages: dict[str, Stage], plan: Plan) -> None:
-    """The order: install; models beside gpu_check; correctness; per model serve, then hf
-    (those last ones side by side when the plan says so)."""
+    """The order: install; models beside gpu_check; correctness; each model served; the
+    transformers reference (those last ones side by side when the plan says so)."""
     runner.run(stages["install"])
     if stages["install"].record["ok"] and not plan.dry_run:  # later stages import from there
         site = stages["install"].argv[stages["install"].argv.index("--target") + 1]
@@ -181,7 +265,8 @@ def run_all(runner: Runner, stages: dict[str, Stage], plan: Plan) -> None:
     for kind in plan.serving:
         if not gateway:  # fastapi/uvicorn did not import: serve over ZeroMQ alone
             stages[f"serve_{kind}"].argv.append("--no-gateway")
-        later += [stages[f"serve_{kind}"], stages[f"hf_{kind}"]]
+        later.append(stages[f"serve_{kind}"])
+    later.append(stages["hf_static"])  # after the stacks: the GPU is free of their KV caches
     if plan.parallel:
         runner.run(*later)
     else:
@@ -207,8 +292,9 @@ def environment(plan: Plan) -> dict[str, str]:
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or
-                                                     ROOT / "results" / "gpu_e2e"))  # fmt: skip
+    p.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "results" / "gpu_e2e")
+    )
     p.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU")
     p.add_argument("--time-limit", type=float, help="overall seconds (default: the plan's)")
@@ -229,9 +315,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_all(runner, stages, plan)
     finally:
         runner.close()
-    report = {"mode": plan.name, "started": started, "time_limit_s": limit,
-              "host": _host_facts(plan), "stages": [s.record for s in runner.stages],
-              "results": {s.name: _read(s.json_path) for s in runner.stages}}  # fmt: skip
+    report = {
+        "mode": plan.name,
+        "started": started,
+        "time_limit_s": limit,
+        "host": _host_facts(plan),
+        "stages": [s.record for s in runner.stages],
+        "results": {s.name: _read(s.json_path) for s in runner.stages},
+    }
     report["summary"] = summarize(report)
     report["ok"] = all(s["ok"] for s in report["stages"]) and len(report["stages"]) == len(stages)
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
@@ -240,16 +331,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     (args.out / "gpu_e2e.md").write_text(table)
     _archive_logs(work, args.out / "logs.tar.gz")
     print(table, flush=True)
-    print(f"gpu_e2e: {'ALL STAGES OK' if report['ok'] else 'SOME STAGES FAILED'} in "
-          f"{report['elapsed_s']} s; wrote {args.out}", flush=True)  # fmt: skip
+    print(
+        f"gpu_e2e: {'ALL STAGES OK' if report['ok'] else 'SOME STAGES FAILED'} in "
+        f"{report['elapsed_s']} s; wrote {args.out}",
+        flush=True,
+    )
     return 0 if report["ok"] else 1
 
 
 def _host_facts(plan: Plan) -> dict[str, Any]:
     facts: dict[str, Any] = {"python": sys.version.split()[0]}
-    for key, cmd in (("gpu", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                              "--format=csv,noheader"]),
-                     ("commit", ["git", "rev-parse", "--short", "HEAD"])):  # fmt: skip
+    for key, cmd in (
+        (
+            "gpu",
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        ),
+        ("commit", ["git", "rev-parse", "--short", "HEAD"]),
+    ):
         if key == "gpu" and plan.dry_run:
             continue
         try:

@@ -54,10 +54,15 @@ BLOCK_SIZE = 16
 def make_runner(folder: Path, device: str, dtype: str, backend: str, max_len: int) -> ModelRunner:
     return ModelRunner(
         WorkerConfig(
-            model=str(folder), dtype=dtype, device=device, block_size=BLOCK_SIZE,
-            kv_cache_memory=128 << 20, max_model_len=max_len, attention_backend=backend,
+            model=str(folder),
+            dtype=dtype,
+            device=device,
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=128 << 20,
+            max_model_len=max_len,
+            attention_backend=backend,
         )
-    )  # fmt: skip
+    )
 
 
 def random_prompts(num: int, vocab_size: int, min_len: int, max_len: int, seed: int) -> list:
@@ -100,18 +105,25 @@ def hf_greedy(model: Any, prompt: list[int], new_tokens: int, device: str) -> tu
     """(tokens, [new_tokens, V] float32 logits) of transformers' greedy generate()."""
     ids = torch.tensor([prompt], device=device)
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2,
-        return_dict_in_generate=True, output_logits=True,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=2,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.stack([step[0].float() for step in out.logits])
 
 
 def greedy_check(folder: Path, device: str, prompts: list, new_tokens: int, max_len: int) -> dict:
     runner = make_runner(folder, device, "float32", "auto", max_len)
-    driver = PlanDriver(runner.execute, runner.kv_cache.num_blocks, BLOCK_SIZE, CHUNK,
-                        shuffle_seed=0)  # fmt: skip
+    driver = PlanDriver(
+        runner.execute, runner.kv_cache.num_blocks, BLOCK_SIZE, CHUNK, shuffle_seed=0
+    )
     got = staggered_run(driver, prompts, new_tokens)
     del runner, driver
     model = hf_model(folder, device, torch.float32)
@@ -127,8 +139,14 @@ def greedy_check(folder: Path, device: str, prompts: list, new_tokens: int, max_
         rows.append(row)
     ok = all(r["equal"] or r["near_tie"] for r in rows)
     num_equal = sum(r["equal"] for r in rows)
-    return {"ok": ok, "num_prompts": len(rows), "num_equal": num_equal, "prompts": rows,
-            "new_tokens": new_tokens, "near_tie_bound": NEAR_TIE_FP32}  # fmt: skip
+    return {
+        "ok": ok,
+        "num_prompts": len(rows),
+        "num_equal": num_equal,
+        "prompts": rows,
+        "new_tokens": new_tokens,
+        "near_tie_bound": NEAR_TIE_FP32,
+    }
 
 
 # ---- 2. bf16 against fp32 -----------------------------------------------------------------
@@ -146,13 +164,22 @@ def prefill_plan(prompts: list, step_id: int) -> StepPlan:
     news, blocks = [], 0
     for i, p in enumerate(prompts):
         num = -(-len(p) // BLOCK_SIZE)
-        news.append(NewSequence(f"b{step_id}-{i}", p, len(p), list(range(blocks, blocks + num)),
-                                greedy))  # fmt: skip
+        news.append(
+            NewSequence(f"b{step_id}-{i}", p, len(p), list(range(blocks, blocks + num)), greedy)
+        )
         blocks += num
     rids = [n.rid for n in news]
-    return StepPlan(step_id, news, rids, [0] * len(prompts), [len(p) for p in prompts],
-                    [t for p in prompts for t in p], [[] for _ in prompts], [True] * len(prompts),
-                    released_rids=rids)  # fmt: skip
+    return StepPlan(
+        step_id,
+        news,
+        rids,
+        [0] * len(prompts),
+        [len(p) for p in prompts],
+        [t for p in prompts for t in p],
+        [[] for _ in prompts],
+        [True] * len(prompts),
+        released_rids=rids,
+    )
 
 
 def bf16_check(folder: Path, device: str, prompts: list, max_len: int) -> dict:
@@ -170,23 +197,35 @@ def bf16_check(folder: Path, device: str, prompts: list, max_len: int) -> dict:
     hf_err = max(rel(hf_bf16[i], ref[i]) for i in range(len(prompts)))
     bound = max(BF16_ERROR_RATIO * hf_err, BF16_ERROR_FLOOR)
     top1 = sum(int(mine[i].argmax() == ref[i].argmax()) for i in range(len(prompts)))
-    return {"ok": engine_err <= bound, "engine_rel_err": engine_err, "hf_bf16_rel_err": hf_err,
-            "bound": bound, "top1_agree": top1, "num_prompts": len(prompts)}  # fmt: skip
+    return {
+        "ok": engine_err <= bound,
+        "engine_rel_err": engine_err,
+        "hf_bf16_rel_err": hf_err,
+        "bound": bound,
+        "top1_agree": top1,
+        "num_prompts": len(prompts),
+    }
 
 
 # ---- 3. Triton against torch on the same plans --------------------------------------------
 
 
-def same_plans_check(folder: Path, device: str, dtype: str, prompts: list, new_tokens: int,
-                     max_len: int) -> dict:  # fmt: skip
+def same_plans_check(
+    folder: Path, device: str, dtype: str, prompts: list, new_tokens: int, max_len: int
+) -> dict:
     """fp32: Triton's logits within TRITON_TORCH_RTOL of torch's. bf16: also a torch fp32 worker
     on the same plans; Triton's bf16 error against it may be BF16_ERROR_RATIO x torch's own."""
-    sides = {"triton": make_runner(folder, device, dtype, "triton", max_len),
-             "torch": make_runner(folder, device, dtype, "torch", max_len)}  # fmt: skip
+    sides = {
+        "triton": make_runner(folder, device, dtype, "triton", max_len),
+        "torch": make_runner(folder, device, dtype, "torch", max_len),
+    }
     if dtype != "float32":
         sides["fp32"] = make_runner(folder, device, "float32", "torch", max_len)
-    diffs: dict[str, list[float]] = {"triton_vs_torch": [], "triton_vs_fp32": [],
-                                     "torch_vs_fp32": []}  # fmt: skip
+    diffs: dict[str, list[float]] = {
+        "triton_vs_torch": [],
+        "triton_vs_fp32": [],
+        "torch_vs_fp32": [],
+    }
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max() / b.pow(2).mean().sqrt())
@@ -200,7 +239,9 @@ def same_plans_check(folder: Path, device: str, dtype: str, prompts: list, new_t
         if "fp32" in out:
             diffs["triton_vs_fp32"].append(rel(out["triton"], out["fp32"]))
             diffs["torch_vs_fp32"].append(rel(out["torch"], out["fp32"]))
-        return StepResult(step_id=plan.step_id, rids=rids, token_ids=out["triton"].argmax(-1).tolist())
+        return StepResult(
+            step_id=plan.step_id, rids=rids, token_ids=out["triton"].argmax(-1).tolist()
+        )
 
     num_blocks = min(r.kv_cache.num_blocks for r in sides.values())
     driver = PlanDriver(execute, num_blocks, BLOCK_SIZE, CHUNK, shuffle_seed=1)
@@ -212,8 +253,13 @@ def same_plans_check(folder: Path, device: str, dtype: str, prompts: list, new_t
     else:
         bound = max(BF16_ERROR_RATIO * worst["torch_vs_fp32"], BF16_ERROR_FLOOR)
         ok = worst["triton_vs_fp32"] <= bound
-    return {"ok": ok, "dtype": dtype, "num_steps": len(diffs["triton_vs_torch"]),
-            "max_rel_diff": worst, "bound": bound}  # fmt: skip
+    return {
+        "ok": ok,
+        "dtype": dtype,
+        "num_steps": len(diffs["triton_vs_torch"]),
+        "max_rel_diff": worst,
+        "bound": bound,
+    }
 
 
 def timed(fn: Callable[..., dict], *args: Any) -> dict:
@@ -223,8 +269,11 @@ def timed(fn: Callable[..., dict], *args: Any) -> dict:
     except Exception as exc:  # noqa: BLE001 - a failed check is reported, the others still run
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     out["seconds"] = round(time.perf_counter() - start, 2)
-    print(f"gpu_e2e_correct: {fn.__name__}{args[2:3] if fn is same_plans_check else ''}: "
-          f"{ {k: v for k, v in out.items() if k != 'prompts'} }", flush=True)  # fmt: skip
+    print(
+        f"gpu_e2e_correct: {fn.__name__}{args[2:3] if fn is same_plans_check else ''}: "
+        f"{ {k: v for k, v in out.items() if k != 'prompts'} }",
+        flush=True,
+    )
     return out
 
 
@@ -251,22 +300,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     max_len = hi + args.new_tokens + CHUNK
     checks = {
         "greedy_fp32_vs_transformers": timed(
-            greedy_check, args.model, args.device, prompts, args.new_tokens, max_len),
+            greedy_check, args.model, args.device, prompts, args.new_tokens, max_len
+        ),
         "bf16_vs_fp32": timed(bf16_check, args.model, args.device, prompts, max_len),
         "triton_vs_torch_fp32": timed(
-            same_plans_check, args.model, args.device, "float32", prompts, args.new_tokens,
-            max_len),
+            same_plans_check, args.model, args.device, "float32", prompts, args.new_tokens, max_len
+        ),
         "triton_vs_torch_bf16": timed(
-            same_plans_check, args.model, args.device, "bfloat16", prompts, args.new_tokens,
-            max_len),
-    }  # fmt: skip
+            same_plans_check, args.model, args.device, "bfloat16", prompts, args.new_tokens, max_len
+        ),
+    }
     for extra in args.extra_model:
         checks[f"triton_vs_torch_bf16[{extra.name}]"] = timed(
-            same_plans_check, extra, args.device, "bfloat16", prompts[:4], args.new_tokens // 2,
+            same_plans_check,
+            extra,
+            args.device,
+            "bfloat16",
+            prompts[:4],
+            args.new_tokens // 2,
             max_len,
         )
-    report = {"ok": all(c["ok"] for c in checks.values()), "device": args.device,
-              "model": str(args.model), "checks": checks}  # fmt: skip
+    report = {
+        "ok": all(c["ok"] for c in checks.values()),
+        "device": args.device,
+        "model": str(args.model),
+        "checks": checks,
+    }
     args.json.write_text(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

@@ -58,11 +58,22 @@ LLAMA_32_1B: dict[str, Any] = {
 # --tiny: the same families at CPU sizes (head_dim 64 kept: the kernels' common case). The
 # 1B stand-in keeps a vocabulary above the tokenizer's, so the padding path runs too.
 TINY: dict[str, dict[str, Any]] = {
-    "smollm2": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                "num_attention_heads": 2, "num_key_value_heads": 1},
-    "llama-1b": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                 "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 49408},
-}  # fmt: skip
+    "smollm2": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    },
+    "llama-1b": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 49408,
+    },
+}
 COMMON: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -128,8 +139,9 @@ def padded_tokenizer(tokenizer_json: dict[str, Any], vocab_size: int) -> dict[st
     return tokenizer_json
 
 
-def write_model(kind: str, out: Path, tokenizer_from: Path, device: str, tiny: bool,
-                seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def write_model(
+    kind: str, out: Path, tokenizer_from: Path, device: str, tiny: bool, seed: int = 0
+) -> dict[str, Any]:
     """Write one folder; returns what the report records about it."""
     from safetensors.torch import save_file
 
@@ -139,8 +151,9 @@ def write_model(kind: str, out: Path, tokenizer_from: Path, device: str, tiny: b
     weights = random_weights(cfg, seed, device)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = padded_tokenizer(json.loads((tokenizer_from / "tokenizer.json").read_text()),
-                           cfg["vocab_size"])  # fmt: skip
+    tok = padded_tokenizer(
+        json.loads((tokenizer_from / "tokenizer.json").read_text()), cfg["vocab_size"]
+    )
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     tok_cfg = json.loads((tokenizer_from / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
@@ -170,9 +183,12 @@ def default_tokenizer_folder() -> Path:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="one sub-folder per model goes here")
-    p.add_argument("--tokenizer-from", type=Path,
-                   help="a folder with SmolLM2's tokenizer.json and tokenizer_config.json "
-                        "(default: .gpu/smollm2, else the converted SmolLM2)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        help="a folder with SmolLM2's tokenizer.json and tokenizer_config.json "
+        "(default: .gpu/smollm2, else the converted SmolLM2)",
+    )
     p.add_argument("--models", default="smollm2,llama-1b")
     p.add_argument("--device", default="cpu", help="where the random numbers are drawn")
     p.add_argument("--tiny", action="store_true", help="CPU sizes (dry run)")
@@ -191,13 +207,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     kinds = [k for k in args.models.split(",") if k]
     unknown = [k for k in kinds if k not in SHAPES]
     if unknown:
-        print(f"gpu_e2e_models: unknown model {unknown}; choose from {sorted(SHAPES)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu_e2e_models: unknown model {unknown}; choose from {sorted(SHAPES)}",
+            file=sys.stderr,
+        )
         return 2
     models = {}
     for kind in kinds:
-        models[kind] = write_model(kind, args.out / kind, args.tokenizer_from, args.device,
-                                   args.tiny)  # fmt: skip
+        models[kind] = write_model(
+            kind, args.out / kind, args.tokenizer_from, args.device, args.tiny
+        )
         print(f"gpu_e2e_models: {kind}: {models[kind]}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"ok": True, "models": models}, indent=2))

@@ -35,21 +35,53 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON_VERSION = "3.12"  # the device's python3 (KINDS.md: Python 3.12.3)
-PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_26_x86_64",
-             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux1_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux2014_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux_2_26_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux1_x86_64",
+)
 DEVICE_CARRY_LIMIT = 64 << 20  # bytes: working tree + carried paths, per device call
 # The engine's dependencies the device lacks, and theirs (fastapi: starlette, pydantic...).
 # typing-extensions is there, but pydantic needs a recent one: ours shadows it on PYTHONPATH.
-WHEEL_PACKAGES = ("pyzmq", "structlog", "orjson", "gguf", "fastapi", "starlette", "pydantic",
-                  "pydantic-core", "annotated-types", "typing-inspection", "opentelemetry-api",
-                  "typing-extensions", "uvicorn")  # fmt: skip
+WHEEL_PACKAGES = (
+    "pyzmq",
+    "structlog",
+    "orjson",
+    "gguf",
+    "fastapi",
+    "starlette",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "opentelemetry-api",
+    "typing-extensions",
+    "uvicorn",
+)
 # Import name -> what needs it. Installed here from the wheels, or already on the device.
-ENGINE_MODULES = ("zmq", "msgpack", "structlog", "orjson", "numpy", "gguf", "safetensors",
-                  "tokenizers", "jinja2", "prometheus_client", "fastapi", "uvicorn", "pydantic")  # fmt: skip
+ENGINE_MODULES = (
+    "zmq",
+    "msgpack",
+    "structlog",
+    "orjson",
+    "numpy",
+    "gguf",
+    "safetensors",
+    "tokenizers",
+    "jinja2",
+    "prometheus_client",
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+)
 GATEWAY_MODULES = ("fastapi", "uvicorn", "pydantic")
 HEAVY_MODULES = ("torch", "triton", "transformers")  # found, not imported (seconds each)
 # The device image's Python packages (KINDS.md, as read on 2026-11-17).
-DEVICE_PREINSTALLED = frozenset("""
+DEVICE_PREINSTALLED = frozenset(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
 build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
 cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn
@@ -70,7 +102,8 @@ tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile 
 tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm
 transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop
 wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
-""".split())
+""".split()
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 
 
@@ -88,8 +121,20 @@ def download(dest: Path) -> int:
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
     pins = [f"{name}=={version(name)}" for name in WHEEL_PACKAGES]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", PYTHON_VERSION, "--implementation", "cp", "-d", str(wheels)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        "-d",
+        str(wheels),
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run(cmd + pins, check=True)
@@ -106,9 +151,15 @@ def unmet_requirements(wheels: Path) -> list[str]:
     preinstalled package of the device provides."""
     from packaging.requirements import Requirement
 
-    env = {"python_version": PYTHON_VERSION, "python_full_version": f"{PYTHON_VERSION}.3",
-           "sys_platform": "linux", "platform_system": "Linux",
-           "implementation_name": "cpython", "platform_machine": "x86_64", "extra": ""}  # fmt: skip
+    env = {
+        "python_version": PYTHON_VERSION,
+        "python_full_version": f"{PYTHON_VERSION}.3",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "implementation_name": "cpython",
+        "platform_machine": "x86_64",
+        "extra": "",
+    }
     have = {canonical(p.name.split("-")[0]) for p in wheels.glob("*.whl")} | DEVICE_PREINSTALLED
     missing = set()
     for wheel in wheels.glob("*.whl"):
@@ -138,14 +189,23 @@ def copy_tokenizer(dest: Path) -> None:
 
 
 def report_size(dest: Path) -> int:
-    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.split(b"\0")  # fmt: skip
-    tree = sum((ROOT / os.fsdecode(p)).stat().st_size for p in listed
-               if p and (ROOT / os.fsdecode(p)).is_file())  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    tree = sum(
+        (ROOT / os.fsdecode(p)).stat().st_size
+        for p in listed
+        if p and (ROOT / os.fsdecode(p)).is_file()
+    )
     pack = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     total = tree + pack
-    print(f"gpu-wheels: working tree {tree / 2**20:.1f} MiB + {dest} {pack / 2**20:.1f} MiB "
-          f"= {total / 2**20:.1f} MiB of the {DEVICE_CARRY_LIMIT >> 20} MiB a device call carries")  # fmt: skip
+    print(
+        f"gpu-wheels: working tree {tree / 2**20:.1f} MiB + {dest} {pack / 2**20:.1f} MiB "
+        f"= {total / 2**20:.1f} MiB of the {DEVICE_CARRY_LIMIT >> 20} MiB a device call carries"
+    )
     return 0 if total <= DEVICE_CARRY_LIMIT else 1
 
 
@@ -170,14 +230,34 @@ print(json.dumps(out))
 
 def install(wheels: Path, target: Path, cross: bool) -> dict[str, Any]:
     files = sorted(str(p) for p in wheels.glob("*.whl")) if wheels.is_dir() else []
-    result: dict[str, Any] = {"wheels": [Path(f).name for f in files], "target": str(target),
-                              "cross": cross}  # fmt: skip
+    result: dict[str, Any] = {
+        "wheels": [Path(f).name for f in files],
+        "target": str(target),
+        "cross": cross,
+    }
     if files:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-               "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(target)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(target),
+        ]
         if cross:
-            cmd += ["--only-binary=:all:", "--python-version", PYTHON_VERSION,
-                    "--implementation", "cp"]  # fmt: skip
+            cmd += [
+                "--only-binary=:all:",
+                "--python-version",
+                PYTHON_VERSION,
+                "--implementation",
+                "cp",
+            ]
             for platform in PLATFORMS:
                 cmd += ["--platform", platform]
         proc = subprocess.run(cmd + files, capture_output=True, text=True)
@@ -185,21 +265,29 @@ def install(wheels: Path, target: Path, cross: bool) -> dict[str, Any]:
         if proc.returncode != 0:
             result["pip_error"] = (proc.stdout + proc.stderr)[-2000:]
         installed = {canonical(p.name.split("-")[0]) for p in target.glob("*.dist-info")}
-        result["not_installed"] = sorted(canonical(n) for n in WHEEL_PACKAGES
-                                         if canonical(n) not in installed)  # fmt: skip
+        result["not_installed"] = sorted(
+            canonical(n) for n in WHEEL_PACKAGES if canonical(n) not in installed
+        )
     else:
         result["note"] = f"no wheels in {wheels} (`make gpu-wheels`): modules checked as found"
     env = dict(os.environ)
     if not cross:  # the device: the target folder first, as every later stage sees it
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
-    probe = subprocess.run([sys.executable, "-c", PROBE, ",".join(ENGINE_MODULES),
-                            ",".join(HEAVY_MODULES)], capture_output=True, text=True, env=env)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, ",".join(ENGINE_MODULES), ",".join(HEAVY_MODULES)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     modules = json.loads(probe.stdout) if probe.returncode == 0 else {}
     result["modules"] = modules
     result["gateway"] = all(modules.get(m, {}).get("ok") for m in GATEWAY_MODULES)
     required = [m for m in ENGINE_MODULES + HEAVY_MODULES if m not in GATEWAY_MODULES]
-    result["ok"] = (result.get("pip_rc", 0) == 0 and not result.get("not_installed")
-                    and all(modules.get(m, {}).get("ok") for m in required))  # fmt: skip
+    result["ok"] = (
+        result.get("pip_rc", 0) == 0
+        and not result.get("not_installed")
+        and all(modules.get(m, {}).get("ok") for m in required)
+    )
     return result
 
 
@@ -223,8 +311,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.perf_counter()
     result = install(args.wheels, args.target, args.cross)
     result["seconds"] = round(time.perf_counter() - start, 2)
-    print(f"gpu_e2e_pack: install: ok={result['ok']} gateway={result['gateway']} "
-          f"wheels={len(result['wheels'])} {result.get('not_installed') or ''}", flush=True)  # fmt: skip
+    print(
+        f"gpu_e2e_pack: install: ok={result['ok']} gateway={result['gateway']} "
+        f"wheels={len(result['wheels'])} {result.get('not_installed') or ''}",
+        flush=True,
+    )
     args.json.write_text(json.dumps(result, indent=2))
     return 0 if result["ok"] else 1
 

@@ -23,7 +23,6 @@ class Served:
     scale: float  # workload length scale
     serve_args: tuple[str, ...]  # extra bench/gpu_e2e_serve.py flags
     serve_limit_s: float
-    hf_limit_s: float
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Plan:
     dtype: str  # the served dtype (the correctness stage tests fp32 and bf16 itself)
     time_limit_s: float
     check_soft_limit_s: float  # gpu_check's own --time-limit (its alarm fires 20 s later)
-    limits: dict[str, float]  # install, models, gpu_check, correctness
+    limits: dict[str, float]  # install, models, gpu_check, correctness, hf_static
     # Run the stages after `models` side by side (dry run only: on the device each stage has the
     # GPU to itself, or its figures would measure the others)
     parallel: bool
@@ -42,12 +41,25 @@ class Plan:
     serving: dict[str, Served]
 
 
-def _serve_args(kv: str, max_len: int, budget: int, chunk: int, warmup: int, warm_scale: float,
-                ready_s: float) -> tuple[str, ...]:  # fmt: skip
-    return ("--kv-cache-memory", kv, "--max-model-len", str(max_len),
-            "--max-num-batched-tokens", str(budget), "--chunk-size", str(chunk),
-            "--warmup-prompts", str(warmup), "--warmup-scale", str(warm_scale),
-            "--ready-timeout", str(ready_s))  # fmt: skip
+def _serve_args(
+    kv: str, max_len: int, budget: int, chunk: int, warmup: int, warm_scale: float, ready_s: float
+) -> tuple[str, ...]:
+    return (
+        "--kv-cache-memory",
+        kv,
+        "--max-model-len",
+        str(max_len),
+        "--max-num-batched-tokens",
+        str(budget),
+        "--chunk-size",
+        str(chunk),
+        "--warmup-prompts",
+        str(warmup),
+        "--warmup-scale",
+        str(warm_scale),
+        "--ready-timeout",
+        str(ready_s),
+    )
 
 
 DEVICE = Plan(
@@ -57,18 +69,31 @@ DEVICE = Plan(
     dtype="bfloat16",
     time_limit_s=300.0,
     check_soft_limit_s=90.0,
-    limits={"install": 30.0, "models": 120.0, "gpu_check": 125.0, "correctness": 75.0},
+    limits={
+        "install": 30.0,
+        "models": 120.0,
+        "gpu_check": 125.0,
+        "correctness": 75.0,
+        "hf_static": 100.0,
+    },
     parallel=False,
     correct_args=("--num-prompts", "8", "--prompt-len", "20,60", "--new-tokens", "16"),
     serving={
         # ~2.2 GiB of KV at 256 x 384 tokens; 8 GiB leaves room
-        "smollm2": Served("64,256", 0.5, _serve_args("8GiB", 512, 8192, 512, 32, 0.1, 90),
-                          serve_limit_s=75.0, hf_limit_s=45.0),
+        "smollm2": Served(
+            "64,256",
+            0.5,
+            _serve_args("8GiB", 512, 8192, 512, 32, 0.1, 90),
+            serve_limit_s=75.0,
+        ),
         # ~12 GiB of KV at 1,024 x 384 tokens (32 KiB per token in bf16)
-        "llama-1b": Served("256,1024", 0.5,
-                           _serve_args("32GiB", 512, 8192, 512, 32, 0.1, 90),
-                           serve_limit_s=100.0, hf_limit_s=60.0),
-    },  # fmt: skip
+        "llama-1b": Served(
+            "256,1024",
+            0.5,
+            _serve_args("32GiB", 512, 8192, 512, 32, 0.1, 90),
+            serve_limit_s=100.0,
+        ),
+    },
 )
 
 DRY_RUN = Plan(
@@ -78,14 +103,24 @@ DRY_RUN = Plan(
     dtype="float32",
     time_limit_s=600.0,  # a shared 2-core machine; the test's own timeout is tighter
     check_soft_limit_s=1.0,  # a few kernel checks, then it stops itself (reported)
-    limits={"install": 60.0, "models": 60.0, "gpu_check": 90.0, "correctness": 150.0},
+    limits={
+        "install": 60.0,
+        "models": 60.0,
+        "gpu_check": 90.0,
+        "correctness": 150.0,
+        "hf_static": 150.0,
+    },
     parallel=True,
     correct_args=("--num-prompts", "2", "--prompt-len", "4,12", "--new-tokens", "3"),
     serving={
-        kind: Served("2,4", 0.05, _serve_args("64MiB", 256, 256, 64, 1, 0.05, 120),
-                     serve_limit_s=150.0, hf_limit_s=90.0)
+        kind: Served(
+            "2,4",
+            0.05,
+            _serve_args("64MiB", 256, 256, 64, 1, 0.05, 120),
+            serve_limit_s=150.0,
+        )
         for kind in ("smollm2", "llama-1b")
-    },  # fmt: skip
+    },
 )
 
 PLANS = {"device": DEVICE, "dry-run": DRY_RUN}

@@ -22,23 +22,30 @@ def serving_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         if not name.startswith("serve_"):
             continue
         kind = name.removeprefix("serve_")
-        hf = {b["burst"]: b for b in results.get(f"hf_{kind}", {}).get("bursts", [])}
+        reference = results.get("hf_static", {}).get("models", {}).get(kind, {})
+        hf = {b["burst"]: b for b in reference.get("bursts", [])}
         for burst in serve.get("bursts", []):
             steps = burst.get("steps") or {}
             full = steps.get("full_batch") or {}
             ref = hf.get(burst["burst"], {})
             engine_tps, hf_tps = burst.get("output_throughput"), ref.get("output_throughput")
-            rows.append({
-                "model": kind, "burst": burst["burst"], "ok": burst.get("ok"),
-                "output_tok_s": engine_tps,
-                "ttft_p50_ms": burst.get("median_ttft_ms"), "ttft_p99_ms": burst.get("p99_ttft_ms"),
-                "tpot_p50_ms": burst.get("median_tpot_ms"), "tpot_p99_ms": burst.get("p99_tpot_ms"),
-                "step_ms": (steps.get("all") or {}).get("mean_step_ms"),
-                "full_batch_step_ms": full.get("mean_period_ms"),
-                "outside_forward_share": full.get("outside_forward_share"),
-                "hf_static_tok_s": hf_tps,
-                "speedup": engine_tps / hf_tps if engine_tps and hf_tps else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": kind,
+                    "burst": burst["burst"],
+                    "ok": burst.get("ok"),
+                    "output_tok_s": engine_tps,
+                    "ttft_p50_ms": burst.get("median_ttft_ms"),
+                    "ttft_p99_ms": burst.get("p99_ttft_ms"),
+                    "tpot_p50_ms": burst.get("median_tpot_ms"),
+                    "tpot_p99_ms": burst.get("p99_tpot_ms"),
+                    "step_ms": (steps.get("all") or {}).get("mean_step_ms"),
+                    "full_batch_step_ms": full.get("mean_period_ms"),
+                    "outside_forward_share": full.get("outside_forward_share"),
+                    "hf_static_tok_s": hf_tps,
+                    "speedup": engine_tps / hf_tps if engine_tps and hf_tps else None,
+                }
+            )
     return rows
 
 
@@ -49,26 +56,39 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     decode = check.get("decode_attention") or []
     best = max(decode, key=lambda r: r["pct_copy"], default=None)
     largest = max(decode, key=lambda r: (r["batch"] * r["context"], r["head_dim"]), default=None)
-    at_256 = [r for r in rows if r["burst"] == OVERHEAD_AT and r["outside_forward_share"] is not None]
+    at_256 = [
+        r for r in rows if r["burst"] == OVERHEAD_AT and r["outside_forward_share"] is not None
+    ]
     speedups = [r for r in rows if r["speedup"] is not None]
     return {
-        "kernel_checks": {"passed": sum(1 for c in check.get("checks", []) if c.get("ok")),
-                          "total": len(check.get("checks", [])),
-                          "stopped_early": check.get("stopped_early")},
+        "kernel_checks": {
+            "passed": sum(1 for c in check.get("checks", []) if c.get("ok")),
+            "total": len(check.get("checks", [])),
+            "stopped_early": check.get("stopped_early"),
+        },
         "copy_gb_s": (check.get("copy") or {}).get("gb_s"),
         "goals": {
             "decode_attention_vs_copy": _goal(
-                best and best["pct_copy"], DECODE_GOAL_PCT, at_least=True,
-                detail={"best": best, "largest": largest}),
+                best and best["pct_copy"],
+                DECODE_GOAL_PCT,
+                at_least=True,
+                detail={"best": best, "largest": largest},
+            ),
             "overhead_at_256": _goal(
-                max((r["outside_forward_share"] for r in at_256), default=None), OVERHEAD_GOAL,
-                at_least=False, detail={r["model"]: r["outside_forward_share"] for r in at_256}),
+                max((r["outside_forward_share"] for r in at_256), default=None),
+                OVERHEAD_GOAL,
+                at_least=False,
+                detail={r["model"]: r["outside_forward_share"] for r in at_256},
+            ),
             "continuous_vs_static": _goal(
-                min((r["speedup"] for r in speedups), default=None), SPEEDUP_GOAL, at_least=True,
-                detail={f"{r['model']}@{r['burst']}": r["speedup"] for r in speedups}),
+                min((r["speedup"] for r in speedups), default=None),
+                SPEEDUP_GOAL,
+                at_least=True,
+                detail={f"{r['model']}@{r['burst']}": r["speedup"] for r in speedups},
+            ),
         },
         "serving": rows,
-    }  # fmt: skip
+    }
 
 
 def _goal(value: Optional[float], bound: float, at_least: bool, detail: Any) -> dict[str, Any]:
@@ -87,21 +107,35 @@ def _f(v: Any, digits: int = 1) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     s, host = report["summary"], report.get("host", {})
-    lines = [f"# Conveyor end to end ({report['mode']}): {host.get('gpu') or 'no GPU'}, "
-             f"{report['started']}, commit {host.get('commit') or '?'}", "",
-             "| stage | ok | seconds | limit s | note |", "|---|---|---:|---:|---|"]  # fmt: skip
+    lines = [
+        f"# Conveyor end to end ({report['mode']}): {host.get('gpu') or 'no GPU'}, "
+        f"{report['started']}, commit {host.get('commit') or '?'}",
+        "",
+        "| stage | ok | seconds | limit s | note |",
+        "|---|---|---:|---:|---|",
+    ]
     for st in report["stages"]:
         note = st.get("note") or ("timed out" if st.get("timed_out") else "")
-        lines.append(f"| {st['name']} | {'yes' if st['ok'] else '**NO**'} | "
-                     f"{_f(st.get('seconds'))} | {_f(st.get('limit_s'))} | {note} |")  # fmt: skip
+        lines.append(
+            f"| {st['name']} | {'yes' if st['ok'] else '**NO**'} | "
+            f"{_f(st.get('seconds'))} | {_f(st.get('limit_s'))} | {note} |"
+        )
     kc = s["kernel_checks"]
-    lines += ["", f"Kernel checks: {kc['passed']}/{kc['total']} passed"
-              + (f" (stopped early: {kc['stopped_early']})" if kc["stopped_early"] else "")
-              + f"; device copy {_f(s['copy_gb_s'], 0)} GB/s.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Kernel checks: {kc['passed']}/{kc['total']} passed"
+        + (f" (stopped early: {kc['stopped_early']})" if kc["stopped_early"] else "")
+        + f"; device copy {_f(s['copy_gb_s'], 0)} GB/s.",
+        "",
+    ]
     lines += _correctness_lines(report["results"].get("correctness", {}))
-    lines += ["", "| model | burst | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-              "step ms | full-batch period ms | outside forward | transformers static tok/s "
-              "| x static |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "| model | burst | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+        "step ms | full-batch period ms | outside forward | transformers static tok/s "
+        "| x static |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in s["serving"]:
         share = r["outside_forward_share"]
         lines.append(
@@ -109,12 +143,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])} | "
             f"{_f(r['tpot_p50_ms'], 2)} / {_f(r['tpot_p99_ms'], 2)} | {_f(r['step_ms'], 2)} | "
             f"{_f(r['full_batch_step_ms'], 2)} | {'-' if share is None else f'{share:.1%}'} | "
-            f"{_f(r['hf_static_tok_s'], 0)} | {_f(r['speedup'], 2)} |")  # fmt: skip
+            f"{_f(r['hf_static_tok_s'], 0)} | {_f(r['speedup'], 2)} |"
+        )
     lines += ["", "| goal | worst case | bound | met |", "|---|---:|---:|---|"]
     for name, g in s["goals"].items():
         met = "not measured" if g["met"] is None else ("yes" if g["met"] else "**no**")
-        lines.append(f"| {name} | {_f(g['value'], 3)} | {'>=' if g['at_least'] else '<='} "
-                     f"{g['bound']} | {met} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {_f(g['value'], 3)} | {'>=' if g['at_least'] else '<='} "
+            f"{g['bound']} | {met} |"
+        )
     return "\n".join(lines) + "\n"
 
 

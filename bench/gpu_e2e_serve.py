@@ -42,14 +42,37 @@ def free_port() -> int:
 
 def up_command(args: argparse.Namespace, frontend: str, http_port: int) -> list[str]:
     biggest = max(args.bursts)
-    cmd = [sys.executable, "-m", "conveyor", "up", "--model", str(args.model),
-           "--device", args.device, "--dtype", args.dtype,
-           "--max-num-seqs", str(biggest),
-           "--max-num-batched-tokens", str(max(args.max_num_batched_tokens, biggest)),
-           "--chunk-size", str(args.chunk_size), "--max-model-len", str(args.max_model_len),
-           "--kv-cache-memory", args.kv_cache_memory, "--frontend-addr", frontend,
-           "--http-port", str(http_port), "--log-dir", str(args.log_dir), "--quiet",
-           "--ready-timeout", str(args.ready_timeout)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "conveyor",
+        "up",
+        "--model",
+        str(args.model),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(biggest),
+        "--max-num-batched-tokens",
+        str(max(args.max_num_batched_tokens, biggest)),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        "--frontend-addr",
+        frontend,
+        "--http-port",
+        str(http_port),
+        "--log-dir",
+        str(args.log_dir),
+        "--quiet",
+        "--ready-timeout",
+        str(args.ready_timeout),
+    ]
     return cmd + ([] if args.gateway else ["--no-gateway"])
 
 
@@ -65,16 +88,36 @@ def wait_serving(proc: subprocess.Popen, out_path: Path, timeout_s: float) -> Op
     return f"conveyor up not serving after {timeout_s:.0f} s"
 
 
-def bench(args: argparse.Namespace, frontend: str, size: int, scale: float, out: Path,
-          seed: int) -> tuple[Optional[dict[str, Any]], float, float]:  # fmt: skip
+def bench(
+    args: argparse.Namespace, frontend: str, size: int, scale: float, out: Path, seed: int
+) -> tuple[Optional[dict[str, Any]], float, float]:
     """One burst through `conveyor bench` (its `main`, in this process: the same code as the
     command, without a second interpreter start); (result.json or None, wall start, wall end)."""
     from conveyor.bench.cli import main as bench_main
 
-    argv = ["--address", frontend, "--workload", args.workload, "--num-prompts", str(size),
-            "--max-concurrency", str(size), "--scale", str(scale), "--seed", str(seed),
-            "--ignore-eos", "--percentiles", "50,90,99", "--no-plots", "--no-progress",
-            "--out", str(out), "--log-dir", str(args.log_dir)]  # fmt: skip
+    argv = [
+        "--address",
+        frontend,
+        "--workload",
+        args.workload,
+        "--num-prompts",
+        str(size),
+        "--max-concurrency",
+        str(size),
+        "--scale",
+        str(scale),
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--percentiles",
+        "50,90,99",
+        "--no-plots",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(args.log_dir),
+    ]
     print(f"gpu_e2e_serve: conveyor bench {' '.join(argv)}", flush=True)
     start = time.time()
     bench_main(argv)  # prints its result table; exit status 1 when a request failed
@@ -114,28 +157,41 @@ def step_stats(steps: list[StepEntry], size: int) -> dict[str, Any]:
     }
 
 
-BENCH_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-              "output_throughput", "total_token_throughput", "request_throughput")  # fmt: skip
-LATENCY_KEYS = tuple(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                     for s in ("mean", "median", "p90", "p99"))  # fmt: skip
+BENCH_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "output_throughput",
+    "total_token_throughput",
+    "request_throughput",
+)
+LATENCY_KEYS = tuple(
+    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p90", "p99")
+)
 
 
 def run_bursts(args: argparse.Namespace, frontend: str, report: dict[str, Any]) -> None:
-    warm, start, end = bench(args, frontend, args.warmup_prompts, args.warmup_scale,
-                             args.log_dir / "warmup", seed=1)  # fmt: skip
+    warm, start, end = bench(
+        args, frontend, args.warmup_prompts, args.warmup_scale, args.log_dir / "warmup", seed=1
+    )
     report["warmup"] = {"ok": bool(warm and warm["failed"] == 0), "seconds": end - start}
     for size in args.bursts:
-        result, start, end = bench(args, frontend, size, args.scale,
-                                   args.log_dir / f"burst-{size}", seed=0)  # fmt: skip
+        result, start, end = bench(
+            args, frontend, size, args.scale, args.log_dir / f"burst-{size}", seed=0
+        )
         row: dict[str, Any] = {"burst": size, "ok": bool(result and result["failed"] == 0)}
         if result is not None:
             row.update({k: result.get(k) for k in BENCH_KEYS + LATENCY_KEYS})
         steps = read_step_log(args.log_dir / "scheduler.log", start, end)
         row["steps"] = step_stats(steps, size)
         report["bursts"].append(row)
-        print(f"gpu_e2e_serve: burst {size}: ok={row['ok']} "
-              f"out tok/s={row.get('output_throughput')} steps={row['steps'].get('all')}",
-              flush=True)  # fmt: skip
+        print(
+            f"gpu_e2e_serve: burst {size}: ok={row['ok']} "
+            f"out tok/s={row.get('output_throughput')} steps={row['steps'].get('all')}",
+            flush=True,
+        )
 
 
 def stop(proc: subprocess.Popen) -> Optional[int]:
@@ -175,25 +231,43 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     frontend = f"tcp://127.0.0.1:{free_port()}"
     cmd = up_command(args, frontend, free_port())
-    report: dict[str, Any] = {"ok": False, "model": str(args.model), "device": args.device,
-                              "dtype": args.dtype, "gateway": args.gateway,
-                              "command": " ".join(cmd[1:]), "bursts": []}  # fmt: skip
+    report: dict[str, Any] = {
+        "ok": False,
+        "model": str(args.model),
+        "device": args.device,
+        "dtype": args.dtype,
+        "gateway": args.gateway,
+        "command": " ".join(cmd[1:]),
+        "bursts": [],
+    }
     up_out = args.log_dir / "up.out"
     start = time.monotonic()
     with open(up_out, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         report["error"] = wait_serving(proc, up_out, args.ready_timeout)
         report["ready_s"] = round(time.monotonic() - start, 2)
-        print(f"gpu_e2e_serve: {args.model.name}: ready in {report['ready_s']} s "
-              f"({report['error'] or 'serving'})", flush=True)  # fmt: skip
+        print(
+            f"gpu_e2e_serve: {args.model.name}: ready in {report['ready_s']} s "
+            f"({report['error'] or 'serving'})",
+            flush=True,
+        )
         if report["error"] is None:
             run_bursts(args, frontend, report)
     finally:
         report["up_exit_code"] = stop(proc)
-    report["ok"] = (report["error"] is None and report.get("warmup", {}).get("ok", False)
-                    and all(b["ok"] for b in report["bursts"]) and report["up_exit_code"] == 0)  # fmt: skip
+    report["ok"] = (
+        report["error"] is None
+        and report.get("warmup", {}).get("ok", False)
+        and all(b["ok"] for b in report["bursts"])
+        and report["up_exit_code"] == 0
+    )
     args.json.write_text(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 
