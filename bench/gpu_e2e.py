@@ -22,6 +22,7 @@ every stage passed. Standard library only: nothing is installed when it starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -298,12 +299,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU")
     p.add_argument("--time-limit", type=float, help="overall seconds (default: the plan's)")
+    p.add_argument(
+        "--check-time-limit", type=float, help="gpu_check's own soft limit (default: the plan's)"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     plan = PLANS["dry-run" if args.dry_run else "device"]
+    if args.check_time_limit is not None:
+        plan = dataclasses.replace(plan, check_soft_limit_s=args.check_time_limit)
     limit = args.time_limit if args.time_limit is not None else plan.time_limit_s
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="conveyor-gpu-e2e-"))

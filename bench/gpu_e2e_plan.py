@@ -1,7 +1,7 @@
 """What `bench/gpu_e2e.py` runs, per mode: sizes, flags and time limits (standard library only).
 
 The device plan fits 300 s on one H200 with room to spare; expected durations (not measured
-yet): install ~5 s, models ~15 s (beside gpu_check), gpu_check <= its 90 s soft limit,
+yet): install ~5 s, models ~15 s (beside gpu_check), gpu_check <= its 75 s soft limit,
 correctness ~40 s, each model's stack ~20 s to start plus its bursts, transformers ~15-30 s per
 model. Every stage limit is an upper bound, and the overall deadline trims the last ones, so
 the run stops in time even when a stage hangs.
@@ -68,11 +68,11 @@ DEVICE = Plan(
     device="cuda",
     dtype="bfloat16",
     time_limit_s=300.0,
-    check_soft_limit_s=90.0,
+    check_soft_limit_s=75.0,
     limits={
         "install": 30.0,
         "models": 120.0,
-        "gpu_check": 125.0,
+        "gpu_check": 110.0,
         "correctness": 75.0,
         "hf_static": 100.0,
     },
