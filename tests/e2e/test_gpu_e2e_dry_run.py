@@ -22,8 +22,15 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["install", "models", "gpu_check", "correctness", "serve_smollm2", "serve_llama-1b",
-          "hf_static"]  # fmt: skip
+STAGES = [
+    "install",
+    "models",
+    "gpu_check",
+    "correctness",
+    "serve_smollm2",
+    "serve_llama-1b",
+    "hf_static",
+]
 OUT_FILES = {"gpu_e2e.json", "gpu_e2e.md", "gpu_e2e.log", "gpu_check.json", "logs.tar.gz"}
 
 
@@ -32,10 +39,20 @@ def test_dry_run_lists_every_stage_ok(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("PYTHONPATH", None)  # the script finds the repository by itself
     proc = subprocess.run(
-        [str(ROOT / "bench" / "gpu_e2e.sh"), "--dry-run", "--out", str(out),
-         "--work", str(tmp_path / "work")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            str(ROOT / "bench" / "gpu_e2e.sh"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = (out / "gpu_e2e.log").read_text() if (out / "gpu_e2e.log").exists() else ""
     report = json.loads((out / "gpu_e2e.json").read_text())
     failed = [s for s in report["stages"] if not s["ok"]]
