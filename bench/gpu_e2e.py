@@ -45,6 +45,7 @@ REPORT_RESERVE_S = 10.0  # kept back from the last stages for the report and the
 MIN_STAGE_S = 5.0  # a stage with less than this left is not started
 KILL_GRACE_S = 5.0
 POLL_S = 0.1
+TAIL_LINES = 40  # of a failed stage's output, printed (the device returns the output's end)
 
 
 @dataclass
@@ -113,6 +114,8 @@ class Runner:
             time.sleep(POLL_S)
         for stage in stages:
             stage.record.update(name=stage.name, limit_s=round(stage.limit_s, 1))
+            if not stage.record["ok"] and len(stages) == 1 and stage.proc is not None:
+                self._print_tail(stage)
             print(
                 f"gpu_e2e: {stage.name}: {'ok' if stage.record['ok'] else 'FAILED'} "
                 f"{ {k: v for k, v in stage.record.items() if k not in ('name', 'ok')} }",
@@ -125,21 +128,40 @@ class Runner:
             self.start(stage)
         self.finish(*stages)
 
+    def _print_tail(self, stage: Stage) -> None:
+        """The last lines a failed stage wrote, so the device call's output shows why."""
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace")
+        own = text[text.rfind(f"===== {stage.name}:") :].splitlines()
+        print("\n".join(f"  | {line}" for line in own[-TAIL_LINES:]), flush=True)
+
     def close(self) -> None:
         self.log.close()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the stage's process group (a stack drains on it), SIGKILL what is left after
+    KILL_GRACE_S; returns once the group is gone, so the next stage finds the device free."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(KILL_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < deadline and _group_alive(proc):
+            time.sleep(POLL_S)
+        if not _group_alive(proc):
+            break
+    proc.wait()
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the leader, else it stays a zombie member of its group
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def py(module: str, *args: Any) -> list[str]:

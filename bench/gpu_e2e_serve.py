@@ -120,7 +120,10 @@ def bench(
     ]
     print(f"gpu_e2e_serve: conveyor bench {' '.join(argv)}", flush=True)
     start = time.time()
-    bench_main(argv)  # prints its result table; exit status 1 when a request failed
+    try:
+        bench_main(argv)  # prints its result table; exit status 1 when a request failed
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - recorded as this burst's failure
+        print(f"gpu_e2e_serve: conveyor bench failed: {type(exc).__name__}: {exc}", flush=True)
     end = time.time()
     result_path = out / "result.json"
     if not result_path.exists():
@@ -194,6 +197,15 @@ def run_bursts(args: argparse.Namespace, frontend: str, report: dict[str, Any]) 
         )
 
 
+def print_tails(log_dir: Path, num_lines: int = 15) -> None:
+    """The end of `conveyor up`'s output and of each service's log, for a failed run."""
+    for path in [log_dir / "up.out", *sorted(log_dir.glob("*.log"))]:
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()
+            keep = [line for line in lines if '"event":"step"' not in line][-num_lines:]
+            print(f"--- {path.name}\n" + "\n".join(keep), flush=True)
+
+
 def stop(proc: subprocess.Popen) -> Optional[int]:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: drain, stop every service
@@ -238,6 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "dtype": args.dtype,
         "gateway": args.gateway,
         "command": " ".join(cmd[1:]),
+        "error": None,
         "bursts": [],
     }
     up_out = args.log_dir / "up.out"
@@ -262,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             run_bursts(args, frontend, report)
     finally:
         report["up_exit_code"] = stop(proc)
+        if report["error"] is not None or not all(b["ok"] for b in report["bursts"]):
+            print_tails(args.log_dir)
     report["ok"] = (
         report["error"] is None
         and report.get("warmup", {}).get("ok", False)
