@@ -168,110 +168,42 @@ def py(module: str, *args: Any) -> list[str]:
     return [sys.executable, "-m", module, *(str(a) for a in args)]
 
 
+def helper(name: str, module: str, limit_s: float, work: Path, *args: Any) -> Stage:
+    """A stage running `python -m module args... --json work/<name>.json`."""
+    json_path = work / f"{name}.json"
+    return Stage(name, py(module, *args, "--json", json_path), limit_s, json_path)
+
+
 def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage]:
-    """Every stage's command for this plan (models under work/, JSON under work/)."""
-    models = work / "models"
-    install = [
-        "install",
-        "--wheels",
-        ROOT / ".gpu" / "wheels",
-        "--target",
-        site,
-        "--json",
-        work / "install.json",
-    ] + (["--cross"] if plan.dry_run else [])
-    check = [
-        ROOT / "bench" / "gpu_check.sh",
-        "--out",
-        out / "gpu_check.json",
-        "--time-limit",
-        plan.check_soft_limit_s,
-    ] + (["--dry-run"] if plan.dry_run else [])
+    """Every stage's command for this plan (models and JSON under work/)."""
+    models, limits = work / "models", plan.limits
+    wheels = ROOT / ".gpu" / "wheels"
+    dry = plan.dry_run
+    check = [ROOT / "bench" / "gpu_check.sh", "--out", out / "gpu_check.json", "--time-limit",
+             plan.check_soft_limit_s, *(["--dry-run"] if dry else [])]  # fmt: skip
     stages = {
-        "install": Stage(
-            "install",
-            py("bench.gpu_e2e_pack", *install),
-            plan.limits["install"],
-            work / "install.json",
-        ),
+        "install": helper("install", "bench.gpu_e2e_pack", limits["install"], work, "install",
+                          "--wheels", wheels, "--target", site, *(["--cross"] if dry else [])),
         # drawn on the CPU: the GPU is busy with gpu_check's timings meanwhile
-        "models": Stage(
-            "models",
-            py(
-                "bench.gpu_e2e_models",
-                "--out",
-                models,
-                "--device",
-                "cpu",
-                "--json",
-                work / "models.json",
-                *(["--tiny"] if plan.dry_run else []),
-            ),
-            plan.limits["models"],
-            work / "models.json",
-        ),
-        "gpu_check": Stage(
-            "gpu_check", [str(a) for a in check], plan.limits["gpu_check"], out / "gpu_check.json"
-        ),
-        "correctness": Stage(
-            "correctness",
-            py(
-                "bench.gpu_e2e_correct",
-                "--model",
-                models / "smollm2",
-                "--extra-model",
-                models / "llama-1b",
-                "--device",
-                plan.device,
-                *plan.correct_args,
-                "--json",
-                work / "correctness.json",
-            ),
-            plan.limits["correctness"],
-            work / "correctness.json",
-        ),
-    }
-    runs = []
+        "models": helper("models", "bench.gpu_e2e_models", limits["models"], work, "--out",
+                         models, "--device", "cpu", *(["--tiny"] if dry else [])),
+        "gpu_check": Stage("gpu_check", [str(a) for a in check], limits["gpu_check"],
+                           out / "gpu_check.json"),
+        "correctness": helper("correctness", "bench.gpu_e2e_correct", limits["correctness"],
+                              work, "--model", models / "smollm2", "--extra-model",
+                              models / "llama-1b", "--device", plan.device, *plan.correct_args),
+    }  # fmt: skip
+    runs: list[Any] = []
     for kind, served in plan.serving.items():
-        stages[f"serve_{kind}"] = Stage(
-            f"serve_{kind}",
-            py(
-                "bench.gpu_e2e_serve",
-                "--model",
-                models / kind,
-                "--device",
-                plan.device,
-                "--dtype",
-                plan.dtype,
-                "--bursts",
-                served.bursts,
-                "--scale",
-                served.scale,
-                *served.serve_args,
-                "--log-dir",
-                work / f"logs-{kind}",
-                "--json",
-                work / f"serve_{kind}.json",
-            ),
-            served.serve_limit_s,
-            work / f"serve_{kind}.json",
-        )
+        stages[f"serve_{kind}"] = helper(
+            f"serve_{kind}", "bench.gpu_e2e_serve", served.serve_limit_s, work,
+            "--model", models / kind, "--device", plan.device, "--dtype", plan.dtype,
+            "--bursts", served.bursts, "--scale", served.scale, *served.serve_args,
+            "--log-dir", work / f"logs-{kind}",
+        )  # fmt: skip
         runs += ["--run", kind, models / kind, served.bursts, served.scale]
-    stages["hf_static"] = Stage(
-        "hf_static",
-        py(
-            "bench.gpu_e2e_hf",
-            *runs,
-            "--device",
-            plan.device,
-            "--dtype",
-            plan.dtype,
-            "--json",
-            work / "hf_static.json",
-        ),
-        plan.limits["hf_static"],
-        work / "hf_static.json",
-    )
+    stages["hf_static"] = helper("hf_static", "bench.gpu_e2e_hf", limits["hf_static"], work,
+                                 *runs, "--device", plan.device, "--dtype", plan.dtype)  # fmt: skip
     return stages
 
 

@@ -229,57 +229,15 @@ print(json.dumps(out))
 
 
 def install(wheels: Path, target: Path, cross: bool) -> dict[str, Any]:
+    """Install the pack's wheels (when there are any), then import the engine's modules."""
     files = sorted(str(p) for p in wheels.glob("*.whl")) if wheels.is_dir() else []
-    result: dict[str, Any] = {
-        "wheels": [Path(f).name for f in files],
-        "target": str(target),
-        "cross": cross,
-    }
+    result: dict[str, Any] = {"wheels": [Path(f).name for f in files], "target": str(target),
+                              "cross": cross}  # fmt: skip
     if files:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--no-deps",
-            "--no-compile",
-            "--no-cache-dir",
-            "--upgrade",
-            "--target",
-            str(target),
-        ]
-        if cross:
-            cmd += [
-                "--only-binary=:all:",
-                "--python-version",
-                PYTHON_VERSION,
-                "--implementation",
-                "cp",
-            ]
-            for platform in PLATFORMS:
-                cmd += ["--platform", platform]
-        proc = subprocess.run(cmd + files, capture_output=True, text=True)
-        result["pip_rc"] = proc.returncode
-        if proc.returncode != 0:
-            result["pip_error"] = (proc.stdout + proc.stderr)[-2000:]
-        installed = {canonical(p.name.split("-")[0]) for p in target.glob("*.dist-info")}
-        result["not_installed"] = sorted(
-            canonical(n) for n in WHEEL_PACKAGES if canonical(n) not in installed
-        )
+        result.update(pip_install(files, target, cross))
     else:
-        result["note"] = f"no wheels in {wheels} (`make gpu-wheels`): modules checked as found"
-    env = dict(os.environ)
-    if not cross:  # the device: the target folder first, as every later stage sees it
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
-    probe = subprocess.run(
-        [sys.executable, "-c", PROBE, ",".join(ENGINE_MODULES), ",".join(HEAVY_MODULES)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    modules = json.loads(probe.stdout) if probe.returncode == 0 else {}
+        result["note"] = f"no wheels in {wheels} (`make gpu-wheels`): modules of this environment"
+    modules = probe_modules(None if cross else target)
     result["modules"] = modules
     result["gateway"] = all(modules.get(m, {}).get("ok") for m in GATEWAY_MODULES)
     required = [m for m in ENGINE_MODULES + HEAVY_MODULES if m not in GATEWAY_MODULES]
@@ -289,6 +247,40 @@ def install(wheels: Path, target: Path, cross: bool) -> dict[str, Any]:
         and all(modules.get(m, {}).get("ok") for m in required)
     )
     return result
+
+
+def pip_install(files: list[str], target: Path, cross: bool) -> dict[str, Any]:
+    """`pip install --no-index --no-deps --target`; `cross`: for the device's tags."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+           "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(target)]  # fmt: skip
+    if cross:
+        cmd += ["--only-binary=:all:", "--python-version", PYTHON_VERSION, "--implementation", "cp"]
+        for platform in PLATFORMS:
+            cmd += ["--platform", platform]
+    proc = subprocess.run(cmd + files, capture_output=True, text=True)
+    out: dict[str, Any] = {"pip_rc": proc.returncode}
+    if proc.returncode != 0:
+        out["pip_error"] = (proc.stdout + proc.stderr)[-2000:]
+    installed = {canonical(p.name.split("-")[0]) for p in target.glob("*.dist-info")}
+    out["not_installed"] = sorted(
+        canonical(n) for n in WHEEL_PACKAGES if canonical(n) not in installed
+    )
+    return out
+
+
+def probe_modules(target: Optional[Path]) -> dict[str, Any]:
+    """Import every module the engine needs in a fresh interpreter, `target` first on its path
+    (as every later stage will have it); the heavy preinstalled ones are only found."""
+    env = dict(os.environ)
+    if target is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, ",".join(ENGINE_MODULES), ",".join(HEAVY_MODULES)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        return {"probe": {"ok": False, "error": probe.stderr[-1000:]}}
+    return json.loads(probe.stdout)
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
