@@ -44,22 +44,11 @@ class Plan:
 def _serve_args(
     kv: str, max_len: int, budget: int, chunk: int, warmup: int, warm_scale: float, ready_s: float
 ) -> tuple[str, ...]:
-    return (
-        "--kv-cache-memory",
-        kv,
-        "--max-model-len",
-        str(max_len),
-        "--max-num-batched-tokens",
-        str(budget),
-        "--chunk-size",
-        str(chunk),
-        "--warmup-prompts",
-        str(warmup),
-        "--warmup-scale",
-        str(warm_scale),
-        "--ready-timeout",
-        str(ready_s),
-    )
+    """bench/gpu_e2e_serve.py's sizing flags."""
+    flags = {"kv-cache-memory": kv, "max-model-len": max_len, "max-num-batched-tokens": budget,
+             "chunk-size": chunk, "warmup-prompts": warmup, "warmup-scale": warm_scale,
+             "ready-timeout": ready_s}  # fmt: skip
+    return tuple(item for k, v in flags.items() for item in (f"--{k}", str(v)))
 
 
 DEVICE = Plan(

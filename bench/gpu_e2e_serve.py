@@ -40,39 +40,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def as_flags(values: dict[str, Any]) -> list[str]:
+    """{"max_num_seqs": 8} -> ["--max-num-seqs", "8"]."""
+    return [item for k, v in values.items() for item in ("--" + k.replace("_", "-"), str(v))]
+
+
 def up_command(args: argparse.Namespace, frontend: str, http_port: int) -> list[str]:
     biggest = max(args.bursts)
-    cmd = [
-        sys.executable,
-        "-m",
-        "conveyor",
-        "up",
-        "--model",
-        str(args.model),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--max-num-seqs",
-        str(biggest),
-        "--max-num-batched-tokens",
-        str(max(args.max_num_batched_tokens, biggest)),
-        "--chunk-size",
-        str(args.chunk_size),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--kv-cache-memory",
-        args.kv_cache_memory,
-        "--frontend-addr",
-        frontend,
-        "--http-port",
-        str(http_port),
-        "--log-dir",
-        str(args.log_dir),
-        "--quiet",
-        "--ready-timeout",
-        str(args.ready_timeout),
-    ]
+    flags = {
+        "model": args.model, "device": args.device, "dtype": args.dtype,
+        "max_num_seqs": biggest,
+        "max_num_batched_tokens": max(args.max_num_batched_tokens, biggest),
+        "chunk_size": args.chunk_size, "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory, "frontend_addr": frontend,
+        "http_port": http_port, "log_dir": args.log_dir, "ready_timeout": args.ready_timeout,
+    }  # fmt: skip
+    cmd = [sys.executable, "-m", "conveyor", "up", *as_flags(flags), "--quiet"]
     return cmd + ([] if args.gateway else ["--no-gateway"])
 
 
@@ -95,29 +78,12 @@ def bench(
     command, without a second interpreter start); (result.json or None, wall start, wall end)."""
     from conveyor.bench.cli import main as bench_main
 
-    argv = [
-        "--address",
-        frontend,
-        "--workload",
-        args.workload,
-        "--num-prompts",
-        str(size),
-        "--max-concurrency",
-        str(size),
-        "--scale",
-        str(scale),
-        "--seed",
-        str(seed),
-        "--ignore-eos",
-        "--percentiles",
-        "50,90,99",
-        "--no-plots",
-        "--no-progress",
-        "--out",
-        str(out),
-        "--log-dir",
-        str(args.log_dir),
-    ]
+    flags = {
+        "address": frontend, "workload": args.workload, "num_prompts": size,
+        "max_concurrency": size, "scale": scale, "seed": seed, "percentiles": "50,90,99",
+        "out": out, "log_dir": args.log_dir,
+    }  # fmt: skip
+    argv = [*as_flags(flags), "--ignore-eos", "--no-plots", "--no-progress"]
     print(f"gpu_e2e_serve: conveyor bench {' '.join(argv)}", flush=True)
     start = time.time()
     try:
