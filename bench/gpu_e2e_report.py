@@ -68,11 +68,13 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         },
         "copy_gb_s": (check.get("copy") or {}).get("gb_s"),
         "goals": {
+            # judged at the largest decode measured (batch x context): small decodes cannot
+            # fill the memory system, and the best row alone would flatter
             "decode_attention_vs_copy": _goal(
-                best and best["pct_copy"],
+                largest and largest["pct_copy"],
                 DECODE_GOAL_PCT,
                 at_least=True,
-                detail={"best": best, "largest": largest},
+                detail={"largest": largest, "best": best},
             ),
             "overhead_at_256": _goal(
                 max((r["outside_forward_share"] for r in at_256), default=None),

@@ -116,7 +116,7 @@ def test_goals_are_judged_on_the_worst_case() -> None:
         "results": {
             "gpu_check": {
                 "decode_attention": [
-                    {"batch": 1, "context": 1024, "head_dim": 64, "pct_copy": 50.0},
+                    {"batch": 1, "context": 1024, "head_dim": 64, "pct_copy": 90.0},
                     {"batch": 256, "context": 8192, "head_dim": 64, "pct_copy": 85.0},
                 ]
             },
@@ -130,7 +130,7 @@ def test_goals_are_judged_on_the_worst_case() -> None:
         },
     }
     goals = summarize(report)["goals"]
-    assert goals["decode_attention_vs_copy"]["met"] is True  # the best row: 85%
+    assert goals["decode_attention_vs_copy"]["value"] == 85.0  # the largest decode, not batch 1
     assert goals["overhead_at_256"]["value"] == 0.12 and goals["overhead_at_256"]["met"] is False
     assert goals["continuous_vs_static"]["value"] == 3.0 and goals["continuous_vs_static"]["met"]
     report["summary"] = summarize(report)
