@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,7 +251,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "results" / "gpu_e2e")
     )
-    p.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one)")
+    p.add_argument(
+        "--work", type=Path, help="scratch folder, kept (default: a temporary one, removed)"
+    )
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU")
     p.add_argument("--time-limit", type=float, help="overall seconds (default: the plan's)")
     p.add_argument(
@@ -290,6 +293,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = markdown(report)
     (args.out / "gpu_e2e.md").write_text(table)
     _archive_logs(work, args.out / "logs.tar.gz")
+    if args.work is None:  # our own scratch folder: the model folders are gigabytes on a GPU
+        shutil.rmtree(work, ignore_errors=True)
     print(table, flush=True)
     print(
         f"gpu_e2e: {'ALL STAGES OK' if report['ok'] else 'SOME STAGES FAILED'} in "
