@@ -321,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.device,
             "bfloat16",
             prompts[:4],
-            args.new_tokens // 2,
+            max(2, args.new_tokens // 2),  # at least one decode step
             max_len,
         )
     report = {

@@ -100,7 +100,8 @@ DRY_RUN = Plan(
         "hf_static": 150.0,
     },
     parallel=True,
-    correct_args=("--num-prompts", "2", "--prompt-len", "4,12", "--new-tokens", "3"),
+    # prompts of one chunk each; mixed steps (a prefill beside a decode) still occur
+    correct_args=("--num-prompts", "2", "--prompt-len", "4,12", "--new-tokens", "2"),
     serving={
         kind: Served(
             "2,4",
