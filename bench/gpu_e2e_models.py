@@ -56,7 +56,7 @@ LLAMA_32_1B: dict[str, Any] = {
     "vocab_size": 128256,
 }
 # --tiny: the same families at CPU sizes (head_dim 64 kept: the kernels' common case). The
-# 1B stand-in keeps a vocabulary above the tokenizer's, so the padding path runs too.
+# 1B stand-in keeps Llama-3's 128,256-id vocabulary, so the padded tokenizer is served as is.
 TINY: dict[str, dict[str, Any]] = {
     "smollm2": {
         "hidden_size": 128,
@@ -71,7 +71,7 @@ TINY: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "vocab_size": 49408,
+        "vocab_size": 128256,
     },
 }
 COMMON: dict[str, Any] = {
