@@ -2,7 +2,8 @@
 
 Starts `python -m conveyor up --model DIR --device D ...` (every service a real process, on free
 loopback ports, logs to `--log-dir`), waits for its "serving on" line, sends one small unrecorded
-warm-up burst (Triton compiles its kernels on first use), then for each burst size N runs
+warm-up burst (Triton compiles its kernels on first use; it samples at temperature 1, so the
+random sampling path runs too), then for each burst size N runs
 `conveyor bench --num-prompts N --max-concurrency N` (all N sent at once, EOS ignored)
 and reads the scheduler's step log for the steps inside that burst's window. Stops the stack
 with SIGINT (the same as Ctrl-C) and waits for it to exit.
@@ -72,7 +73,13 @@ def wait_serving(proc: subprocess.Popen, out_path: Path, timeout_s: float) -> Op
 
 
 def bench(
-    args: argparse.Namespace, frontend: str, size: int, scale: float, out: Path, seed: int
+    args: argparse.Namespace,
+    frontend: str,
+    size: int,
+    scale: float,
+    out: Path,
+    seed: int,
+    temperature: float = 0.0,
 ) -> tuple[Optional[dict[str, Any]], float, float]:
     """One burst through `conveyor bench` (its `main`, in this process: the same code as the
     command, without a second interpreter start); (result.json or None, wall start, wall end)."""
@@ -80,7 +87,8 @@ def bench(
 
     flags = {
         "address": frontend, "workload": args.workload, "num_prompts": size,
-        "max_concurrency": size, "scale": scale, "seed": seed, "percentiles": "50,90,99",
+        "max_concurrency": size, "scale": scale, "seed": seed, "temperature": temperature,
+        "percentiles": "50,90,99",
         "out": out, "log_dir": args.log_dir,
     }  # fmt: skip
     argv = [*as_flags(flags), "--ignore-eos", "--no-plots", "--no-progress"]
@@ -142,9 +150,12 @@ LATENCY_KEYS = tuple(
 
 
 def run_bursts(args: argparse.Namespace, frontend: str, report: dict[str, Any]) -> None:
+    # the warm-up samples at temperature 1 (the measured bursts are greedy), so the random
+    # sampling path runs on the device too
     warm, start, end = bench(
-        args, frontend, args.warmup_prompts, args.warmup_scale, args.log_dir / "warmup", seed=1
-    )
+        args, frontend, args.warmup_prompts, args.warmup_scale, args.log_dir / "warmup", seed=1,
+        temperature=1.0,
+    )  # fmt: skip
     report["warmup"] = {"ok": bool(warm and warm["failed"] == 0), "seconds": end - start}
     for size in args.bursts:
         result, start, end = bench(

@@ -162,13 +162,14 @@ def _build_group(
 ) -> _Group:
     lq = int(q_lens.max())
     nb = -(-int(seq_lens.max()) // block_size)
-    i = torch.arange(lq)
+    dev = q_lens.device  # the step's device: CUDA ops refuse CPU operands
+    i = torch.arange(lq, device=dev)
     q_valid = i[None, :] < q_lens[:, None]  # [Bg, Lq]
     q_index = starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)
     q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # absolute position of each query
-    j = torch.arange(nb * block_size)
+    j = torch.arange(nb * block_size, device=dev)
     allowed = j[None, None, :] <= q_pos[:, :, None]  # causal; also hides keys >= seq_len
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, float("-inf"))
     return _Group(
         num_seqs=int(starts.shape[0]),
         q_len=lq,

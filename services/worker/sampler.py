@@ -62,7 +62,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             )
         outputs = row.token_ids[row.num_prompt_tokens :]
         if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and outputs:
-            counts = torch.bincount(torch.tensor(outputs, dtype=torch.int64), minlength=vocab)
+            ids = torch.tensor(outputs, dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)
             counts = counts[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
                 logits.dtype
@@ -71,21 +72,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, top-k, min-p, top-p on random rows [R, V]; filtered entries become -inf."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+    dev = logits.device  # every helper tensor beside the logits: CUDA ops refuse CPU operands
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
     x = logits / temps[:, None]
     ks = [r.params.top_k for r in rows]
     if any(k is not None and k < x.shape[1] for k in ks):
         kmax = min(max(k or 1 for k in ks), x.shape[1])
         top = torch.topk(x, kmax, dim=1).values  # [R, kmax], descending
         kth = top[torch.arange(len(rows)), [min(k or kmax, kmax) - 1 for k in ks]]
-        kth = torch.where(torch.tensor([k is None for k in ks]), float("-inf"), kth)
+        kth = torch.where(torch.tensor([k is None for k in ks], device=dev), float("-inf"), kth)
         x = x.masked_fill(x < kth[:, None], float("-inf"))
-    min_ps = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype)
+    min_ps = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype, device=dev)
     if bool((min_ps > 0).any()):
         probs = torch.softmax(x, dim=1)
         cut = min_ps[:, None] * probs.max(dim=1, keepdim=True).values
         x = x.masked_fill(probs < cut, float("-inf"))
-    top_ps = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype)
+    top_ps = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype, device=dev)
     which = (top_ps < 1.0).nonzero().flatten()
     if which.numel() > 0:
         sub = x[which]
@@ -103,7 +105,9 @@ def draw(filtered: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Inverse-CDF draw per row, u from (seed, n): [R, V] -> [R] int64."""
     probs = torch.softmax(filtered, dim=1)
     cdf = torch.cumsum(probs, dim=1)
-    u = torch.tensor([draw_uniform(r.seed, r.output_index) for r in rows], dtype=cdf.dtype)
+    u = torch.tensor(
+        [draw_uniform(r.seed, r.output_index) for r in rows], dtype=cdf.dtype, device=cdf.device
+    )
     target = (u * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target).squeeze(1)
     return idx.clamp_(max=filtered.shape[1] - 1)
@@ -115,7 +119,7 @@ def sample(
     """logits [S, V] float32 (modified in place) -> one token per row, and logprobs where the
     row's params ask for them (from the processed distribution)."""
     apply_penalties(logits, rows)
-    tokens = torch.empty(len(rows), dtype=torch.int64)
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     processed = logits
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
