@@ -136,6 +136,15 @@ class Runner:
         own = text[text.rfind(f"===== {stage.name}:") :].splitlines()
         print("\n".join(f"  | {line}" for line in own[-TAIL_LINES:]), flush=True)
 
+    def abort(self) -> None:
+        """Kill every stage still running and record it as interrupted."""
+        for stage in self.stages:
+            if stage.proc is not None and stage.proc.poll() is None:
+                _kill_group(stage.proc)
+            if not stage.record:
+                stage.record = {"ok": False, "note": "interrupted", "name": stage.name,
+                                "limit_s": round(stage.limit_s, 1)}  # fmt: skip
+
     def close(self) -> None:
         self.log.close()
 
@@ -276,6 +285,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     stages = stage_list(plan, work, args.out, work / "site")
     try:
         run_all(runner, stages, plan)
+    except KeyboardInterrupt:  # Ctrl-C: no stage outlives the run (each has its own session)
+        runner.abort()
     finally:
         runner.close()
     report = {
