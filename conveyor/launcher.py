@@ -154,6 +154,7 @@ class LocalStack:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         env["TOKENIZERS_PARALLELISM"] = "false"
+        env["CONVEYOR_LOG_FORMAT"] = "json"  # log files stay JSON; the echo renders consoles
         if name != "worker":  # only the worker computes: the others leave it the cores
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.update(self.settings.env)

@@ -15,12 +15,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+from conveyor.console import ConsoleEcho
 from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
-from shared.env import env_str
+from shared.env import add_log_format_flag, env_str
+from shared.logging import resolve_log_format
 
 # Engine flags of `up` -> the service that takes them (flag names as the services spell them).
 SCHEDULER_FLAGS = ("batching", "policy", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                   "batch_size")  # fmt: skip
+                   "batch_size", "summary_interval")  # fmt: skip
 WORKER_FLAGS = ("dtype", "kv_cache_memory", "device", "max_model_len")
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
 DEATH_GRACE_S = 3.0  # a dead worker: let the scheduler fail in-flight requests before teardown
@@ -48,6 +50,8 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                  "max_model_len"):  # fmt: skip
         g.add_argument("--" + name.replace("_", "-"), type=int)
     g.add_argument("--kv-cache-memory", help="bytes for the KV cache, e.g. 1GiB")
+    g.add_argument("--summary-interval", type=float,
+                   help="seconds between engine_summary lines (default 5, 0: off)")  # fmt: skip
     w = p.add_argument_group("worker kind")
     w.add_argument("--worker", choices=WORKER_KINDS, default="model",
                    help="model: the real worker; sim: SIMULATED (services.simworker)")  # fmt: skip
@@ -65,6 +69,7 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM")  # fmt: skip
     a.add_argument("--ready-timeout", type=float, default=600.0)
     a.add_argument("--quiet", action="store_true", help="logs to files only, not to stdout")
+    add_log_format_flag(a)
     a.add_argument("--show-steps", action="store_true",
                    help="also print the scheduler's step lines (always in its log)")  # fmt: skip
 
@@ -88,10 +93,15 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         log_dir=args.log_dir,
-        echo=None if args.quiet else sys.stdout,
+        echo=None if args.quiet else ConsoleEcho(sys.stdout, _log_format(args.log_format)),
         echo_steps=args.show_steps,
         drain_timeout_s=args.drain_timeout,
     )
+
+
+def _log_format(requested: str) -> str:
+    """The services always log JSON to files; this is only how our stdout shows them."""
+    return resolve_log_format(requested, sys.stdout)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -119,14 +129,14 @@ def run_stack(
             return 0 if stop.is_set() else 2
         if demo_prompt is not None:  # in a thread, so Ctrl-C is not held up by the answer
             asking = threading.Thread(
-                target=_answer, args=(stack.frontend_address, demo_prompt), daemon=True
+                target=_answer, args=(settings, stack.frontend_address, demo_prompt), daemon=True
             )
             asking.start()
             while asking.is_alive() and not stop.wait(0.2):
                 pass
-        print(f"serving on {stack.frontend_address}"
-              + (f" and {stack.http_url}" if stack.http_url else "")
-              + f"; logs in {stack.log_dir}; Ctrl-C stops", flush=True)  # fmt: skip
+        _say(settings, f"serving on {stack.frontend_address}"
+             + (f" and {stack.http_url}" if stack.http_url else "")
+             + f"; logs in {stack.log_dir}; Ctrl-C stops")  # fmt: skip
         return _serve(stack, stop)
     finally:
         stack.stop()
@@ -156,7 +166,15 @@ def _serve(stack: LocalStack, stop: threading.Event) -> int:
     return 0
 
 
-def _answer(address: str, prompt: str) -> None:
+def _say(settings: StackSettings, text: str) -> None:
+    """A message of the launcher's own, in the echo's format (plain when not echoing)."""
+    if isinstance(settings.echo, ConsoleEcho):
+        settings.echo.say(text)
+    else:
+        print(text, flush=True)
+
+
+def _answer(settings: StackSettings, address: str, prompt: str) -> None:
     """Ask the sample question and print the whole answer as one block (log lines from the
     services would otherwise interleave with a streamed answer)."""
     from shared.client import Client, EngineError
@@ -169,5 +187,5 @@ def _answer(address: str, prompt: str) -> None:
             print(f"conveyor: the sample prompt failed: {exc}", file=sys.stderr, flush=True)
             return
     seconds = done.timings.get("e2e_s") or 0.0
-    print(f"\n> {prompt}\n{done.text.strip()}\n({done.usage.get('completion_tokens')} tokens "
-          f"in {seconds:.1f} s)\n", flush=True)  # fmt: skip
+    _say(settings, f"\n> {prompt}\n{done.text.strip()}\n({done.usage.get('completion_tokens')} "
+         f"tokens in {seconds:.1f} s)\n")  # fmt: skip

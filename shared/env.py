@@ -17,6 +17,7 @@ KNOWN: dict[str, str] = {
     "CACHE_DIR": "where converted models are cached (default ~/.cache/conveyor)",
     "LOG_LEVEL": "log level of every service (default info)",
     "LOG_DIR": "also write logs/<service>.log there",
+    "LOG_FORMAT": "stdout logs: console | json | auto (default: console on a terminal, else JSON)",
     "FRONTEND_ADDR": "client-facing address of the tokenizer service",
     "SCHEDULER_ADDR": "scheduler address the tokenizer services connect to",
     "WORKER_ADDR": "scheduler <-> worker address",
@@ -33,6 +34,7 @@ KNOWN: dict[str, str] = {
     "NUM_WORKERS": "scheduler: worker ranks to wait for before admitting requests (default 1)",
     "MAX_FRAME_BYTES": "tokenizer: largest client frame before answering frame_too_large",
     "FRONTEND_TIMEOUT": "scheduler: seconds of frontend silence before its requests are aborted",
+    "SUMMARY_INTERVAL": "scheduler: seconds between engine_summary log lines (default 5, 0 off)",
     "DRAIN_TIMEOUT": "SIGTERM grace period (s) for in-flight requests before stopping",
     "RANK": "worker: this process's rank (0 answers with results)",
     "READY_FILE": "worker: a file created once the worker said ready (container healthcheck)",
@@ -94,7 +96,19 @@ def env_path(name: str) -> Optional[Path]:
 
 
 def add_log_flags(parser: Any) -> None:
-    """`--log-file` and `--log-level` (CONVEYOR_LOG_FILE, CONVEYOR_LOG_LEVEL) on a parser or
-    argument group; every service takes the same two."""
+    """`--log-file`, `--log-level` and `--log-format` (CONVEYOR_LOG_FILE, CONVEYOR_LOG_LEVEL,
+    CONVEYOR_LOG_FORMAT) on a parser or argument group; every service takes the same three."""
     parser.add_argument("--log-file", type=Path, default=env_path("LOG_FILE"))
     parser.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_log_format_flag(parser)
+
+
+def add_log_format_flag(parser: Any) -> None:
+    """`--log-format console|json|auto` (CONVEYOR_LOG_FORMAT, default auto): what stdout gets;
+    log files are JSON whatever it says."""
+    parser.add_argument(
+        "--log-format",
+        choices=("console", "json", "auto"),
+        default=env_str("LOG_FORMAT", "auto"),
+        help="stdout logs: console lines, JSON lines, or auto (console on a terminal)",
+    )

@@ -1,7 +1,10 @@
-"""Per-service structured logs: structlog JSON lines rendered with orjson.
+"""Per-service structured logs: structlog records, JSON lines rendered with orjson.
 
-Every line carries `service` and `event`; request-related lines carry `rid`. Under the local
-launcher each service also writes `logs/<service>.log` (set by `log_file`).
+Every record carries `service` and `event`; request-related ones carry `rid`. Log files
+(`--log-file`, or `logs/<service>.log` under the local launcher) always get the JSON line; stdout
+gets it too, or with `--log-format console` (and `auto` on a terminal) a short human line
+(shared/console_format.py). Under `conveyor up` stdout is a pipe, so the services write JSON and
+the launcher renders the console lines itself.
 """
 
 from __future__ import annotations
@@ -14,21 +17,27 @@ from typing import Any, Optional, TextIO
 import orjson
 import structlog
 
+from shared.console_format import LOG_FORMATS, render
+
 
 class _TeeWriter:
-    """File-like that writes each rendered line to stdout and, optionally, a log file."""
+    """Structlog's logger: writes each record to stdout (JSON or console) and, optionally, to a
+    log file (always JSON)."""
 
-    def __init__(self, stream: TextIO, path: Optional[Path]) -> None:
+    def __init__(self, stream: TextIO, path: Optional[Path], console: bool) -> None:
         self._stream = stream
+        self._console = console
+        self._colour = console and _isatty(stream)
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
 
-    def msg(self, message: bytes) -> None:
-        line = message + b"\n"
+    def msg(self, record: dict[str, Any]) -> None:
+        line = _dumps(record) + b"\n"
+        shown = (render(record, self._colour) + "\n").encode() if self._console else line
         try:
-            self._stream.buffer.write(line)
+            self._stream.buffer.write(shown)
             self._stream.flush()
         except (ValueError, OSError):  # stdout closed (launcher gone): keep the file log
             pass
@@ -38,18 +47,33 @@ class _TeeWriter:
     log = debug = info = warning = warn = error = critical = exception = msg
 
 
+def resolve_log_format(log_format: str, stream: TextIO) -> str:
+    """'console' or 'json': `auto` is console on a terminal, JSON otherwise (pipes, compose,
+    log collectors). Raises ValueError on an unknown format."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
+    if log_format == "auto":
+        return "console" if _isatty(stream) else "json"
+    return log_format
+
+
 def configure_logging(
-    service: str, level: str = "info", log_file: Optional[Path] = None, stream: TextIO = sys.stdout
+    service: str,
+    level: str = "info",
+    log_file: Optional[Path] = None,
+    stream: TextIO = sys.stdout,
+    log_format: str = "json",
 ) -> structlog.BoundLogger:
     """Configure structlog for this process once, at start; returns the service's logger."""
-    writer = _TeeWriter(stream, log_file)
+    console = resolve_log_format(log_format, stream) == "console"
+    writer = _TeeWriter(stream, log_file, console)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=_dumps),
+            _keep_record,  # the writer renders: JSON for files, JSON or console for stdout
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelName(level.upper()) if isinstance(level, str) else level
@@ -58,6 +82,20 @@ def configure_logging(
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(service=service)
+
+
+def _keep_record(
+    _logger: Any, _name: str, event_dict: dict[str, Any]
+) -> tuple[tuple[dict[str, Any]], dict[str, Any]]:
+    """Last processor: hand the record itself to the writer (structlog's (args, kwargs) form)."""
+    return (event_dict,), {}
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _dumps(obj: Any, **_: Any) -> bytes:

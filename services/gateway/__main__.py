@@ -14,7 +14,9 @@ from shared.logging import configure_logging
 
 def main(argv: Optional[list[str]] = None) -> int:
     config = parse_args(argv)
-    log = configure_logging("gateway", config.log_level, config.log_file)
+    log = configure_logging(
+        "gateway", config.log_level, config.log_file, log_format=config.log_format
+    )
     app = create_app(config, log)
     log.info(
         "gateway_start",

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from shared.env import env_float, env_int, env_str
+from shared.console_format import LOG_FORMATS
+from shared.env import add_log_format_flag, env_float, env_int, env_str
 
 DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5557"
 
@@ -27,6 +28,7 @@ class GatewayConfig:
     stats_interval_s: float = 2.0  # how often /metrics' engine gauges are refreshed
     log_level: str = "info"
     log_file: Optional[Path] = None
+    log_format: str = "auto"  # stdout: console | json | auto (files are always JSON)
 
     def __post_init__(self) -> None:
         if not self.engine_addr:
@@ -43,6 +45,8 @@ class GatewayConfig:
             raise ValueError("default_max_tokens must be >= 1")
         if self.engine_timeout_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("engine_timeout_s and stats_interval_s must be > 0")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
 
 
 def default_model_name() -> str:
@@ -109,6 +113,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
         help="seconds between engine stats polls [CONVEYOR_STATS_INTERVAL]",
     )
     p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
+    add_log_format_flag(p)
     p.add_argument(
         "--log-file", default=env_str("LOG_FILE"), help="also log there [CONVEYOR_LOG_FILE]"
     )
@@ -126,6 +131,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
             stats_interval_s=a.stats_interval,
             log_level=a.log_level,
             log_file=Path(a.log_file) if a.log_file else None,
+            log_format=a.log_format,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("DRAIN_TIMEOUT", 30.0),
         help="SIGTERM grace period for in-flight requests (CONVEYOR_DRAIN_TIMEOUT)",
     )
+    p.add_argument(
+        "--summary-interval",
+        type=float,
+        default=env_float("SUMMARY_INTERVAL", 5.0),
+        help="seconds between engine_summary log lines while busy; 0 turns them off",
+    )
     add_log_flags(p)
     add_config_flags(p, SchedulerConfig)
     return p
@@ -74,10 +80,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             max_frame_bytes=args.max_frame_bytes,
             frontend_timeout_s=args.frontend_timeout,
             drain_timeout_s=args.drain_timeout,
+            summary_interval_s=args.summary_interval,
         )
     except ValueError as exc:
         parser.error(str(exc))
-    log = configure_logging("scheduler", args.log_level, args.log_file)
+    log = configure_logging("scheduler", args.log_level, args.log_file, log_format=args.log_format)
     log.info("scheduler_config", **{k: v for k, v in vars(args).items() if k != "log_file"})
 
     def make_scheduler(ready: WorkerReady) -> Scheduler:

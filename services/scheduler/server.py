@@ -26,6 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.stats import StepRecord
+from services.scheduler.summary import EngineSummary
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
     AbortRequest,
@@ -82,6 +83,7 @@ class ServerConfig:
     hard_max_frame_bytes: int = 256 << 20  # zmq.MAXMSGSIZE: the peer is disconnected
     frontend_timeout_s: float = 10.0  # silent this long (it beats every 1 s): gone
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    summary_interval_s: float = 5.0  # an engine_summary log line this often while busy; 0: off
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -90,6 +92,8 @@ class ServerConfig:
             raise ValueError("need 0 < max_frame_bytes <= hard_max_frame_bytes")
         if self.frontend_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("frontend_timeout_s must be > 0 and drain_timeout_s >= 0")
+        if self.summary_interval_s < 0:
+            raise ValueError("summary_interval_s must be >= 0 (0 turns the summary off)")
 
 
 @dataclass(slots=True)
@@ -125,6 +129,7 @@ class SchedulerServer:
         self._drain_requested = False
         self._draining_since: Optional[float] = None
         self._stopped = False
+        self._summary = EngineSummary(config.summary_interval_s, log)
         self._open_sockets()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -283,6 +288,7 @@ class SchedulerServer:
             gap_s=flight.gap_s,
         )
         self.log.info("step", **fields)
+        self._summary.on_step(now - flight.sent_at)
 
     def _on_step_failed(self, failure: WorkerFailure) -> None:
         self.log.error(
@@ -446,6 +452,7 @@ class SchedulerServer:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        self._summary.maybe_emit(now, lambda: None if self.sched is None else self.sched.stats())
         limit = self.config.frontend_timeout_s
         for ident, seen in list(self._frontends.items()):
             if now - seen > limit:

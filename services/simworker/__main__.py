@@ -95,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.rank < 0:
         parser.error("--rank must be >= 0")
-    log = configure_logging("simworker", args.log_level, args.log_file)
+    log = configure_logging("simworker", args.log_level, args.log_file, log_format=args.log_format)
     log = log.bind(rank=args.rank, simulated=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

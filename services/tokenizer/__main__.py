@@ -31,7 +31,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    log = configure_logging("tokenizer", args.log_level, args.log_file)
+    log = configure_logging("tokenizer", args.log_level, args.log_file, log_format=args.log_format)
     log.info("loading_tokenizer", model=config.model or "smollm2")
     try:
         codec = load_text_codec(prepare_model(config.model))

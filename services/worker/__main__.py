@@ -50,7 +50,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--rank must be >= 0")
     from shared.logging import configure_logging
 
-    log = configure_logging("worker", args.log_level, args.log_file).bind(rank=args.rank)
+    log = configure_logging(
+        "worker", args.log_level, args.log_file, log_format=args.log_format
+    ).bind(rank=args.rank)
     return run_worker(
         config, args.worker_addr, args.rank, log, args.ready_file, args.max_frame_bytes
     )

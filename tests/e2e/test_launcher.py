@@ -54,7 +54,7 @@ class _UpProcess:
     def wait_serving(self, timeout: float) -> None:
         """Until `up` says it serves (it has seen the engine ready itself)."""
         deadline = time.monotonic() + timeout
-        while not any(line.startswith("serving on") for line in self.lines):
+        while not any("serving on" in line for line in self.lines):
             assert self.proc.poll() is None, "".join(self.lines)
             assert time.monotonic() < deadline, "conveyor up never became ready"
             time.sleep(0.2)
