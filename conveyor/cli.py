@@ -5,6 +5,7 @@ conveyor demo                     up + answer one sample prompt, then keep servi
 conveyor generate "text" ...      raw completion streamed to stdout
 conveyor chat                     interactive chat with the model's chat template
 conveyor stats                    the frontend's and the engine's counters (JSON)
+conveyor top                      a live view of running engines (q quits)
 conveyor logs --rid ID            one request's journey across the services
 conveyor model prepare [MODEL]    convert the model once into the cache
 conveyor bench ... / conveyor sim ...   the benchmark harness and the simulator
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 from conveyor.client_cmds import add_client_commands
-from conveyor.launcher import DEFAULT_FRONTEND
 from conveyor.logview import add_logs_command
+from conveyor.top import add_top_command
 from conveyor.up import add_up_commands
+from shared.addresses import default_frontend_address
 from shared.env import env_str
 
 PASSTHROUGH = {"bench": "conveyor.bench.cli", "sim": "conveyor.sim_cli"}
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_commands(sub)
     add_client_commands(sub)
     add_logs_command(sub)
+    add_top_command(sub)
     model = sub.add_parser("model", help="model files")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     prep = model_sub.add_parser("prepare", help="convert the model into the cache once")
@@ -51,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def default_address() -> str:
     """The frontend `conveyor up` starts by default (or CONVEYOR_FRONTEND_ADDR)."""
-    return env_str("FRONTEND_ADDR", DEFAULT_FRONTEND) or DEFAULT_FRONTEND
+    return default_frontend_address()
 
 
 def _model_prepare(args: argparse.Namespace) -> int:

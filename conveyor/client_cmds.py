@@ -11,8 +11,7 @@ import json
 import sys
 from typing import Any
 
-from conveyor.launcher import DEFAULT_FRONTEND
-from shared.env import env_str
+from shared.addresses import default_frontend_address
 
 EXIT_ENGINE_ERROR = 1
 
@@ -32,7 +31,7 @@ def add_client_commands(sub: Any) -> None:
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=env_str("FRONTEND_ADDR", DEFAULT_FRONTEND),
+    p.add_argument("--address", default=default_frontend_address(),
                    help="the frontend (default: what `conveyor up` starts)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds without a word from the engine before giving up")  # fmt: skip

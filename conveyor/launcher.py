@@ -27,9 +27,10 @@ import msgpack
 import zmq
 
 from conveyor.procs import ServiceProcess, stop_in_order
+from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
+DEFAULT_FRONTEND = DEFAULT_FRONTEND_ADDR  # kept for callers of the launcher API
 WORKER_KINDS = ("model", "sim")
 STEP_MARK = '"event":"step"'  # the scheduler's per-step lines: many per second when busy
 
@@ -50,8 +51,8 @@ class StackSettings:
     worker_flags: dict[str, str] = field(default_factory=dict)
     tokenizer_flags: dict[str, str] = field(default_factory=dict)
     gateway: bool = True  # start services.gateway when that package exists
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
+    http_host: str = DEFAULT_HTTP_HOST
+    http_port: int = DEFAULT_HTTP_PORT
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
     log_dir: Path = Path("logs")

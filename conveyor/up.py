@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from conveyor.console import ConsoleEcho
 from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
+from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
 from shared.env import add_log_format_flag, env_str
 from shared.logging import resolve_log_format
 
@@ -58,10 +59,10 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--sim-device", help="simulated device profile (with --worker sim)")
     w.add_argument("--sim-model", help="simulated model shape (with --worker sim)")
     a = p.add_argument_group("addresses, HTTP gateway and logs")
-    a.add_argument("--frontend-addr", default=env_str("FRONTEND_ADDR", "tcp://127.0.0.1:5557"))
+    a.add_argument("--frontend-addr", default=default_frontend_address())
     a.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway")
-    a.add_argument("--http-host", default="127.0.0.1")
-    a.add_argument("--http-port", type=int, default=8000)
+    a.add_argument("--http-host", default=DEFAULT_HTTP_HOST)
+    a.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
     a.add_argument("--api-key", default=env_str("API_KEY"))
     a.add_argument("--served-model-name")
     a.add_argument("--log-dir", type=Path, default=Path(env_str("LOG_DIR", "logs") or "logs"))

@@ -34,9 +34,8 @@ from conveyor.bench.report import ProgressBar, format_result, format_table
 from conveyor.bench.runner import RunOutcome, run_workload
 from conveyor.bench.steplog import engine_view, read_rid_map, read_step_log
 from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
-from shared.env import env_str
+from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
 SWEEPABLE = ("max-concurrency", "request-rate")
 
 
@@ -63,10 +62,14 @@ def _add_target_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--backend", choices=BACKENDS, default="conveyor")
     t.add_argument(
         "--address",
-        default=env_str("FRONTEND_ADDR", DEFAULT_ADDRESS),
+        default=default_frontend_address(),
         help="Conveyor frontend (CONVEYOR_FRONTEND_ADDR)",
     )
-    t.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
+    t.add_argument(
+        "--base-url",
+        default=f"http://{DEFAULT_HTTP_HOST}:{DEFAULT_HTTP_PORT}",
+        help="OpenAI-compatible server",
+    )
     t.add_argument(
         "--model",
         default=None,

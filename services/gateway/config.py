@@ -7,17 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 from shared.console_format import LOG_FORMATS
 from shared.env import add_log_format_flag, env_float, env_int, env_str
 
-DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:5557"
+DEFAULT_ENGINE_ADDR = DEFAULT_FRONTEND_ADDR  # the tokenizer service the gateway talks to
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     engine_addr: str = DEFAULT_ENGINE_ADDR  # the tokenizer service's client-facing address
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
+    http_host: str = DEFAULT_HTTP_HOST
+    http_port: int = DEFAULT_HTTP_PORT
     api_key: Optional[str] = None  # None: no authentication
     served_model_name: str = "smollm2"  # the `model` clients send and /v1/models lists
     max_choices: int = 16  # prompts x n per HTTP request
@@ -72,7 +73,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
         "--http-host",
         "--host",
         dest="http_host",
-        default=env_str("HTTP_HOST", "127.0.0.1"),
+        default=env_str("HTTP_HOST", DEFAULT_HTTP_HOST),
         help="[CONVEYOR_HTTP_HOST]",
     )
     p.add_argument(
@@ -80,7 +81,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
         "--port",
         dest="http_port",
         type=int,
-        default=env_int("HTTP_PORT", 8000),
+        default=env_int("HTTP_PORT", DEFAULT_HTTP_PORT),
         help="[CONVEYOR_HTTP_PORT]",
     )
     p.add_argument(

@@ -15,13 +15,11 @@ from typing import Optional
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server import SchedulerServer, ServerConfig
+from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
 from shared.env import add_log_flags, env_float, env_int, env_str
 from shared.logging import configure_logging
 from shared.protocol.worker_channel import WorkerReady
-
-DEFAULT_SCHEDULER_ADDR = "tcp://127.0.0.1:5556"
-DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,11 +18,11 @@ from typing import Optional
 from services.simworker.config import WEIGHT_DTYPE_BYTES, SimConfig
 from services.simworker.profiles import DEVICES, MODELS
 from services.simworker.runner import SimRunner
+from shared.addresses import DEFAULT_WORKER_ADDR
 from shared.env import add_log_flags, env_int, env_path, env_str
 from shared.logging import configure_logging
 from shared.worker_server import serve_worker
 
-DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"  # as the real worker's
 EXIT_BAD_CONFIG = 2
 
 

@@ -7,11 +7,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_SCHEDULER_ADDR
 from shared.env import add_log_flags, env_float, env_int, env_str
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
-DEFAULT_FRONTEND_ADDR = "tcp://127.0.0.1:5557"
-DEFAULT_SCHEDULER_ADDR = "tcp://127.0.0.1:5556"
 DEFAULT_HARD_CAP_BYTES = 64 << 20
 
 

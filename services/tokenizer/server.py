@@ -20,6 +20,7 @@ import zmq
 from services.tokenizer.admission import Rejection, prompt_ids
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.latency_window import LatencyWindow
 from services.tokenizer.request_state import ClientRequest, Progress
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
@@ -87,6 +88,7 @@ class FrontendServer:
         self._next_seq = 0
         self._num_requests_total = 0
         self._num_errors_total = 0
+        self._latency = LatencyWindow()  # TTFT/TPOT of the last minute, for `stats`
         self._drain_requested = False
         self._draining_since: Optional[float] = None
         self._stopped = False
@@ -244,6 +246,7 @@ class FrontendServer:
             "connections": float(len(connections)),
             "requests_total": float(self._num_requests_total),
             "errors_total": float(self._num_errors_total),
+            **self._latency.percentiles(time.monotonic()),
         }
         reply = cc.stats_reply(wait.client_id, self._ready(), frontend, engine)
         self._send_client(wait.identity, reply)
@@ -359,6 +362,7 @@ class FrontendServer:
                 num_output_tokens=len(state.token_ids), ttft_s=timings.ttft_s,
                 tpot_s=timings.tpot_s, e2e_s=timings.e2e_s, queue_s=timings.queue_s,
             )  # fmt: skip
+            self._latency.record(now, timings.ttft_s, timings.tpot_s)
         for frame in progress.frames:
             if not self._send_client(state.identity, frame):
                 break

@@ -12,10 +12,9 @@ from typing import Optional
 
 from services.worker.config import WorkerConfig
 from services.worker.server import run_worker
+from shared.addresses import DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
 from shared.env import add_log_flags, env_int, env_path, env_str
-
-DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import zmq
 
+from shared.addresses import DEFAULT_FRONTEND_ADDR
 from shared.client.types import (
     Chunk,
     Completion,
@@ -31,7 +32,7 @@ from shared.protocol.client_channel import decode_reply, encode_client_message
 from shared.protocol.codec import DecodeError
 from shared.protocol.errors import ErrorCode
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+DEFAULT_ADDRESS = DEFAULT_FRONTEND_ADDR  # kept: the public name of the client API
 
 
 class Client:
