@@ -8,6 +8,7 @@ stack did not become ready.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -17,14 +18,16 @@ from typing import Any, Optional
 
 from conveyor.console import ConsoleEcho
 from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
 from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
+from shared.config_flags import add_config_flags
 from shared.env import add_log_format_flag, env_str
 from shared.logging import resolve_log_format
 
-# Engine flags of `up` -> the service that takes them (flag names as the services spell them).
-SCHEDULER_FLAGS = ("batching", "policy", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                   "batch_size", "summary_interval")  # fmt: skip
-WORKER_FLAGS = ("dtype", "kv_cache_memory", "device", "max_model_len")
+# Engine flags of `up`: every field of the services' config dataclasses, generated (the
+# services take the same flags, so each is passed on as given). `model` is up's own --model.
+WORKER_SKIP = ("model",)
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
 DEATH_GRACE_S = 3.0  # a dead worker: let the scheduler fail in-flight requests before teardown
 
@@ -42,15 +45,9 @@ def add_up_commands(sub: Any) -> None:
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=env_str("MODEL"),
                    help="'smollm2' (default), a .gguf file or an HF folder")  # fmt: skip
-    g = p.add_argument_group("engine (passed to the scheduler / worker; their defaults apply)")
-    g.add_argument("--dtype", help="worker dtype: float32 | bfloat16 | float16")
-    g.add_argument("--device", help="worker device: cpu | cuda | cuda:N")
-    g.add_argument("--batching", help="continuous | dynamic | static")
-    g.add_argument("--policy", help="fcfs | priority | short-first")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "batch_size",
-                 "max_model_len"):  # fmt: skip
-        g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--kv-cache-memory", help="bytes for the KV cache, e.g. 1GiB")
+    add_config_flags(p, SchedulerConfig)
+    add_config_flags(p, WorkerConfig, skip=WORKER_SKIP)
+    g = p.add_argument_group("engine summary")
     g.add_argument("--summary-interval", type=float,
                    help="seconds between engine_summary lines (default 5, 0: off)")  # fmt: skip
     w = p.add_argument_group("worker kind")
@@ -75,18 +72,28 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="also print the scheduler's step lines (always in its log)")  # fmt: skip
 
 
-def settings_from_args(args: argparse.Namespace) -> StackSettings:
-    def pick(names: tuple[str, ...]) -> dict[str, str]:
-        return {n: str(getattr(args, n)) for n in names if getattr(args, n) is not None}
+def engine_flags(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """The fields of config `cls` given on our command line (or by CONVEYOR_<FIELD>), as the
+    service's own flags; validated here first (ValueError), so a typo fails before any start."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    cls(**given)
+    return {name: "none" if value is None else str(value) for name, value in given.items()}
 
-    worker_flags = pick(WORKER_FLAGS) if args.worker == "model" else {}
+
+def settings_from_args(args: argparse.Namespace) -> StackSettings:
+    """Raises ValueError on an invalid engine setting."""
+    scheduler_flags = engine_flags(args, SchedulerConfig)
+    if args.summary_interval is not None:
+        scheduler_flags["summary_interval"] = str(args.summary_interval)
+    worker_flags = engine_flags(args, WorkerConfig, WORKER_SKIP) if args.worker == "model" else {}
     return StackSettings(
         model=args.model,
         worker=args.worker,
         sim_device=args.sim_device,
         sim_model=args.sim_model,
         frontend_address=args.frontend_addr,
-        scheduler_flags=pick(SCHEDULER_FLAGS),
+        scheduler_flags=scheduler_flags,
         worker_flags=worker_flags,
         gateway=not args.no_gateway,
         http_host=args.http_host,
@@ -106,11 +113,16 @@ def _log_format(requested: str) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    return run_stack(settings_from_args(args), args.ready_timeout)
+    return cmd_demo(args, demo=False)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    return run_stack(settings_from_args(args), args.ready_timeout, demo_prompt=args.prompt)
+def cmd_demo(args: argparse.Namespace, demo: bool = True) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return run_stack(settings, args.ready_timeout, demo_prompt=args.prompt if demo else None)
 
 
 def run_stack(

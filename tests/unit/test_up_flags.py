@@ -1,0 +1,49 @@
+"""`conveyor up`'s engine flags come from the services' config dataclasses: every field has a
+flag, a given flag reaches its service's command line, a bad value fails before any start."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from conveyor.up import WORKER_SKIP, add_up_commands, settings_from_args
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_up_commands(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["up", *argv])
+
+
+def test_every_config_field_is_an_up_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_up_commands(parser.add_subparsers(dest="command"))
+    up = parser._subparsers._group_actions[0].choices["up"]  # type: ignore[union-attr]
+    flags = {opt for action in up._actions for opt in action.option_strings}
+    for cls, skip in ((SchedulerConfig, ()), (WorkerConfig, WORKER_SKIP)):
+        for f in dataclasses.fields(cls):
+            if f.name not in skip:
+                assert "--" + f.name.replace("_", "-") in flags, (cls.__name__, f.name)
+
+
+def test_given_flags_reach_their_service() -> None:
+    args = _parse("--max-num-seqs", "8", "--policy", "priority", "--kv-cache-memory", "1GiB",
+                  "--dtype", "float32", "--batch-size", "none",
+                  "--summary-interval", "2")  # fmt: skip
+    settings = settings_from_args(args)
+    want = {"max_num_seqs": "8", "policy": "priority", "batch_size": "none",
+            "summary_interval": "2.0"}  # fmt: skip
+    assert settings.scheduler_flags == want
+    assert settings.worker_flags == {"kv_cache_memory": str(1 << 30), "dtype": "float32"}
+    assert settings_from_args(_parse()).scheduler_flags == {}  # the services' defaults apply
+    sim = settings_from_args(_parse("--worker", "sim", "--dtype", "float32"))
+    assert sim.worker_flags == {}  # the simulated worker takes none of the real one's flags
+
+
+def test_an_invalid_engine_setting_fails_before_start() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        settings_from_args(_parse("--max-num-seqs", "64", "--max-num-batched-tokens", "32"))
