@@ -1,36 +1,24 @@
 """The asyncio Python client: one DEALER connection shared by many concurrent requests.
 
-A reader task (started on first use, in the running loop) receives every reply and hands it to
-the queue of its request id; each request awaits its own queue. Cancelling the task that awaits
-a request, or closing/dropping its stream early, aborts the request in the engine.
+A reader task (started on first use, in the running loop) receives every reply, lets
+`ClientCore` (shared/client/core.py, shared with the blocking Client) route it to its request
+and wakes that request's waiters. Cancelling the task that awaits a request, or closing/dropping
+its stream early, aborts the request in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 import zmq
 import zmq.asyncio
 
+from shared.client.core import ABORT_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
 from shared.client.sync_client import DEFAULT_ADDRESS
-from shared.client.types import (
-    Chunk,
-    Completion,
-    Done,
-    EngineError,
-    chunk_from_wire,
-    completion_from_chunks,
-    completion_from_done,
-    done_from_wire,
-    error_from_wire,
-    request_fields,
-)
-from shared.protocol.client_channel import decode_reply, encode_client_message
-from shared.protocol.codec import DecodeError
+from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
 from shared.protocol.errors import ErrorCode
 
 
@@ -44,18 +32,15 @@ class AsyncClient:
         context: Optional[zmq.asyncio.Context] = None,
         connect_timeout: float = 5.0,
     ) -> None:
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("timeout and connect_timeout must be > 0")
+        self._core = ClientCore(address, timeout, connect_timeout)
         self.address = address
         self.timeout = timeout
-        self.connect_timeout = min(connect_timeout, timeout)
+        self.connect_timeout = self._core.connect_timeout
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._reader: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
-        self._abandoned: set[str] = set()
-        self._abort_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}  # id -> set when a reply for it arrives
         self._last_rx = 0.0
         self._closed = False
 
@@ -85,18 +70,17 @@ class AsyncClient:
             if it.done is None:  # the iterator ends only after `done` or by raising
                 raise EngineError(ErrorCode.INTERNAL, "stream ended without `done`")
             return completion_from_chunks(it.done, chunks)
-        rid = request_id or uuid.uuid4().hex
-        fields = request_fields(prompt, messages, prompt_token_ids, False, priority, params)
-        await self._start(rid, encode_client_message("generate", rid, **fields))
+        rid, frame = self._core.generate(
+            request_id, prompt, messages, prompt_token_ids, False, priority, params
+        )
+        await self._start(rid, frame)
         try:
-            msg = await self._next_for(rid)
+            msg = await self._next_for(rid, RESULT_KINDS)
         except BaseException:
             self._abandon(rid)  # cancelled or timed out: don't leave it running
             raise
-        self._queues.pop(rid, None)
-        if msg["type"] == "error":
-            raise error_from_wire(msg)
-        return completion_from_done(msg)
+        self._forget(rid)
+        return self._core.completion(msg)
 
     def stream(
         self,
@@ -109,22 +93,22 @@ class AsyncClient:
         **params: Any,
     ) -> AsyncStream:
         """The request is sent on the first `__anext__`; `.id` is known at once."""
-        rid = request_id or uuid.uuid4().hex
-        fields = request_fields(prompt, messages, prompt_token_ids, True, priority, params)
-        return AsyncStream(self, rid, encode_client_message("generate", rid, **fields))
+        rid, frame = self._core.generate(
+            request_id, prompt, messages, prompt_token_ids, True, priority, params
+        )
+        return AsyncStream(self, rid, frame)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True when it was in flight. Idempotent.
 
         A stream of that id still receives its final `done` (finish_reason "abort")."""
-        self._abandoned.discard(request_id)  # its `aborted` now answers this call
-        acked: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._abort_waiters[request_id] = acked
+        opened, frame = self._core.abort(request_id)
         try:
-            await self._send(encode_client_message("abort", request_id))
-            msg = await self._wait(lambda: asyncio.shield(acked))
+            await self._send(frame)
+            msg = await self._next_for(request_id, ABORT_KINDS)
         finally:
-            self._abort_waiters.pop(request_id, None)
+            if opened:
+                self._forget(request_id)
         return bool(msg.get("found"))
 
     async def health(self) -> dict[str, Any]:
@@ -148,31 +132,29 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # ---- plumbing ----------------------------------------------------------------------------
+    # ---- transport ---------------------------------------------------------------------------
 
     async def _query(self, kind: str) -> dict[str, Any]:
-        qid = f"{kind}-{uuid.uuid4().hex}"
-        await self._start(qid, encode_client_message(kind, qid))
+        qid, frame = self._core.query(kind)
         try:
-            msg = await self._next_for(qid)
+            await self._send(frame)
+            msg = await self._next_for(qid, (kind, "error"))
         finally:
-            self._queues.pop(qid, None)
-        if msg["type"] == "error":
-            raise error_from_wire(msg)
-        return msg
+            self._forget(qid)
+        return self._core.query_result(msg)
 
     async def _start(self, rid: str, frame: bytes) -> None:
-        """Register `rid`'s queue, then send its first frame."""
-        self._queues[rid] = asyncio.Queue()
+        """Open `rid`'s box, then send its first frame."""
+        self._core.open(rid)
         try:
             await self._send(frame)
         except BaseException:
-            self._queues.pop(rid, None)  # never sent: nothing to abort
+            self._forget(rid)  # never sent: nothing to abort
             raise
 
     async def _send(self, frame: bytes) -> None:
         if self._closed:
-            raise EngineError(ErrorCode.ENGINE_UNREACHABLE, "the client is closed")
+            raise self._core.closed_error()
         if self._sock is None:
             self._loop = asyncio.get_running_loop()
             self._sock = self._ctx.socket(zmq.DEALER)
@@ -181,14 +163,11 @@ class AsyncClient:
             self._sock.connect(self.address)
             self._reader = asyncio.create_task(self._read())
         if not await self._sock.poll(int(self.connect_timeout * 1000), zmq.POLLOUT):
-            raise EngineError(
-                ErrorCode.ENGINE_UNREACHABLE,
-                f"cannot connect to {self.address} within {self.connect_timeout:g} s",
-            )
+            raise self._core.connect_error()
         await self._sock.send(frame)
 
     async def _read(self) -> None:
-        """The reader task: every reply goes to its request's queue."""
+        """The reader task: every reply is routed, and its request's waiters woken."""
         sock = self._sock
         if sock is None:
             return
@@ -198,53 +177,40 @@ class AsyncClient:
             except zmq.ZMQError:
                 return  # socket closed under us: close() is running
             self._last_rx = time.monotonic()
-            self._dispatch(frame)
+            rid = self._core.receive(frame)
+            wakeup = self._wakeups.get(rid) if rid is not None else None
+            if wakeup is not None:
+                wakeup.set()
 
-    def _dispatch(self, frame: bytes) -> None:
-        try:
-            msg = decode_reply(frame)
-        except DecodeError:
-            return  # not a protocol reply: ignore, as the protocol asks of unknown input
-        rid = msg.get("id")
-        if not isinstance(rid, str):
-            return  # heartbeat (liveness already noted) or an error about no request of ours
-        if rid in self._abandoned:
-            if msg["type"] == "aborted":
-                self._abandoned.discard(rid)
-            return
-        if msg["type"] == "aborted":
-            acked = self._abort_waiters.get(rid)
-            if acked is not None and not acked.done():
-                acked.set_result(msg)
-            return
-        queue = self._queues.get(rid)
-        if queue is not None:
-            queue.put_nowait(msg)
-
-    async def _next_for(self, rid: str) -> dict[str, Any]:
-        """The next reply for `rid`; EngineError when the frontend is silent for `timeout`."""
-        return await self._wait(self._queues[rid].get)
-
-    async def _wait(self, get: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    async def _next_for(self, rid: str, kinds: tuple[str, ...]) -> dict[str, Any]:
+        """The first reply for `rid` of one of `kinds`; EngineError when the frontend is silent
+        (no frame at all, heartbeats included) for `timeout`."""
         started = time.monotonic()
+        wakeup = self._wakeups.setdefault(rid, asyncio.Event())
         while True:
+            msg = self._core.take(rid, kinds)
+            if msg is not None:
+                return msg
             wait = max(started, self._last_rx) + self.timeout - time.monotonic()
             if wait <= 0:
-                raise EngineError(
-                    ErrorCode.ENGINE_UNREACHABLE,
-                    f"no reply from {self.address} within {self.timeout:g} s",
-                )
+                raise self._core.silence_error()
+            wakeup.clear()  # no await since `take`: nothing can have arrived in between
             try:
-                return await asyncio.wait_for(get(), wait)
+                await asyncio.wait_for(wakeup.wait(), wait)
             except asyncio.TimeoutError:
                 continue  # re-check against the latest reply of any request (heartbeats)
 
+    def _forget(self, rid: str) -> None:
+        self._core.forget(rid)
+        self._wakeups.pop(rid, None)
+
     def _abandon(self, rid: str) -> None:
         """Abort without waiting; late replies for `rid` are dropped. Runs in the loop."""
-        if self._queues.pop(rid, None) is None or self._closed or self._sock is None:
+        self._wakeups.pop(rid, None)
+        frame = self._core.abandon(rid)
+        if frame is None or self._closed or self._sock is None:
             return
-        self._abandoned.add(rid)
-        sent = self._sock.send(encode_client_message("abort", rid))
+        sent = self._sock.send(frame)
         # Nobody awaits this send; retrieve its outcome so a failure is not reported as lost.
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
@@ -275,17 +241,17 @@ class AsyncStream(AsyncIterator[Chunk]):
             if self._frame is not None:
                 frame, self._frame = self._frame, None
                 await self._client._start(self.id, frame)
-            msg = await self._client._next_for(self.id)
+            msg = await self._client._next_for(self.id, STREAM_KINDS)
         except BaseException:
             await self.aclose()  # cancelled, timed out or the send failed
             raise
-        if msg["type"] == "chunk":
-            return chunk_from_wire(msg)
-        self._finished = True
-        self._client._queues.pop(self.id, None)
-        if msg["type"] == "error":
-            raise error_from_wire(msg)
-        self.done = done_from_wire(msg)
+        if msg["type"] != "chunk":
+            self._finished = True
+            self._client._forget(self.id)
+        event = self._client._core.stream_event(msg)  # raises on `error`
+        if isinstance(event, Chunk):
+            return event
+        self.done = event
         raise StopAsyncIteration
 
     async def aclose(self) -> None:

@@ -1,35 +1,22 @@
 """The blocking Python client: one DEALER connection to a frontend (docs/protocol.md).
 
 Several requests may be in flight on one Client (e.g. two streams iterated in turns): replies
-for ids other than the one being waited for are buffered per id. A Client is not thread-safe
-(ZeroMQ sockets are not); use one per thread.
+for ids other than the one being waited for are kept per id. A Client is not thread-safe
+(ZeroMQ sockets are not); use one per thread. What frames mean is `ClientCore`'s business
+(shared/client/core.py, shared with AsyncClient); this class only sends, polls and receives.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections import deque
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import zmq
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR
-from shared.client.types import (
-    Chunk,
-    Completion,
-    Done,
-    EngineError,
-    chunk_from_wire,
-    completion_from_chunks,
-    completion_from_done,
-    done_from_wire,
-    error_from_wire,
-    request_fields,
-)
-from shared.protocol.client_channel import decode_reply, encode_client_message
-from shared.protocol.codec import DecodeError
+from shared.client.core import ABORT_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
+from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
 from shared.protocol.errors import ErrorCode
 
 DEFAULT_ADDRESS = DEFAULT_FRONTEND_ADDR  # kept: the public name of the client API
@@ -49,19 +36,16 @@ class Client:
         context: Optional[zmq.Context] = None,
         connect_timeout: float = 5.0,
     ) -> None:
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("timeout and connect_timeout must be > 0")
+        self._core = ClientCore(address, timeout, connect_timeout)
         self.address = address
         self.timeout = timeout
-        self.connect_timeout = min(connect_timeout, timeout)
+        self.connect_timeout = self._core.connect_timeout
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Queue nothing while not connected: a request to an absent frontend fails at once
         # (after connect_timeout) instead of waiting in a queue for the full timeout.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.connect(address)
-        self._inbox: dict[str, deque[dict[str, Any]]] = {}  # ids being waited for
-        self._abandoned: set[str] = set()  # aborted by close(): drop their late replies
         self._closed = False
 
     # ---- requests ----------------------------------------------------------------------------
@@ -91,18 +75,18 @@ class Client:
             if it.done is None:  # the iterator ends only after `done` or by raising
                 raise EngineError(ErrorCode.INTERNAL, "stream ended without `done`")
             return completion_from_chunks(it.done, chunks)
-        rid = self._send_generate(
-            request_id, prompt, messages, prompt_token_ids, False, priority, params
+        rid = self._start(
+            *self._core.generate(
+                request_id, prompt, messages, prompt_token_ids, False, priority, params
+            )
         )
         try:
-            msg = self._next_for(rid, ("done", "error"))
+            msg = self._next_for(rid, RESULT_KINDS)
         except EngineError:
             self._abandon(rid)  # timed out: don't leave it running
             raise
-        self._inbox.pop(rid, None)
-        if msg["type"] == "error":
-            raise error_from_wire(msg)
-        return completion_from_done(msg)
+        self._core.forget(rid)
+        return self._core.completion(msg)
 
     def stream(
         self,
@@ -116,8 +100,10 @@ class Client:
     ) -> Stream:
         """Start a streaming request; iterate the result for Chunks. Closing the iterator (or
         dropping it) before the end aborts the request in the engine."""
-        rid = self._send_generate(
-            request_id, prompt, messages, prompt_token_ids, True, priority, params
+        rid = self._start(
+            *self._core.generate(
+                request_id, prompt, messages, prompt_token_ids, True, priority, params
+            )
         )
         return Stream(self, rid)
 
@@ -125,15 +111,13 @@ class Client:
         """Abort a request; True when it was in flight. Idempotent.
 
         A stream of that id still receives its final `done` (finish_reason "abort")."""
-        owned = request_id not in self._inbox  # else a live stream of ours shares the box
-        self._abandoned.discard(request_id)  # its `aborted` now answers this call
-        self._inbox.setdefault(request_id, deque())
+        opened, frame = self._core.abort(request_id)
         try:
-            self._send(encode_client_message("abort", request_id))
-            msg = self._next_for(request_id, ("aborted",))
+            self._send(frame)
+            msg = self._next_for(request_id, ABORT_KINDS)
         finally:
-            if owned:
-                self._inbox.pop(request_id, None)
+            if opened:
+                self._core.forget(request_id)
         return bool(msg.get("found"))
 
     def health(self) -> dict[str, Any]:
@@ -155,99 +139,61 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- plumbing ----------------------------------------------------------------------------
+    # ---- transport ---------------------------------------------------------------------------
 
     def _query(self, kind: str) -> dict[str, Any]:
-        qid = f"{kind}-{uuid.uuid4().hex}"
-        self._inbox[qid] = deque()
+        qid, frame = self._core.query(kind)
         try:
-            self._send(encode_client_message(kind, qid))
+            self._send(frame)
             msg = self._next_for(qid, (kind, "error"))
         finally:
-            self._inbox.pop(qid, None)
-        if msg["type"] == "error":
-            raise error_from_wire(msg)
-        return msg
+            self._core.forget(qid)
+        return self._core.query_result(msg)
 
-    def _send_generate(
-        self,
-        request_id: Optional[str],
-        prompt: Optional[str],
-        messages: Optional[list[dict[str, Any]]],
-        prompt_token_ids: Optional[list[int]],
-        stream: bool,
-        priority: int,
-        params: dict[str, Any],
-    ) -> str:
-        rid = request_id or uuid.uuid4().hex
-        fields = request_fields(prompt, messages, prompt_token_ids, stream, priority, params)
-        self._inbox[rid] = deque()
+    def _start(self, rid: str, frame: bytes) -> str:
+        """Open `rid`'s box, then send its first frame."""
+        self._core.open(rid)
         try:
-            self._send(encode_client_message("generate", rid, **fields))
+            self._send(frame)
         except EngineError:
-            self._inbox.pop(rid, None)  # never sent: nothing to abort
+            self._core.forget(rid)  # never sent: nothing to abort
             raise
         return rid
 
     def _send(self, frame: bytes) -> None:
         if self._closed:
-            raise EngineError(ErrorCode.ENGINE_UNREACHABLE, "the client is closed")
+            raise self._core.closed_error()
         if not self._sock.poll(int(self.connect_timeout * 1000), zmq.POLLOUT):
-            raise EngineError(
-                ErrorCode.ENGINE_UNREACHABLE,
-                f"cannot connect to {self.address} within {self.connect_timeout:g} s",
-            )
+            raise self._core.connect_error()
         self._sock.send(frame)
 
     def _next_for(self, rid: str, kinds: tuple[str, ...]) -> dict[str, Any]:
-        """The first buffered or new reply for `rid` whose type is one of `kinds` (others stay
-        buffered, in order); replies for other ids are buffered on the way."""
-        box = self._inbox[rid]
+        """The first kept or new reply for `rid` whose type is one of `kinds`; replies for
+        other ids are kept on the way. EngineError after `timeout` s without any frame."""
         last_rx = time.monotonic()
         while True:
-            for i, msg in enumerate(box):
-                if msg["type"] in kinds:
-                    del box[i]
-                    return msg
+            msg = self._core.take(rid, kinds)
+            if msg is not None:
+                return msg
             wait = last_rx + self.timeout - time.monotonic()
             if wait <= 0:
-                raise EngineError(
-                    ErrorCode.ENGINE_UNREACHABLE,
-                    f"no reply from {self.address} within {self.timeout:g} s",
-                )
+                raise self._core.silence_error()
             if not self._sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
                 continue
             last_rx = time.monotonic()
-            self._dispatch(self._sock.recv())
-
-    def _dispatch(self, frame: bytes) -> None:
-        try:
-            msg = decode_reply(frame)
-        except DecodeError:
-            return  # not a protocol reply: ignore, as the protocol asks of unknown input
-        rid = msg.get("id")
-        if not isinstance(rid, str):
-            return  # heartbeat or an error about no request of ours
-        if rid in self._abandoned:
-            if msg["type"] == "aborted":
-                self._abandoned.discard(rid)
-            return
-        box = self._inbox.get(rid)
-        if box is not None:
-            box.append(msg)
+            self._core.receive(self._sock.recv())
 
     def _abandon(self, rid: str) -> None:
         """Abort without waiting (a stream closed early); its late replies are dropped."""
-        self._inbox.pop(rid, None)
-        if self._closed:
+        frame = self._core.abandon(rid)
+        if frame is None or self._closed:
             return
-        self._abandoned.add(rid)
         try:
-            self._sock.send(encode_client_message("abort", rid), zmq.NOBLOCK)
+            self._sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError:
             # Send queue full or socket torn down: the frontend still aborts the request
             # when this connection goes away, so nothing is leaked.
-            self._abandoned.discard(rid)
+            self._core.abort_unsent(rid)
 
 
 class Stream(Iterator[Chunk]):
@@ -266,17 +212,17 @@ class Stream(Iterator[Chunk]):
         if self._finished:
             raise StopIteration
         try:
-            msg = self._client._next_for(self.id, ("chunk", "done", "error"))
+            msg = self._client._next_for(self.id, STREAM_KINDS)
         except EngineError:
             self.close()
             raise
-        if msg["type"] == "chunk":
-            return chunk_from_wire(msg)
-        self._finished = True
-        self._client._inbox.pop(self.id, None)
-        if msg["type"] == "error":
-            raise error_from_wire(msg)
-        self.done = done_from_wire(msg)
+        if msg["type"] != "chunk":
+            self._finished = True
+            self._client._core.forget(self.id)
+        event = self._client._core.stream_event(msg)  # raises on `error`
+        if isinstance(event, Chunk):
+            return event
+        self.done = event
         raise StopIteration
 
     def close(self) -> None:

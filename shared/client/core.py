@@ -1,0 +1,179 @@
+"""The client's protocol logic with no I/O: both Python clients are thin transports over it.
+
+`ClientCore` builds every frame a client sends (docs/protocol.md) and routes every frame it
+receives to the request it belongs to; `Client` (blocking) and `AsyncClient` (asyncio) only move
+frames over their ZeroMQ socket and wait. So the two cannot drift apart on what a reply means.
+
+Routing: each request (or query) the caller waits on has a box, opened before its first frame is
+sent, that collects its replies in arrival order; the caller takes the first reply of the types
+it wants (`take`), others stay (a stream and an `abort` of the same id share one box). A request
+given up without waiting (`abandon`) has its late replies dropped until its `aborted` arrives.
+Not thread-safe: one owner, like the socket it serves.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from typing import Any, Optional, Union
+
+from shared.client.types import (
+    Chunk,
+    Completion,
+    Done,
+    EngineError,
+    chunk_from_wire,
+    completion_from_done,
+    done_from_wire,
+    error_from_wire,
+    request_fields,
+)
+from shared.protocol.client_channel import decode_reply, encode_client_message
+from shared.protocol.codec import DecodeError
+from shared.protocol.errors import ErrorCode
+
+RESULT_KINDS = ("done", "error")  # what ends a non-streaming request
+STREAM_KINDS = ("chunk", "done", "error")  # what a stream reads
+ABORT_KINDS = ("aborted",)
+
+
+class ClientCore:
+    """Frames out, replies in, per request id. `timeout` / `connect_timeout` are the client's
+    settings (validated here; the transports apply them)."""
+
+    def __init__(self, address: str, timeout: float, connect_timeout: float) -> None:
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeout and connect_timeout must be > 0")
+        self.address = address
+        self.timeout = timeout
+        self.connect_timeout = min(connect_timeout, timeout)
+        self._boxes: dict[str, deque[dict[str, Any]]] = {}  # ids being waited for
+        self._abandoned: set[str] = set()  # given up: drop their replies until `aborted`
+
+    # ---- frames out (each opens the box its replies go to) ------------------------------------
+
+    def generate(
+        self,
+        request_id: Optional[str],
+        prompt: Optional[str],
+        messages: Optional[list[dict[str, Any]]],
+        prompt_token_ids: Optional[list[int]],
+        stream: bool,
+        priority: int,
+        params: dict[str, Any],
+    ) -> tuple[str, bytes]:
+        """(request id, `generate` frame); the id is made up when not given."""
+        rid = request_id or uuid.uuid4().hex
+        fields = request_fields(prompt, messages, prompt_token_ids, stream, priority, params)
+        return rid, encode_client_message("generate", rid, **fields)
+
+    def query(self, kind: str) -> tuple[str, bytes]:
+        """(query id, frame) of a `health` or `stats` query; its box is open."""
+        qid = f"{kind}-{uuid.uuid4().hex}"
+        self.open(qid)
+        return qid, encode_client_message(kind, qid)
+
+    def abort(self, request_id: str) -> tuple[bool, bytes]:
+        """(whether this call opened the box, `abort` frame). A live stream of the same id keeps
+        its box (and still gets its final `done`); the `aborted` reply lands there too."""
+        opened = request_id not in self._boxes
+        self._abandoned.discard(request_id)  # its `aborted` now answers this call
+        self._boxes.setdefault(request_id, deque())
+        return opened, encode_client_message("abort", request_id)
+
+    def open(self, rid: str) -> None:
+        """Collect replies for `rid` from now on (call before its first frame is sent)."""
+        self._boxes[rid] = deque()
+
+    def forget(self, rid: str) -> None:
+        """Stop collecting for `rid` (it ended, or its first frame was never sent)."""
+        self._boxes.pop(rid, None)
+
+    def abandon(self, rid: str) -> Optional[bytes]:
+        """Give `rid` up without waiting: returns the `abort` frame to send (fire and forget),
+        or None when `rid` was not open. Call `abort_unsent` if that send fails."""
+        if self._boxes.pop(rid, None) is None:
+            return None
+        self._abandoned.add(rid)
+        return encode_client_message("abort", rid)
+
+    def abort_unsent(self, rid: str) -> None:
+        """The abandon's frame could not be sent: the frontend still aborts the request when
+        the connection goes, so just stop waiting for its `aborted`."""
+        self._abandoned.discard(rid)
+
+    def is_open(self, rid: str) -> bool:
+        return rid in self._boxes
+
+    # ---- frames in ----------------------------------------------------------------------------
+
+    def receive(self, frame: bytes) -> Optional[str]:
+        """Route one received frame; returns the id whose box got a reply, else None (a
+        heartbeat, a late reply of an abandoned request, or a frame that is not ours)."""
+        try:
+            msg = decode_reply(frame)
+        except DecodeError:
+            return None  # not a protocol reply: ignore, as the protocol asks of unknown input
+        rid = msg.get("id")
+        if not isinstance(rid, str):
+            return None  # heartbeat or an error about no request of ours
+        if rid in self._abandoned:
+            if msg["type"] == "aborted":
+                self._abandoned.discard(rid)
+            return None
+        box = self._boxes.get(rid)
+        if box is None:
+            return None
+        box.append(msg)
+        return rid
+
+    def take(self, rid: str, kinds: tuple[str, ...]) -> Optional[dict[str, Any]]:
+        """The first collected reply for `rid` of one of `kinds` (others stay, in order)."""
+        box = self._boxes.get(rid)
+        if box is None:
+            return None
+        for i, msg in enumerate(box):
+            if msg["type"] in kinds:
+                del box[i]
+                return msg
+        return None
+
+    # ---- replies -> results -------------------------------------------------------------------
+
+    @staticmethod
+    def completion(msg: dict[str, Any]) -> Completion:
+        """A non-streaming request's last reply; raises EngineError on `error`."""
+        if msg["type"] == "error":
+            raise error_from_wire(msg)
+        return completion_from_done(msg)
+
+    @staticmethod
+    def query_result(msg: dict[str, Any]) -> dict[str, Any]:
+        if msg["type"] == "error":
+            raise error_from_wire(msg)
+        return msg
+
+    @staticmethod
+    def stream_event(msg: dict[str, Any]) -> Union[Chunk, Done]:
+        """A stream's reply: a Chunk, or the Done that ends it; raises EngineError on `error`."""
+        if msg["type"] == "chunk":
+            return chunk_from_wire(msg)
+        if msg["type"] == "error":
+            raise error_from_wire(msg)
+        return done_from_wire(msg)
+
+    # ---- the errors a transport raises --------------------------------------------------------
+
+    def closed_error(self) -> EngineError:
+        return EngineError(ErrorCode.ENGINE_UNREACHABLE, "the client is closed")
+
+    def connect_error(self) -> EngineError:
+        return EngineError(
+            ErrorCode.ENGINE_UNREACHABLE,
+            f"cannot connect to {self.address} within {self.connect_timeout:g} s",
+        )
+
+    def silence_error(self) -> EngineError:
+        return EngineError(
+            ErrorCode.ENGINE_UNREACHABLE, f"no reply from {self.address} within {self.timeout:g} s"
+        )
