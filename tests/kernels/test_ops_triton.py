@@ -16,10 +16,10 @@ import pytest
 from services.worker.config import WorkerConfig
 from services.worker.ops_triton import TritonOps
 from services.worker.runner import ModelRunner
-from services.worker.testing import PlanDriver
-from services.worker.tiny_model import write_tiny_model
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
+from tests.support.plan_driver import PlanDriver
+from tests.support.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 # fp32: reassociation only (measured ~3e-6). bf16: both paths round activations to bf16 at

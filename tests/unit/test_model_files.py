@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.worker.tiny_model import write_tiny_model
 from shared.model_files import (
     SMOLLM2_FILE,
     default_gguf_path,
@@ -23,6 +22,7 @@ from shared.model_files import (
     prepare_model,
     read_config,
 )
+from tests.support.tiny_model import write_tiny_model
 
 TEXTS = [
     "Hello world! How are you today?",

@@ -16,11 +16,11 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
-from services.worker.testing import PlanDriver
 from shared.model_files import prepare_model
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
 from tests.greedy_reference import compare_greedy
+from tests.support.plan_driver import PlanDriver
 
 pytestmark = pytest.mark.model
 NUM_NEW_TOKENS = 32

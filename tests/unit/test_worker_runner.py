@@ -13,10 +13,10 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
-from services.worker.testing import BlockAllocator, PlanDriver
-from services.worker.tiny_model import write_tiny_model
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
+from tests.support.plan_driver import BlockAllocator, PlanDriver
+from tests.support.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 

@@ -1,4 +1,4 @@
-"""A minimal in-process stand-in for the scheduler, for tests and benchmarks of the runner.
+"""A minimal in-process stand-in for the scheduler, for tests (and benchmarks) of the runner.
 
 It keeps a free list of blocks (optionally shuffled, so block tables are not contiguous),
 schedules every active sequence each step (a prefill chunk of at most `chunk_size` tokens, or one

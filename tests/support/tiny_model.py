@@ -1,4 +1,4 @@
-"""A tiny random Llama as an HF folder, for fast tests (here and in other services' tests).
+"""A tiny random Llama as an HF folder, for fast tests of the worker and the other services.
 
 The tokenizer is byte-level BPE over the 256 byte symbols plus ChatML specials and a few merges,
 so any text round-trips; ids 0..2 are <|endoftext|>, <|im_start|> (bos), <|im_end|> (eos), as in
