@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.test_compose import _docker_compose
+from tests.e2e.test_compose import COMPOSE
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,8 @@ METRIC = re.compile(r"\bconveyor:[A-Za-z_:][A-Za-z0-9_:]*")
 
 
 def test_monitoring_profile_is_valid_compose() -> None:
-    argv = [_docker_compose(), "--profile", "monitoring", "config", "-q"]
+    assert COMPOSE.exists(), f"{COMPOSE} is missing: `make test` installs it (Makefile)"
+    argv = [str(COMPOSE), "--profile", "monitoring", "config", "-q"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
