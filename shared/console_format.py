@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 LogFormat = Literal["console", "json", "auto"]
-LOG_FORMATS: tuple[str, ...] = ("console", "json", "auto")
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 
 # Keys the head of the line already shows, or that only machines read.
 _HEAD = ("ts", "service", "level", "event")

@@ -108,7 +108,7 @@ def add_log_format_flag(parser: Any) -> None:
     log files are JSON whatever it says."""
     parser.add_argument(
         "--log-format",
-        choices=("console", "json", "auto"),
+        choices=("console", "json", "auto"),  # shared/console_format.py LOG_FORMATS
         default=env_str("LOG_FORMAT", "auto"),
         help="stdout logs: console lines, JSON lines, or auto (console on a terminal)",
     )
