@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from shared.console_format import LOG_FORMATS
+
 PREFIX = "CONVEYOR_"
 
 # name (without prefix) -> what it sets
@@ -108,7 +110,7 @@ def add_log_format_flag(parser: Any) -> None:
     log files are JSON whatever it says."""
     parser.add_argument(
         "--log-format",
-        choices=("console", "json", "auto"),  # shared/console_format.py LOG_FORMATS
+        choices=LOG_FORMATS,
         default=env_str("LOG_FORMAT", "auto"),
         help="stdout logs: console lines, JSON lines, or auto (console on a terminal)",
     )
