@@ -1,8 +1,9 @@
 """Scheduler settings: one frozen, validated dataclass; each field is also a command-line flag.
 
 Defaults are sized for the CPU this project runs on (2 threads, SmolLM2-135M; measured on the
-team's 2-core machines, docs/PERFORMANCE.md §1 has the worker's own figures): the model's linear layers reach ~2.3k tok/s at 128 tokens per step and
-~3.6k at 512, while a 512-token step takes ~140 ms. A 256-token budget keeps most of that
+team's 2-core machines, docs/PERFORMANCE.md §1 has the worker's own figures): the model's
+linear layers reach ~2.3k tok/s at 128 tokens per step and ~3.6k at 512, while a 512-token
+step takes ~140 ms. A 256-token budget keeps most of that
 throughput and holds a running decode's inter-token gap near 100 ms even while a prompt is being
 prefilled beside it. 32 sequences is where llama.cpp's own server peaks on this machine.
 """
