@@ -33,9 +33,10 @@ def _top_folders() -> set[str]:
     }
 
 
-def markdown_problems(path: Path, top: set[str]) -> list[str]:
+def markdown_problems(path: Path, top: set[str], root: Path = ROOT) -> list[str]:
     """Relative links in one Markdown file that point at nothing, and repository paths (or
     ../ paths) its prose names that do not exist. Code blocks are examples, not references."""
+    where = path.relative_to(root)
     problems = []
     text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
     for target in MD_LINK.findall(text):
@@ -43,24 +44,24 @@ def markdown_problems(path: Path, top: set[str]) -> list[str]:
             continue
         local = target.split("#", 1)[0]
         if local and not (path.parent / local).exists():
-            problems.append(f"{path.relative_to(ROOT)}: link to {target!r}")
+            problems.append(f"{where}: link to {target!r}")
     prose = MD_LINK.sub("", text)
     for named in RELATIVE_PATH.findall(prose):
         if not (path.parent / named).exists():
-            problems.append(f"{path.relative_to(ROOT)}: names {named!r}")
-    problems += [f"{path.relative_to(ROOT)}: {p}" for p in _missing_repo_paths(prose, top)]
+            problems.append(f"{where}: names {named!r}")
+    problems += [f"{where}: {p}" for p in _missing_repo_paths(prose, top, root)]
     return problems
 
 
-def _missing_repo_paths(text: str, top: set[str]) -> list[str]:
+def _missing_repo_paths(text: str, top: set[str], root: Path) -> list[str]:
     return [
         f"names {named!r}"
         for named in REPO_PATH.findall(text)
-        if named.split("/", 1)[0] in top and not (ROOT / named).exists()
+        if named.split("/", 1)[0] in top and not (root / named).exists()
     ]
 
 
-def docstring_problems(path: Path, top: set[str]) -> list[str]:
+def docstring_problems(path: Path, top: set[str], root: Path = ROOT) -> list[str]:
     """Repository paths named in one module's docstrings that do not exist."""
     problems = []
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -68,8 +69,8 @@ def docstring_problems(path: Path, top: set[str]) -> list[str]:
              ast.AsyncFunctionDef, ast.ClassDef)))]  # fmt: skip
     for node in nodes:
         doc = ast.get_docstring(node, clean=False) or ""
-        for problem in _missing_repo_paths(doc, top):
-            problems.append(f"{path.relative_to(ROOT)}: docstring {problem}")
+        for problem in _missing_repo_paths(doc, top, root):
+            problems.append(f"{path.relative_to(root)}: docstring {problem}")
     return problems
 
 
@@ -89,32 +90,27 @@ def test_paths_named_in_docstrings_exist() -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_the_checker_finds_a_broken_link(tmp_path: Path) -> None:
-    """The checker itself: a missing target is reported, an existing one and a URL are not."""
-    doc = ROOT / "docs" / "_link_check_probe.md"
-    doc.write_text(
-        "[ok](../README.md) [web](https://example.com) [bad](nowhere.md#x)\n"
-        "See ../../ARCHITECTURE, `services/gone.py` and `docs/protocol.md`.\n"
-    )
-    try:
-        assert [p.split(": ", 1)[1] for p in markdown_problems(doc, _top_folders())] == [
-            "link to 'nowhere.md#x'",
-            "names '../../ARCHITECTURE'",
-            "names 'services/gone.py'",
-        ]
-    finally:
-        doc.unlink()
-    module = tmp_path / "probe.py"
-    module.write_text('"""See docs/protocol.md and services/nowhere.py."""\n')
-    found = [p.split(": ", 1)[1] for p in docstring_problems_at(module)]
-    assert found == ["docstring names 'services/nowhere.py'"]
-
-
-def docstring_problems_at(module: Path) -> list[str]:
-    """docstring_problems for a file outside the repository (the self-test)."""
-    copy = ROOT / "tests" / "unit" / "_link_check_probe.py"
-    copy.write_text(module.read_text())
-    try:
-        return docstring_problems(copy, _top_folders())
-    finally:
-        copy.unlink()
+def test_the_checker_finds_what_is_broken(tmp_path: Path) -> None:
+    """The checker itself, on a small repository of its own: a missing target is reported; an
+    existing one, a URL and a path outside the repository's folders are not."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "services").mkdir()
+    (tmp_path / "README.md").write_text("read me\n")
+    (tmp_path / "docs" / "protocol.md").write_text("the protocol\n")
+    doc = tmp_path / "docs" / "guide.md"
+    doc.write_text("[ok](../README.md) [web](https://example.com) [bad](nowhere.md#x)\n"
+                   "See ../../ARCHITECTURE, `services/gone.py`, `docs/protocol.md`, "
+                   "`logs/scheduler.log`.\n")  # fmt: skip
+    top = {"docs", "services"}
+    assert [p.split(": ", 1)[1] for p in markdown_problems(doc, top, tmp_path)] == [
+        "link to 'nowhere.md#x'",
+        "names '../../ARCHITECTURE'",
+        "names 'services/gone.py'",
+    ]
+    module = tmp_path / "services" / "probe.py"
+    module.write_text('"""See docs/protocol.md and services/nowhere.py."""\n'
+                      'def f() -> None:\n    """Reads docs/missing.md."""\n')  # fmt: skip
+    assert [p.split(": ", 1)[1] for p in docstring_problems(module, top, tmp_path)] == [
+        "docstring names 'services/nowhere.py'",
+        "docstring names 'docs/missing.md'",
+    ]
