@@ -19,7 +19,8 @@ LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 
 # Keys the head of the line already shows, or that only machines read.
 _HEAD = ("ts", "service", "level", "event")
-_NOISE = frozenset({"rids", "num_tokens", "is_prefill", "time", "t_plan", "t_result", "rank"})
+_NOISE = frozenset({"rids", "num_tokens", "is_prefill", "time", "t_plan", "t_result", "rank",
+                    "exception"})  # fmt: skip
 MAX_FIELDS = 8  # fields beyond these are left to the JSON log
 MAX_VALUE_LEN = 60
 
@@ -51,12 +52,15 @@ def render(record: Mapping[str, Any], colour: bool = False) -> str:
     service = str(record.get("service", "-"))
     clock = _clock(record.get("ts"))
     body = summary_text(record) if event == "engine_summary" else _fields(event, record)
+    # A traceback is shown whole, below its line: it is what a person reads the line for.
+    trace = record.get("exception")
+    tail = "\n" + str(trace).rstrip() if trace else ""
     if not colour:
-        return f"{clock} {service:<9} {level.upper():<5} {event} {body}".rstrip()
+        return f"{clock} {service:<9} {level.upper():<5} {event} {body}".rstrip() + tail
     tint = _LEVEL_COLOUR.get(level, "")
     name = f"{_BOLD}{event}{_RESET}"
     return (f"{_DIM}{clock}{_RESET} {_CYAN}{service:<9}{_RESET} {tint}{level.upper():<5}{_RESET}"
-            f" {name} {body}").rstrip()  # fmt: skip
+            f" {name} {body}").rstrip() + tail  # fmt: skip
 
 
 def render_text(service: str, text: str, colour: bool = False, level: str = "info") -> str:

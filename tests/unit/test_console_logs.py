@@ -48,6 +48,14 @@ def test_console_line_keeps_big_fields_out() -> None:
     assert len(render(other)) < 300
 
 
+def test_a_traceback_is_shown_whole_below_its_line() -> None:
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: ' + "z" * 99
+    line = render({**FINISHED, "event": "step_failed", "level": "error", "exception": trace})
+    head, rest = line.split("\n", 1)
+    assert head.endswith("ERROR step_failed rid=fe-1-0 finish_reason=stop num_output_tokens=16")
+    assert rest == trace
+
+
 def test_summary_text_reads_like_prose() -> None:
     text = summary_text({"prompt_tokens_per_s": 123.45, "generation_tokens_per_s": 40.0,
                          "num_running": 3, "num_waiting": 1, "num_preempted": 0,
