@@ -38,9 +38,9 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
-from services.worker.testing import PlanDriver
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
+from tests.support.plan_driver import PlanDriver
 
 NEAR_TIE_FP32 = 1e-3  # fp32 reassociation moves logits ~1e-5; a broken kernel moves them ~1
 # The worker's bf16 error may be 3x transformers' own (or torch's own) bf16 error, or 2% of the
