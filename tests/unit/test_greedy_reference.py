@@ -1,4 +1,4 @@
-"""The near-tie comparator accepts only the reference's own near-ties (tests/greedy_reference.py)."""
+"""The near-tie comparator accepts only the reference's own near-ties (greedy_reference.py)."""
 
 from __future__ import annotations
 
