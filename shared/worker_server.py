@@ -30,6 +30,7 @@ from shared.protocol.worker_channel import (
     WorkerReady,
     WorkerShutdown,
 )
+from shared.transport import guarded
 
 HEARTBEAT_IVL_MS = 1000  # ping the peer every second...
 HEARTBEAT_TIMEOUT_MS = 3000  # ...and drop the connection after 3 s without any traffic
@@ -112,35 +113,60 @@ def _serve_loop(
 ) -> int:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    num_steps = 0
+    num_frames = 0
     while stop is None or not stop.is_set():
         if not poller.poll(POLL_MS):
             continue
         frame = sock.recv()
-        try:
-            msg = decode(frame, max_size=max_frame_bytes)
-        except DecodeError as exc:
-            log.error("bad_frame", code=exc.code, message=exc.message)
-            sock.send(encode(WorkerFailure(step_id=None, code=exc.code, message=exc.message)))
-            continue
-        if isinstance(msg, WorkerShutdown):
-            log.info("worker_shutdown", reason=msg.reason, num_steps=num_steps)
+        stop_now = guarded(
+            log,
+            "worker_message_failed",
+            lambda f: _on_frame(sock, runner, rank, log, f, max_frame_bytes),
+            frame,
+            lambda exc: _send_failure(
+                sock, ErrorCode.INTERNAL, f"worker error: {type(exc).__name__}"
+            ),
+        )
+        if stop_now:
             return 0
-        if not isinstance(msg, StepPlan):
-            message = f"unexpected message {type(msg).__name__} on the worker channel"
-            log.error("bad_message", message=message)
-            sock.send(
-                encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message))
-            )
-            continue
-        _log_sequences(msg, log)
-        reply = _run_step(runner, msg, log)
-        num_steps += 1
-        # Only rank 0 answers with results; every rank reports its own failures.
-        if rank == 0 or isinstance(reply, WorkerFailure):
-            sock.send(encode(reply))
-    log.info("worker_stopped", reason="signal", num_steps=num_steps)
+        num_frames += 1
+    log.info("worker_stopped", reason="signal", num_frames=num_frames)
     return 0
+
+
+def _send_failure(sock: zmq.Socket, code: str, message: str) -> None:
+    sock.send(encode(WorkerFailure(step_id=None, code=code, message=message)))
+
+
+def _on_frame(
+    sock: zmq.Socket,
+    runner: StepRunner,
+    rank: int,
+    log: Any,
+    frame: bytes,
+    max_frame_bytes: Optional[int],
+) -> bool:
+    """One frame from the scheduler, answered; True when it says to shut down."""
+    try:
+        msg = decode(frame, max_size=max_frame_bytes)
+    except DecodeError as exc:
+        log.error("bad_frame", code=exc.code, message=exc.message)
+        sock.send(encode(WorkerFailure(step_id=None, code=exc.code, message=exc.message)))
+        return False
+    if isinstance(msg, WorkerShutdown):
+        log.info("worker_shutdown", reason=msg.reason)
+        return True
+    if not isinstance(msg, StepPlan):
+        message = f"unexpected message {type(msg).__name__} on the worker channel"
+        log.error("bad_message", message=message)
+        sock.send(encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message)))
+        return False
+    _log_sequences(msg, log)
+    reply = _run_step(runner, msg, log)
+    # Only rank 0 answers with results; every rank reports its own failures.
+    if rank == 0 or isinstance(reply, WorkerFailure):
+        sock.send(encode(reply))
+    return False
 
 
 def _log_sequences(plan: StepPlan, log: Any) -> None:

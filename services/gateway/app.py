@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from services.gateway.auth import ApiKeyMiddleware
+from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, from_engine_error, from_validation_errors
 from services.gateway.events import ChoiceEnd
@@ -54,7 +55,11 @@ class Gateway:
     def __init__(self, config: GatewayConfig, log: Any) -> None:
         self.config = config
         self.log = log
-        self.client = AsyncClient(config.engine_addr, timeout=config.engine_timeout_s)
+        self.client = AsyncClient(
+            config.engine_addr,
+            timeout=config.engine_timeout_s,
+            max_frame_bytes=config.max_frame_bytes,
+        )
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.poller = StatsPoller(
@@ -127,7 +132,7 @@ class Gateway:
         plan = replace(plan, calls=calls)
         self.log.info("request", rid=meta.id, kind=kind, num_choices=len(calls), stream=plan.stream)
         runs = ChoiceRuns(
-            self.client, calls, self.metrics.observe_end, self.metrics.observe_aborted
+            self.client, calls, self.metrics.observe_end, self.metrics.observe_aborted, self.log
         )
         runs.start()
         if plan.stream:
@@ -242,6 +247,8 @@ def create_app(config: GatewayConfig, log: Any) -> FastAPI:
     app.state.gateway = gw
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    # added last, so it runs first: a huge body is refused before anything reads it
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_bug)
@@ -268,5 +275,5 @@ async def _on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
 
 async def _on_bug(_: Request, exc: Exception) -> Response:
     """Anything unexpected: still an OpenAI-shaped 500 (the server logs the traceback)."""
-    return error_response(ApiError(500, f"internal error: {exc!r}", "server_error", None,
-                                   ErrorCode.INTERNAL))  # fmt: skip
+    message = f"internal error: {type(exc).__name__} (logged)"
+    return error_response(ApiError(500, message, "server_error", None, ErrorCode.INTERNAL))

@@ -10,6 +10,7 @@ from typing import Optional
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 from shared.console_format import LOG_FORMATS
 from shared.env import add_log_format_flag, env_float, env_int, env_str
+from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_ENGINE_ADDR = DEFAULT_FRONTEND_ADDR  # the tokenizer service the gateway talks to
 
@@ -27,6 +28,10 @@ class GatewayConfig:
     # flight (docs/protocol.md), so this only bounds how long a dead frontend goes unnoticed.
     engine_timeout_s: float = 20.0
     stats_interval_s: float = 2.0  # how often /metrics' engine gauges are refreshed
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 request_too_large
+    # Engine frames above this are refused here (413 frame_too_large) and never sent: all users
+    # share one frontend connection, which a frame over its hard cap would drop.
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     log_level: str = "info"
     log_file: Optional[Path] = None
     log_format: str = "auto"  # stdout: console | json | auto (files are always JSON)
@@ -44,6 +49,8 @@ class GatewayConfig:
             raise ValueError("max_choices must be >= 1")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.max_body_bytes < 1 or self.max_frame_bytes < 1:
+            raise ValueError("max_body_bytes and max_frame_bytes must be >= 1")
         if self.engine_timeout_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("engine_timeout_s and stats_interval_s must be > 0")
         if self.log_format not in LOG_FORMATS:
@@ -113,6 +120,18 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
         default=env_float("STATS_INTERVAL", 2.0),
         help="seconds between engine stats polls [CONVEYOR_STATS_INTERVAL]",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=env_int("MAX_BODY_BYTES", 1 << 20),
+        help="larger request bodies get 413 [CONVEYOR_MAX_BODY_BYTES]",
+    )
+    p.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=env_int("MAX_FRAME_BYTES", DEFAULT_MAX_FRAME_BYTES),
+        help="the frontend's frame limit; larger requests get 413 [CONVEYOR_MAX_FRAME_BYTES]",
+    )
     p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
     add_log_format_flag(p)
     p.add_argument(
@@ -130,6 +149,8 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
             default_max_tokens=a.default_max_tokens,
             engine_timeout_s=a.engine_timeout,
             stats_interval_s=a.stats_interval,
+            max_body_bytes=a.max_body_bytes,
+            max_frame_bytes=a.max_frame_bytes,
             log_level=a.log_level,
             log_file=Path(a.log_file) if a.log_file else None,
             log_format=a.log_format,

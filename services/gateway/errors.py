@@ -16,6 +16,8 @@ from shared.protocol.errors import ErrorCode
 # state codes say "try later" (429 when the queue is full, 503 when the engine can't serve).
 _STATUS_BY_ENGINE_CODE: dict[str, int] = {
     ErrorCode.INVALID_FIELD: 400,
+    ErrorCode.FRAME_TOO_LARGE: 413,
+    ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.INVALID_PROMPT: 400,
     ErrorCode.INVALID_PARAMS: 400,
     ErrorCode.INVALID_TOKEN_ID: 400,
@@ -31,6 +33,7 @@ _TYPE_BY_STATUS: dict[int, str] = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }

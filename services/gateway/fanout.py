@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Optional
+from typing import Any, Optional
 
 import anyio
 
@@ -18,6 +18,8 @@ from services.gateway.errors import from_engine_error
 from services.gateway.events import ChoiceEnd, ChoiceEvent, delta_from_chunk, end_from_done
 from services.gateway.openai_schema import EngineCall
 from shared.client import AsyncClient, EngineError
+from shared.client.async_client import AsyncStream
+from shared.protocol.errors import ErrorCode
 
 
 class ChoiceRuns:
@@ -33,8 +35,10 @@ class ChoiceRuns:
         calls: list[EngineCall],
         on_end: Callable[[ChoiceEnd], None],
         on_abort: Callable[[int], None],
+        log: Any,
     ) -> None:
         self._client = client
+        self._log = log
         self._calls = calls
         self._on_end = on_end  # each choice that finished (metrics)
         self._on_abort = on_abort  # how many choices were cut short (metrics)
@@ -93,13 +97,22 @@ class ChoiceRuns:
             self._num_open = 0
 
     async def _pump(self, call: EngineCall) -> None:
-        stream = self._client.stream(**call.kwargs)
+        """One choice's events into the queue; it always ends with a ChoiceEnd, whatever fails
+        (a request that cannot be encoded fails in `stream()` itself)."""
+        stream: Optional[AsyncStream] = None
         try:
+            stream = self._client.stream(**call.kwargs)
             async for chunk in stream:
                 await self._queue.put(delta_from_chunk(call.index, chunk))
             await self._queue.put(end_from_done(call.index, stream.done))
         except EngineError as exc:
             error = from_engine_error(exc.code, exc.message)
             await self._queue.put(ChoiceEnd(call.index, None, error=error))
+        except Exception as exc:  # noqa: BLE001 - the boundary: the HTTP request must end
+            self._log.exception("choice_failed", index=call.index)
+            message = f"internal error: {type(exc).__name__} (logged)"
+            error = from_engine_error(ErrorCode.INTERNAL, message)
+            await self._queue.put(ChoiceEnd(call.index, None, error=error))
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()

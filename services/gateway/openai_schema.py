@@ -10,12 +10,18 @@ Unknown fields are ignored, as OpenAI-compatible servers do, so clients that sen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.errors import ApiError, invalid_param
-from shared.protocol.sampling import MAX_TOP_LOGPROBS
+from shared.protocol.client_channel import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from shared.protocol.sampling import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 
 SEED_MODULUS = 2**63  # derived seeds stay within a signed 64-bit integer
 
@@ -28,10 +34,16 @@ CHAT_ROLES: dict[str, str] = {
 }
 
 
-class _Body(BaseModel):
-    """Strict types (no "5" for 5, no true for 1); unknown fields ignored."""
+# Every integer fits a signed 64-bit integer (what the engine's msgpack frames carry); every
+# float is finite (NaN and Infinity, which Python's JSON parser accepts as literals, are 400s).
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+
+class _Body(BaseModel):
+    """Strict types (no "5" for 5, no true for 1), finite floats; unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -42,28 +54,30 @@ class _SamplingFields(_Body):
     """The parameters both endpoints share. None means: the engine's default."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1, le=INT64_MAX)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(default=None, ge=-1)  # -1 and 0 disable it (vLLM's convention)
+    top_k: Optional[int] = Field(
+        default=None, ge=-1, le=INT64_MAX
+    )  # -1 and 0 disable it (vLLM's convention)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    n: int = Field(default=1, ge=1)
+    stop: Optional[Union[str, list[str]]] = None  # checked in _common_problem
+    stop_token_ids: Optional[list[TokenId]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    n: int = Field(default=1, ge=1, le=INT64_MAX)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     logit_bias: Optional[dict[str, float]] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]  # ids checked in _split_prompts
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -82,7 +96,7 @@ class ChatMessage(_Body):
 
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[dict[str, Any]]] = None
@@ -186,10 +200,13 @@ def _common_problem(req: _SamplingFields, limits: GatewayLimits) -> Optional[Api
         return invalid_param("logit_bias", "logit_bias is not supported")
     if req.best_of is not None and req.best_of != req.n:
         return invalid_param("best_of", "best_of other than n is not supported")
-    if isinstance(req.stop, list) and not all(req.stop):
-        return invalid_param("stop", "stop strings must not be empty")
-    if req.stop == "":
-        return invalid_param("stop", "stop strings must not be empty")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        message = (
+            f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings "
+            f"of 1-{MAX_STOP_CHARS} characters"
+        )
+        return invalid_param("stop", message)
     if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
         return invalid_param("stop_token_ids", "stop_token_ids must be non-negative integers")
     return None
@@ -207,8 +224,8 @@ def _split_prompts(
         prompts = list(prompt)  # type: ignore[arg-type]
     if not prompts or any(len(p) == 0 for p in prompts):
         return [], invalid_param("prompt", "prompt must not be empty")
-    if any(isinstance(p, list) and any(t < 0 for t in p) for p in prompts):
-        return [], invalid_param("prompt", "prompt token ids must be non-negative")
+    if any(isinstance(p, list) and any(not 0 <= t <= INT64_MAX for t in p) for p in prompts):
+        return [], invalid_param("prompt", "prompt token ids must be in [0, 2^63)")
     return prompts, None
 
 

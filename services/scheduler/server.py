@@ -50,6 +50,7 @@ from shared.protocol.worker_channel import (
     WorkerReady,
     WorkerShutdown,
 )
+from shared.transport import guarded, one_turn
 from shared.worker_server import set_heartbeat, worker_identity
 
 HOUSEKEEPING_S = 0.5  # longest poll: frontend liveness and drain checks run at least this often
@@ -214,22 +215,27 @@ class SchedulerServer:
         return True
 
     def _on_worker(self) -> None:
-        while self.wk.poll(0, zmq.POLLIN):
-            ident, frame = self.wk.recv_multipart()[-2:]
-            received_at = time.time()  # the result -> next plan gap starts here, before decode
-            try:
-                msg = decode(frame)
-            except DecodeError as exc:
-                self._on_step_failed(WorkerFailure(None, exc.code, f"bad worker frame: {exc}"))
-                continue
-            if isinstance(msg, WorkerReady):
-                self._on_worker_ready(msg)
-            elif isinstance(msg, StepResult):
-                self._on_result(msg, received_at)
-            elif isinstance(msg, WorkerFailure):
-                self._on_step_failed(msg)
-            else:
-                self.log.warning("unexpected_worker_message", type=type(msg).__name__, ident=ident)
+        for parts in one_turn(self.wk, max_messages=1024, max_turn_s=1.0):
+            guarded(self.log, "worker_message_failed", self._on_worker_parts, parts)
+
+    def _on_worker_parts(self, parts: list[bytes]) -> None:
+        """One worker message: [identity, frame]. Called inside the boundary: a frame that
+        raises is a logged drop, the loop goes on."""
+        ident, frame = parts[0], parts[-1]
+        received_at = time.time()  # the result -> next plan gap starts here, before decode
+        try:
+            msg = decode(frame)
+        except DecodeError as exc:
+            self._on_step_failed(WorkerFailure(None, exc.code, f"bad worker frame: {exc}"))
+            return
+        if isinstance(msg, WorkerReady):
+            self._on_worker_ready(msg)
+        elif isinstance(msg, StepResult):
+            self._on_result(msg, received_at)
+        elif isinstance(msg, WorkerFailure):
+            self._on_step_failed(msg)
+        else:
+            self.log.warning("unexpected_worker_message", type=type(msg).__name__, ident=ident)
 
     def _on_worker_ready(self, ready: WorkerReady) -> None:
         if self.sched is not None:  # a rank came back without us seeing it go: start afresh
@@ -321,21 +327,22 @@ class SchedulerServer:
 
     def _on_frontends(self) -> None:
         # Bounded so a flood of submits cannot starve the worker socket.
-        for _ in range(1024):
-            if not self.fe.poll(0, zmq.POLLIN):
-                return
-            parts = self.fe.recv_multipart()
-            ident, frame = parts[0], parts[-1]
-            try:
-                msg = decode(frame, max_size=self.config.max_frame_bytes)
-            except DecodeError as exc:
-                self.log.warning("bad_frontend_frame", code=exc.code, message=exc.message)
-                continue
-            # Any message proves a frontend alive; a one-off StatsQuery (a healthcheck) does
-            # not make its sender a frontend to watch.
-            if ident in self._frontends or isinstance(msg, (FrontendHello, SubmitRequest)):
-                self._frontends[ident] = time.monotonic()
-            self._on_frontend_message(ident, msg)
+        for parts in one_turn(self.fe, max_messages=1024, max_turn_s=1.0):
+            guarded(self.log, "frontend_message_failed", self._on_frontend_parts, parts)
+
+    def _on_frontend_parts(self, parts: list[bytes]) -> None:
+        """One frontend message: [identity, frame]; called inside the boundary."""
+        ident, frame = parts[0], parts[-1]
+        try:
+            msg = decode(frame, max_size=self.config.max_frame_bytes)
+        except DecodeError as exc:
+            self.log.warning("bad_frontend_frame", code=exc.code, message=exc.message)
+            return
+        # Any message proves a frontend alive; a one-off StatsQuery (a healthcheck) does
+        # not make its sender a frontend to watch.
+        if ident in self._frontends or isinstance(msg, (FrontendHello, SubmitRequest)):
+            self._frontends[ident] = time.monotonic()
+        self._on_frontend_message(ident, msg)
 
     def _on_frontend_message(self, ident: bytes, msg: Any) -> None:
         if isinstance(msg, SubmitRequest):

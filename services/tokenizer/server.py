@@ -11,7 +11,6 @@ fails, and every request of that connection is aborted in the scheduler.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,12 +40,11 @@ from shared.protocol.engine_channel import (
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
+from shared.transport import guarded, one_turn
 
-MAX_MESSAGES_PER_TURN = 512  # per socket, so neither side starves the other
-# ... and at most this long per socket and turn: a backlog of large output batches (1,000
+# Receive turns are bounded (shared/transport.py): a backlog of large output batches (1,000
 # running requests, a frontend slower than the engine) must not delay housekeeping, whose
 # FrontendHello keeps the scheduler from declaring this frontend gone.
-MAX_TURN_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,18 +144,33 @@ class FrontendServer:
     # ---- client side -------------------------------------------------------------------------
 
     def _on_clients(self) -> None:
-        for parts in _one_turn(self._clients):
-            ident = parts[0]
-            if len(parts) != 2:
-                msg = "send exactly one frame per message from a DEALER socket"
-                self._reply_error(ident, ErrorCode.MALFORMED_MESSAGE, msg, None)
-                continue
-            try:
-                cmd = cc.decode_client_message(parts[1], self.config.max_frame_bytes)
-            except cc.ClientMessageError as exc:
-                self._reply_error(ident, exc.code, exc.message, exc.id)
-                continue
-            self._on_command(ident, cmd)
+        for parts in one_turn(self._clients):
+            guarded(
+                self.log,
+                "client_message_failed",
+                self._on_client_message,
+                parts,
+                lambda _exc, parts=parts: self._reply_error(
+                    parts[0],
+                    ErrorCode.INTERNAL,
+                    "the frontend failed on this message (logged)",
+                    cc.peek_id(parts[-1]),
+                ),
+            )
+
+    def _on_client_message(self, parts: list[bytes]) -> None:
+        """One client message: a DEALER's [identity, frame]. Called inside the boundary."""
+        ident = parts[0]
+        if len(parts) != 2:
+            msg = "send exactly one frame per message from a DEALER socket"
+            self._reply_error(ident, ErrorCode.MALFORMED_MESSAGE, msg, None)
+            return
+        try:
+            cmd = cc.decode_client_message(parts[1], self.config.max_frame_bytes)
+        except cc.ClientMessageError as exc:
+            self._reply_error(ident, exc.code, exc.message, exc.id)
+            return
+        self._on_command(ident, cmd)
 
     def _on_command(self, ident: bytes, cmd: cc.ClientCommand) -> None:
         if isinstance(cmd, cc.GenerateCommand):
@@ -283,15 +296,18 @@ class FrontendServer:
     # ---- scheduler side ----------------------------------------------------------------------
 
     def _on_scheduler(self) -> None:
-        for parts in _one_turn(self._sched):
-            frame = parts[-1]  # the scheduler sends one frame per message
-            self._last_engine_rx = time.monotonic()
-            try:
-                msg = decode(frame)
-            except DecodeError as exc:
-                self.log.warning("bad_scheduler_frame", code=exc.code, message=exc.message)
-                continue
-            self._on_engine_message(msg)
+        for parts in one_turn(self._sched):
+            guarded(self.log, "scheduler_message_failed", self._on_scheduler_frame, parts[-1])
+
+    def _on_scheduler_frame(self, frame: bytes) -> None:
+        """One scheduler message (it sends one frame each); a bad one is a logged drop."""
+        self._last_engine_rx = time.monotonic()
+        try:
+            msg = decode(frame)
+        except DecodeError as exc:
+            self.log.warning("bad_scheduler_frame", code=exc.code, message=exc.message)
+            return
+        self._on_engine_message(msg)
 
     def _on_engine_message(self, msg: Any) -> None:
         if isinstance(msg, OutputBatch):
@@ -451,14 +467,3 @@ class FrontendServer:
             self._send_client(state.identity, state.error(ErrorCode.SHUTTING_DOWN, msg))
         self._send_scheduler(encode(FrontendBye(self.config.frontend_id)))
         self._stopped = True
-
-
-def _one_turn(sock: zmq.Socket) -> Iterator[list[bytes]]:
-    """The messages waiting on `sock` that one turn of the loop handles: at most
-    MAX_MESSAGES_PER_TURN of them, and none started after MAX_TURN_S of work, so that neither
-    socket starves the other and housekeeping runs between turns."""
-    deadline = time.monotonic() + MAX_TURN_S
-    for _ in range(MAX_MESSAGES_PER_TURN):
-        if time.monotonic() > deadline or not sock.poll(0, zmq.POLLIN):
-            return
-        yield sock.recv_multipart()

@@ -26,9 +26,14 @@ from shared.client.types import (
     completion_from_done,
     done_from_wire,
     error_from_wire,
+    generate_frame,
     request_fields,
 )
-from shared.protocol.client_channel import decode_reply, encode_client_message
+from shared.protocol.client_channel import (
+    DEFAULT_MAX_FRAME_BYTES,
+    decode_reply,
+    encode_client_message,
+)
 from shared.protocol.codec import DecodeError
 from shared.protocol.errors import ErrorCode
 
@@ -41,9 +46,18 @@ class ClientCore:
     """Frames out, replies in, per request id. `timeout` / `connect_timeout` are the client's
     settings (validated here; the transports apply them)."""
 
-    def __init__(self, address: str, timeout: float, connect_timeout: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float,
+        connect_timeout: float,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeout and connect_timeout must be > 0")
+        # Larger requests are refused here, never sent: a frame over the frontend's hard cap
+        # would drop this whole connection with every request on it (docs/protocol.md).
+        self.max_frame_bytes = max_frame_bytes
         self.address = address
         self.timeout = timeout
         self.connect_timeout = min(connect_timeout, timeout)
@@ -62,10 +76,11 @@ class ClientCore:
         priority: int,
         params: dict[str, Any],
     ) -> tuple[str, bytes]:
-        """(request id, `generate` frame); the id is made up when not given."""
+        """(request id, `generate` frame); the id is made up when not given. EngineError when
+        the request cannot be sent (frame_too_large, invalid_field: see `generate_frame`)."""
         rid = request_id or uuid.uuid4().hex
         fields = request_fields(prompt, messages, prompt_token_ids, stream, priority, params)
-        return rid, encode_client_message("generate", rid, **fields)
+        return rid, generate_frame(rid, fields, self.max_frame_bytes)
 
     def query(self, kind: str) -> tuple[str, bytes]:
         """(query id, frame) of a `health` or `stats` query; its box is open."""

@@ -17,6 +17,7 @@ import zmq
 from shared.addresses import DEFAULT_FRONTEND_ADDR
 from shared.client.core import ABORT_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
 from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
+from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 from shared.protocol.errors import ErrorCode
 
 DEFAULT_ADDRESS = DEFAULT_FRONTEND_ADDR  # kept: the public name of the client API
@@ -35,8 +36,9 @@ class Client:
         timeout: float = 60.0,
         context: Optional[zmq.Context] = None,
         connect_timeout: float = 5.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self._core = ClientCore(address, timeout, connect_timeout)
+        self._core = ClientCore(address, timeout, connect_timeout, max_frame_bytes)
         self.address = address
         self.timeout = timeout
         self.connect_timeout = self._core.connect_timeout

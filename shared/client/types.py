@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from shared.protocol.errors import ErrorCode
+from shared.protocol.client_channel import encode_client_message
+from shared.protocol.errors import ErrorCode, short_repr
 
 
 class EngineError(Exception):
@@ -131,3 +132,22 @@ def request_fields(
         "priority": priority,
         "params": {k: v for k, v in params.items() if v is not None},
     }
+
+
+def generate_frame(
+    rid: str,
+    fields: dict[str, Any],
+    max_frame_bytes: int,
+) -> bytes:
+    """The `generate` frame, or EngineError when it cannot be sent: a value msgpack cannot hold
+    (an integer beyond 64 bits: invalid_field) or a frame over the frontend's limit
+    (frame_too_large, checked here so that the shared connection is never dropped)."""
+    try:
+        frame = encode_client_message("generate", rid, **fields)
+    except (OverflowError, TypeError, ValueError) as exc:
+        message = f"the request cannot be encoded: {type(exc).__name__}: {short_repr(str(exc))}"
+        raise EngineError(ErrorCode.INVALID_FIELD, message) from None
+    if len(frame) > max_frame_bytes:
+        message = f"request of {len(frame)} bytes > the frame limit of {max_frame_bytes}"
+        raise EngineError(ErrorCode.FRAME_TOO_LARGE, message)
+    return frame

@@ -14,8 +14,8 @@ from typing import Any, Optional, Union
 import msgpack
 
 from shared.protocol.codec import DecodeError
-from shared.protocol.errors import ErrorCode
-from shared.protocol.sampling import SamplingParams
+from shared.protocol.errors import ErrorCode, short_repr
+from shared.protocol.sampling import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, SamplingParams
 from shared.protocol.worker_channel import TokenLogprobs
 
 PROTOCOL_VERSION = 1
@@ -97,19 +97,24 @@ def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES)
     """Parse one client frame, checking in the documented order; raise ClientMessageError."""
     if len(frame) > max_size:
         raise ClientMessageError(
-            ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes > limit {max_size}"
+            ErrorCode.FRAME_TOO_LARGE,
+            f"frame of {len(frame)} bytes > limit {max_size}",
+            peek_id(frame),
         )
     try:
         wire = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ClientMessageError(ErrorCode.MALFORMED_MESSAGE, f"not msgpack: {exc}") from None
+        raise ClientMessageError(
+            ErrorCode.MALFORMED_MESSAGE, f"not msgpack: {short_repr(str(exc))}"
+        ) from None
     if not isinstance(wire, dict):
         raise ClientMessageError(ErrorCode.MALFORMED_MESSAGE, "a message must be a msgpack map")
     raw_id = wire.get("id")
     reply_id = raw_id if isinstance(raw_id, str) and _id_ok(raw_id) else None
     kind = wire.get("type")
     if not isinstance(kind, str) or kind not in CLIENT_MESSAGE_TYPES:
-        raise ClientMessageError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}", reply_id)
+        msg = f"unknown message type {short_repr(kind)}"
+        raise ClientMessageError(ErrorCode.UNKNOWN_TYPE, msg, reply_id)
     version = wire.get("v")
     if type(version) is not int:
         raise ClientMessageError(ErrorCode.INVALID_FIELD, "`v` must be the integer 1", reply_id)
@@ -122,6 +127,24 @@ def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES)
         return AbortCommand(_required_id(wire))
     optional_id = _optional_id(wire)
     return HealthCommand(optional_id) if kind == "health" else StatsCommand(optional_id)
+
+
+def peek_id(frame: bytes) -> Optional[str]:
+    """The `id` of a map frame too large to decode whole, read by skipping every other value
+    (no copy of the big prompt); None when there is no readable one."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(frame))
+    try:
+        unpacker.feed(frame)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key != "id":
+                unpacker.skip()
+                continue
+            value = unpacker.unpack()
+            return value if isinstance(value, str) and _id_ok(value) else None
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; no id then
+        return None
+    return None
 
 
 def _id_ok(value: str) -> bool:
@@ -145,8 +168,9 @@ def _field(wire: dict, name: str, kind: type, default: Any, rid: str) -> Any:
     value = wire.get(name)
     if value is None:
         return default
-    if type(value) is not kind:
-        raise ClientMessageError(ErrorCode.INVALID_FIELD, f"`{name}` must be {kind.__name__}", rid)
+    if type(value) is not kind or (kind is int and not INT64_MIN <= value <= INT64_MAX):
+        what = "a signed 64-bit integer" if kind is int else kind.__name__
+        raise ClientMessageError(ErrorCode.INVALID_FIELD, f"`{name}` must be {what}", rid)
     return value
 
 
@@ -237,11 +261,15 @@ def parse_params(params: dict, rid: Optional[str] = None) -> tuple[SamplingParam
     kwargs: dict[str, Any] = {}
     for key, value in params.items():
         if key not in PARAM_NAMES:
-            raise ClientMessageError(ErrorCode.INVALID_PARAMS, f"unknown parameter {key!r}", rid)
+            msg = f"unknown parameter {short_repr(key)}"
+            raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
         if value is None or key == "stop":
             continue
         if key == "stop_token_ids":
-            if not isinstance(value, list) or not all(type(t) is int for t in value):
+            if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
+                msg = f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} integers"
+                raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
+            if not all(type(t) is int for t in value):
                 msg = "stop_token_ids must be a list of integers"
                 raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
         elif not _has_type(value, _PARAM_TYPES[key][0]):
@@ -417,7 +445,9 @@ def decode_reply(frame: bytes) -> dict[str, Any]:
     try:
         wire = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise DecodeError(ErrorCode.MALFORMED_MESSAGE, f"reply is not msgpack: {exc}") from None
+        raise DecodeError(
+            ErrorCode.MALFORMED_MESSAGE, f"reply is not msgpack: {short_repr(str(exc))}"
+        ) from None
     if not isinstance(wire, dict) or not isinstance(wire.get("type"), str):
         raise DecodeError(ErrorCode.MALFORMED_MESSAGE, "reply is not a map with a type")
     return wire

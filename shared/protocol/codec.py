@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import msgpack
 
 from shared.protocol import engine_channel, worker_channel
-from shared.protocol.errors import ErrorCode
+from shared.protocol.errors import ErrorCode, short_repr
 
 
 class DecodeError(ValueError):
@@ -64,13 +64,15 @@ def decode(frame: bytes, max_size: Optional[int] = None) -> Any:
     try:
         wire = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise DecodeError(ErrorCode.MALFORMED_MESSAGE, f"not msgpack: {exc}") from None
+        raise DecodeError(
+            ErrorCode.MALFORMED_MESSAGE, f"not msgpack: {short_repr(str(exc))}"
+        ) from None
     if not isinstance(wire, dict):
         raise DecodeError(ErrorCode.MALFORMED_MESSAGE, "a message must be a msgpack map")
     tag = wire.get("type")
     cls = _TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise DecodeError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {tag!r}")
+        raise DecodeError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {short_repr(tag)}")
     return _from_wire_map(cls, wire, path=str(tag))
 
 

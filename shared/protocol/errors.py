@@ -3,6 +3,8 @@
 The table with meanings lives in docs/protocol.md.
 """
 
+import reprlib
+
 
 class ErrorCode:
     # framing and message shape
@@ -23,4 +25,25 @@ class ErrorCode:
     WORKER_FAILED = "worker_failed"  # the worker died or failed the step
     SHUTTING_DOWN = "shutting_down"  # draining: no new requests
     ENGINE_UNREACHABLE = "engine_unreachable"  # scheduler lost, or a client's timeout expired
-    INTERNAL = "internal_error"
+    INTERNAL = "internal_error"  # a bug caught by a receive loop's boundary (logged)
+    # gateway (HTTP) only
+    REQUEST_TOO_LARGE = "request_too_large"  # body over --max-body-bytes (HTTP 413)
+
+
+# Error text quotes client data through `short_repr` only: a value nested 1,000 deep or 60 MB
+# long must neither raise (RecursionError) nor blow a reply or a log line up.
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 60
+_REPR.maxother = 60
+_REPR.maxlong = 40
+MAX_QUOTE_CHARS = 120
+
+
+def short_repr(value: object) -> str:
+    """repr() of client data, bounded in depth and length (at most MAX_QUOTE_CHARS chars)."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ is impossible for msgpack values,
+        text = f"<{type(value).__name__}>"  # but the quote must never fail
+    return text if len(text) <= MAX_QUOTE_CHARS else text[: MAX_QUOTE_CHARS - 3] + "..."

@@ -3,20 +3,28 @@
 Stop *strings* are a frontend concern (they need text); stop *token ids* and the length
 limit are enforced by the scheduler; everything that touches logits is applied by the worker.
 Defaults follow OpenAI's where it has one (max_tokens 16, temperature 1, top_p 1).
+
+Every number must be finite and every integer must fit a signed 64-bit integer (what msgpack,
+torch and other languages' clients hold). A temperature below GREEDY_TEMPERATURE_FLOOR is
+greedy: dividing logits by 1e-300 underflows to a division by zero in float32.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+GREEDY_TEMPERATURE_FLOOR = 1e-5  # temperatures below it (0 included) mean greedy
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # < GREEDY_TEMPERATURE_FLOOR (0 included) means greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: Optional[int] = None  # None disables; else >= 1
     min_p: float = 0.0  # in [0, 1]
@@ -35,31 +43,33 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_FLOOR
 
 
 def sampling_problems(p: SamplingParams) -> list[str]:
     """Every reason `p` is invalid, worded for a client; empty when valid."""
     out: list[str] = []
-    if not isinstance(p.max_tokens, int) or isinstance(p.max_tokens, bool) or p.max_tokens <= 0:
-        out.append("max_tokens must be an integer > 0")
+    if not _is_int(p.max_tokens) or not 0 < p.max_tokens <= INT64_MAX:
+        out.append("max_tokens must be an integer in [1, 2^63)")
     if not _is_num(p.temperature) or p.temperature < 0:
         out.append("temperature must be a number >= 0")
     if not _is_num(p.top_p) or not 0.0 < p.top_p <= 1.0:
         out.append("top_p must be in (0, 1]")
-    if p.top_k is not None and (not isinstance(p.top_k, int) or p.top_k < 1):
+    if p.top_k is not None and (not _is_int(p.top_k) or not 1 <= p.top_k <= INT64_MAX):
         out.append("top_k must be an integer >= 1 (or null to disable)")
     if not _is_num(p.min_p) or not 0.0 <= p.min_p <= 1.0:
         out.append("min_p must be in [0, 1]")
-    if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool)):
-        out.append("seed must be an integer")
+    if p.seed is not None and (not _is_int(p.seed) or not INT64_MIN <= p.seed <= INT64_MAX):
+        out.append("seed must be a signed 64-bit integer")
     if not _is_num(p.repetition_penalty) or p.repetition_penalty <= 0:
         out.append("repetition_penalty must be > 0")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(p, name)
         if not _is_num(v) or not -2.0 <= v <= 2.0:
             out.append(f"{name} must be in [-2, 2]")
-    if not all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids):
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        out.append(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
+    elif not all(_is_int(t) and 0 <= t <= INT64_MAX for t in p.stop_token_ids):
         out.append("stop_token_ids must be non-negative integers")
     if p.logprobs is not None and (
         not isinstance(p.logprobs, int) or not 0 <= p.logprobs <= MAX_TOP_LOGPROBS
@@ -69,4 +79,11 @@ def sampling_problems(p: SamplingParams) -> list[str]:
 
 
 def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number: NaN and +-Infinity are refused everywhere."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) if isinstance(v, float) else INT64_MIN <= v <= INT64_MAX
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
