@@ -50,6 +50,7 @@ class StackSettings:
     scheduler_flags: dict[str, str] = field(default_factory=dict)
     worker_flags: dict[str, str] = field(default_factory=dict)
     tokenizer_flags: dict[str, str] = field(default_factory=dict)
+    gateway_flags: dict[str, str] = field(default_factory=dict)
     gateway: bool = True  # start services.gateway when that package exists
     http_host: str = DEFAULT_HTTP_HOST
     http_port: int = DEFAULT_HTTP_PORT
@@ -137,7 +138,7 @@ class LocalStack:
             flags["api_key"] = s.api_key
         if s.served_model_name:
             flags["served_model_name"] = s.served_model_name
-        return flags
+        return {**flags, **s.gateway_flags}
 
     def _spawn(self, name: str, module: str, flags: dict[str, str]) -> None:
         argv = [sys.executable, "-m", module]
