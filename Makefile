@@ -10,7 +10,7 @@ COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels
+.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz
 
 venv: $(STAMP)
 
@@ -48,6 +48,10 @@ $(COMPOSE):
 test: $(STAMP) $(COMPOSE)
 	$(BIN)/python -m conveyor model prepare
 	$(BIN)/python -m tests.run_all
+
+# The long fuzz run (docs/RELIABILITY.md): 200,000 frames against a live frontend (~6 min).
+fuzz: $(STAMP)
+	CONVEYOR_FUZZ_FRAMES=200000 $(BIN)/python -m pytest -q -s tests/e2e/test_fuzz_frontend.py
 
 bench: model
 	$(BIN)/python -m conveyor bench --compare-batching --out results/bench
