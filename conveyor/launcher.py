@@ -208,6 +208,19 @@ class LocalStack:
             svc.join_output(1.0)
             raise StackError(f"{name} exited with code {rc}; last lines:\n{svc.last_lines()}")
 
+    def restart(self, name: str) -> None:
+        """Start a service that exited again, with the same command line (its log goes on in
+        the same file). Called by `conveyor up`'s supervisor (conveyor/up.py)."""
+        old = self.services[name]
+        if old.returncode() is None:
+            raise StackError(f"{name} is still running")
+        old.join_output(1.0)
+        hide = () if self.settings.echo_steps else (STEP_MARK,)
+        self.services[name] = ServiceProcess(
+            name, old.argv, self._env(name), self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
+        )
+        self._note(f"restarted {name} (pid {self.services[name].pid})")
+
     def pids(self) -> dict[str, int]:
         return {name: svc.pid for name, svc in self.services.items()}
 

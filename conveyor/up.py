@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -29,7 +30,11 @@ from shared.logging import resolve_log_format
 # services take the same flags, so each is passed on as given). `model` is up's own --model.
 WORKER_SKIP = ("model",)
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
-DEATH_GRACE_S = 3.0  # a dead worker: let the scheduler fail in-flight requests before teardown
+DEATH_GRACE_S = 3.0  # a dead service, not restarted: let the others fail requests first
+RESTARTABLE = ("scheduler", "worker")  # what `--restart on-failure` brings back
+# Back-off between restarts of one service: 0.5 s, doubling up to 10 s; a service that stayed up
+# for STABLE_S starts again from the shortest delay.
+FIRST_DELAY_S, MAX_DELAY_S, STABLE_S = 0.5, 10.0, 30.0
 
 
 def add_up_commands(sub: Any) -> None:
@@ -66,6 +71,13 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM")  # fmt: skip
     a.add_argument("--ready-timeout", type=float, default=600.0)
+    f = p.add_argument_group("faults")
+    f.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
+                   help="restart a worker or scheduler that exits with an error, with back-off "
+                   "(no: its death stops the engine)")  # fmt: skip
+    f.add_argument("--max-retries", type=int,
+                   help="restarts by recompute per request when the worker is lost, then "
+                   "worker_failed (scheduler default 3)")  # fmt: skip
     a.add_argument("--quiet", action="store_true", help="logs to files only, not to stdout")
     add_log_format_flag(a)
     a.add_argument("--show-steps", action="store_true",
@@ -86,6 +98,8 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
     scheduler_flags = engine_flags(args, SchedulerConfig)
     if args.summary_interval is not None:
         scheduler_flags["summary_interval"] = str(args.summary_interval)
+    if args.max_retries is not None:
+        scheduler_flags["max_retries"] = str(args.max_retries)
     worker_flags = engine_flags(args, WorkerConfig, WORKER_SKIP) if args.worker == "model" else {}
     return StackSettings(
         model=args.model,
@@ -122,11 +136,17 @@ def cmd_demo(args: argparse.Namespace, demo: bool = True) -> int:
     except ValueError as exc:
         print(f"conveyor: {exc}", file=sys.stderr, flush=True)
         return 2
-    return run_stack(settings, args.ready_timeout, demo_prompt=args.prompt if demo else None)
+    return run_stack(
+        settings, args.ready_timeout, demo_prompt=args.prompt if demo else None,
+        restart=args.restart,
+    )  # fmt: skip
 
 
 def run_stack(
-    settings: StackSettings, ready_timeout: float, demo_prompt: Optional[str] = None
+    settings: StackSettings,
+    ready_timeout: float,
+    demo_prompt: Optional[str] = None,
+    restart: str = "on-failure",
 ) -> int:
     """Start, wait for ready, (demo), then serve until a signal or a service's death."""
     stop = threading.Event()
@@ -150,7 +170,7 @@ def run_stack(
         _say(settings, f"serving on {stack.frontend_address}"
              + (f" and {stack.http_url}" if stack.http_url else "")
              + f"; logs in {stack.log_dir}; Ctrl-C stops")  # fmt: skip
-        return _serve(stack, stop)
+        return _serve(stack, stop, restart == "on-failure")
     finally:
         stack.stop()
         for signum, handler in previous.items():
@@ -166,12 +186,42 @@ def _wait_ready(stack: LocalStack, timeout: float, stop: threading.Event) -> boo
         return False
 
 
-def _serve(stack: LocalStack, stop: threading.Event) -> int:
+class _Backoff:
+    """Delays before restarting each service (see FIRST_DELAY_S)."""
+
+    def __init__(self) -> None:
+        self._delay: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+
+    def next_delay(self, name: str, now: float) -> float:
+        stable = now - self._started.get(name, float("-inf")) > STABLE_S
+        previous = self._delay.get(name)
+        delay = FIRST_DELAY_S if stable or previous is None else min(previous * 2, MAX_DELAY_S)
+        self._delay[name] = delay
+        return delay
+
+    def started(self, name: str, now: float) -> None:
+        self._started[name] = now
+
+
+def _serve(stack: LocalStack, stop: threading.Event, restart: bool) -> int:
+    """Watch the services until a signal: a worker or scheduler that fails comes back after a
+    back-off (when `restart`); any other death stops the engine (exit code 1)."""
+    backoff = _Backoff()
     while not stop.wait(0.5):
         dead = stack.dead_service()
         if dead is None:
             continue
         name, rc = dead
+        if restart and name in RESTARTABLE and rc != 0:
+            delay = backoff.next_delay(name, time.monotonic())
+            print(f"conveyor: {name} died (exit code {rc}); restarting it in {delay:g} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if stop.wait(delay):
+                return 0
+            stack.restart(name)
+            backoff.started(name, time.monotonic())
+            continue
         print(f"conveyor: {name} died (exit code {rc}); stopping the other services",
               file=sys.stderr, flush=True)  # fmt: skip
         stop.wait(DEATH_GRACE_S)  # the scheduler fails in-flight requests meanwhile

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.errors import ErrorCode
@@ -79,32 +80,56 @@ def serve_worker(
     sock.setsockopt(zmq.IDENTITY, worker_identity(rank))
     sock.setsockopt(zmq.LINGER, 1000)
     set_heartbeat(sock)
+    # WorkerReady goes out on every completed connection, so that a restarted scheduler (or
+    # one that counted this worker lost) hears the handshake again.
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(plan_address)
+    greeter = _Greeter(runner, rank, plan_address, log, ready_file)
     try:
-        ready = runner.ready_message(rank=rank)
-        sock.send(encode(ready))
-        log.info(
-            "worker_ready",
-            rank=rank,
-            address=plan_address,
-            num_blocks=ready.num_blocks,
-            block_size=ready.block_size,
-            max_model_len=ready.max_model_len,
-            device=ready.device,
-            dtype=ready.dtype,
-        )
-        if ready_file is not None:
-            ready_file.parent.mkdir(parents=True, exist_ok=True)
-            ready_file.write_text(plan_address + "\n")
-        return _serve_loop(sock, runner, rank, log, stop, max_frame_bytes)
+        return _serve_loop(sock, monitor, greeter, runner, rank, log, stop, max_frame_bytes)
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
+        sock.disable_monitor()
+        monitor.close()
         sock.close()
+
+
+class _Greeter:
+    """Sends WorkerReady on each handshake with the scheduler; the first one creates the
+    ready file (container healthchecks look at it)."""
+
+    def __init__(
+        self, runner: StepRunner, rank: int, address: str, log: Any, ready_file: Optional[Path]
+    ) -> None:
+        self._ready = runner.ready_message(rank=rank)
+        self._address = address
+        self._log = log
+        self._ready_file = ready_file
+        self.num_handshakes = 0
+
+    def on_monitor(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        while monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor)
+            if event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                continue
+            sock.send(encode(self._ready))
+            self.num_handshakes += 1
+            r = self._ready
+            self._log.info(
+                "worker_ready", rank=r.rank, address=self._address, num_blocks=r.num_blocks,
+                block_size=r.block_size, max_model_len=r.max_model_len, device=r.device,
+                dtype=r.dtype, handshake=self.num_handshakes,
+            )  # fmt: skip
+            if self._ready_file is not None and self.num_handshakes == 1:
+                self._ready_file.parent.mkdir(parents=True, exist_ok=True)
+                self._ready_file.write_text(self._address + "\n")
 
 
 def _serve_loop(
     sock: zmq.Socket,
+    monitor: zmq.Socket,
+    greeter: _Greeter,
     runner: StepRunner,
     rank: int,
     log: Any,
@@ -113,12 +138,16 @@ def _serve_loop(
 ) -> int:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    num_frames = 0
+    poller.register(monitor, zmq.POLLIN)
+    num_steps = 0
     while stop is None or not stop.is_set():
-        if not poller.poll(POLL_MS):
+        events = dict(poller.poll(POLL_MS))
+        if monitor in events:
+            greeter.on_monitor(sock, monitor)
+        if sock not in events:
             continue
         frame = sock.recv()
-        stop_now = guarded(
+        outcome = guarded(
             log,
             "worker_message_failed",
             lambda f: _on_frame(sock, runner, rank, log, f, max_frame_bytes),
@@ -127,10 +156,11 @@ def _serve_loop(
                 sock, ErrorCode.INTERNAL, f"worker error: {type(exc).__name__}"
             ),
         )
-        if stop_now:
+        if outcome == "shutdown":
+            log.info("worker_shutdown", num_steps=num_steps)
             return 0
-        num_frames += 1
-    log.info("worker_stopped", reason="signal", num_frames=num_frames)
+        num_steps += outcome == "step"
+    log.info("worker_stopped", reason="signal", num_steps=num_steps)
     return 0
 
 
@@ -145,28 +175,28 @@ def _on_frame(
     log: Any,
     frame: bytes,
     max_frame_bytes: Optional[int],
-) -> bool:
-    """One frame from the scheduler, answered; True when it says to shut down."""
+) -> str:
+    """One frame from the scheduler, answered: "step" (a plan ran), "shutdown" or "other"."""
     try:
         msg = decode(frame, max_size=max_frame_bytes)
     except DecodeError as exc:
         log.error("bad_frame", code=exc.code, message=exc.message)
         sock.send(encode(WorkerFailure(step_id=None, code=exc.code, message=exc.message)))
-        return False
+        return "other"
     if isinstance(msg, WorkerShutdown):
-        log.info("worker_shutdown", reason=msg.reason)
-        return True
+        log.info("worker_shutdown_asked", reason=msg.reason)
+        return "shutdown"
     if not isinstance(msg, StepPlan):
         message = f"unexpected message {type(msg).__name__} on the worker channel"
         log.error("bad_message", message=message)
         sock.send(encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message)))
-        return False
+        return "other"
     _log_sequences(msg, log)
     reply = _run_step(runner, msg, log)
     # Only rank 0 answers with results; every rank reports its own failures.
     if rank == 0 or isinstance(reply, WorkerFailure):
         sock.send(encode(reply))
-    return False
+    return "step"
 
 
 def _log_sequences(plan: StepPlan, log: Any) -> None:

@@ -61,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("SUMMARY_INTERVAL", 5.0),
         help="seconds between engine_summary log lines while busy; 0 turns them off",
     )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=env_int("MAX_RETRIES", 3),
+        help="restarts by recompute a request gets when the worker is lost, then worker_failed "
+        "(CONVEYOR_MAX_RETRIES)",
+    )
+    p.add_argument(
+        "--requeue-timeout",
+        type=float,
+        default=env_float("REQUEUE_TIMEOUT", 30.0),
+        help="seconds requeued requests wait for a worker before worker_failed",
+    )
     add_log_flags(p)
     add_config_flags(p, SchedulerConfig)
     return p
@@ -79,6 +92,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             frontend_timeout_s=args.frontend_timeout,
             drain_timeout_s=args.drain_timeout,
             summary_interval_s=args.summary_interval,
+            max_retries=args.max_retries,
+            requeue_timeout_s=args.requeue_timeout,
         )
     except ValueError as exc:
         parser.error(str(exc))

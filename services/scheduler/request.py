@@ -46,6 +46,7 @@ class Request:
     padding: bool = False  # static batching: finished, but keeps its slot and is still computed
     preempted_at_step: Optional[int] = None  # the schedule() round that preempted it
     num_preemptions: int = 0
+    num_worker_retries: int = 0  # times it restarted because the worker was lost
     first_scheduled: Optional[float] = None
     first_token: Optional[float] = None
     finished: Optional[float] = None

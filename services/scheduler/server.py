@@ -7,7 +7,10 @@ Sockets (both bound here):
   the socket (ROUTER_MANDATORY) or saying FrontendBye, its requests are aborted.
 * workers: ROUTER, every rank's DEALER has identity "worker-<rank>". Each rank gets every plan;
   rank 0 answers. ZMTP heartbeats plus the socket's monitor events detect a lost worker
-  (see shared/worker_server.py): then every live request fails and frontends hear EngineNotReady.
+  (see shared/worker_server.py): then frontends hear EngineNotReady, and every request the
+  worker held restarts by recompute once a worker says WorkerReady again (up to `max_retries`
+  times each; requeued requests wait at most `requeue_timeout_s`, then fail `worker_failed`).
+  A failed step fails only the requests in that step.
 
 Loop: schedule -> send plan -> poll (frontends keep flowing while the plan runs) -> result ->
 update -> send the next plan -> emit this step's outputs (so the worker is already busy while
@@ -67,6 +70,8 @@ class SchedulerCore(Protocol):
     def schedule(self) -> Optional[StepPlan]: ...
     def update(self, result: StepResult) -> OutputBatch: ...
     def fail_all(self, code: str, message: str) -> list[RequestOutput]: ...
+    def fail_step(self, rids: list[str], code: str, message: str) -> list[RequestOutput]: ...
+    def requeue_all(self, max_retries: int, code: str, message: str) -> list[RequestOutput]: ...
     def next_timeout(self) -> Optional[float]: ...
     def stats(self) -> dict[str, float]: ...
 
@@ -85,8 +90,12 @@ class ServerConfig:
     frontend_timeout_s: float = 10.0  # silent this long (it beats every 1 s): gone
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     summary_interval_s: float = 5.0  # an engine_summary log line this often while busy; 0: off
+    max_retries: int = 3  # restarts by recompute per request after worker losses
+    requeue_timeout_s: float = 30.0  # requeued requests wait this long for a worker
 
     def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.requeue_timeout_s <= 0:
+            raise ValueError("max_retries must be >= 0 and requeue_timeout_s > 0")
         if self.num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         if not 0 < self.max_frame_bytes <= self.hard_max_frame_bytes:
@@ -95,6 +104,12 @@ class ServerConfig:
             raise ValueError("frontend_timeout_s must be > 0 and drain_timeout_s >= 0")
         if self.summary_interval_s < 0:
             raise ValueError("summary_interval_s must be >= 0 (0 turns the summary off)")
+
+
+def _shape(ready: WorkerReady) -> tuple[Any, ...]:
+    """What a core is built for: a returning worker with the same shape continues its work."""
+    return (ready.model_name, ready.num_blocks, ready.block_size, ready.max_model_len,
+            ready.vocab_size, tuple(ready.eos_token_ids))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -122,8 +137,10 @@ class SchedulerServer:
         self.sched: Optional[SchedulerCore] = None
         self._ranks: dict[int, WorkerReady] = {}
         self._owners: dict[str, bytes] = {}  # live rid -> frontend identity
+        self._engine_shape: Optional[tuple[Any, ...]] = None  # what the core was built for
         self._frontends: dict[bytes, float] = {}  # identity -> last heard (monotonic)
         self._in_flight: Optional[_InFlight] = None
+        self._worker_lost_at: Optional[float] = None  # monotonic; None while workers are up
         self._last_result_at: Optional[float] = None
         self._last_step_id = 0
         self._num_steps = 0
@@ -190,8 +207,11 @@ class SchedulerServer:
 
     # ---- worker side -------------------------------------------------------------------------
 
+    def _workers_up(self) -> bool:
+        return self.sched is not None and len(self._ranks) >= self.config.num_workers
+
     def _maybe_send_plan(self, back_to_back: bool) -> None:
-        if self.sched is None or self._in_flight is not None or self._stopped:
+        if not self._workers_up() or self._in_flight is not None or self._stopped:
             return
         plan = self.sched.schedule()
         if plan is None:
@@ -225,8 +245,11 @@ class SchedulerServer:
         received_at = time.time()  # the result -> next plan gap starts here, before decode
         try:
             msg = decode(frame)
-        except DecodeError as exc:
-            self._on_step_failed(WorkerFailure(None, exc.code, f"bad worker frame: {exc}"))
+        except DecodeError as exc:  # logged drop: a garbled frame is no verdict on a step
+            self.log.error("bad_worker_frame", code=exc.code, message=exc.message, ident=ident)
+            return
+        if isinstance(msg, StepResult) and ident != worker_identity(0):
+            self.log.warning("result_from_unknown_identity", ident=ident)
             return
         if isinstance(msg, WorkerReady):
             self._on_worker_ready(msg)
@@ -238,7 +261,7 @@ class SchedulerServer:
             self.log.warning("unexpected_worker_message", type=type(msg).__name__, ident=ident)
 
     def _on_worker_ready(self, ready: WorkerReady) -> None:
-        if self.sched is not None:  # a rank came back without us seeing it go: start afresh
+        if ready.rank in self._ranks:  # it came back without us seeing it go
             self._on_worker_lost(f"rank {ready.rank} said ready again")
         self._ranks[ready.rank] = ready
         self.log.info("worker_ready", **dataclasses.asdict(ready))
@@ -246,13 +269,22 @@ class SchedulerServer:
             return
         first = self._ranks[min(self._ranks)]
         small = min(self._ranks.values(), key=lambda r: r.num_blocks)
-        self.sched = self._make_scheduler(dataclasses.replace(first, num_blocks=small.num_blocks))
+        merged = dataclasses.replace(first, num_blocks=small.num_blocks)
+        if self.sched is not None and self._engine_shape != _shape(merged):
+            # a different worker (model, pool): requests planned for the old one cannot go on
+            message = "the worker came back with a different model or KV pool"
+            self._emit_finals(self.sched.fail_all(ErrorCode.WORKER_FAILED, message))
+            self.sched = None
+        if self.sched is None:
+            self.sched = self._make_scheduler(merged)
+            self._engine_shape = _shape(merged)
+        self._worker_lost_at = None
         for ident in list(self._frontends):
             self._send_frontend(ident, self._ready_message())
         self.log.info("engine_ready", num_blocks=small.num_blocks, model=first.model_name)
 
     def _ready_message(self) -> EngineReady | EngineNotReady:
-        if self.sched is None:
+        if not self._workers_up():
             return EngineNotReady(reason="waiting for the worker")
         first = self._ranks[min(self._ranks)]
         return EngineReady(
@@ -297,12 +329,20 @@ class SchedulerServer:
         self._summary.on_step(now - flight.sent_at)
 
     def _on_step_failed(self, failure: WorkerFailure) -> None:
+        """Only the requests of the step in flight fail (the failure is pinned on them); a
+        failure naming another step is stale. A failure without a step id (the worker could
+        not read the plan) is pinned on the plan in flight, else only logged."""
         self.log.error(
             "step_failed", step_id=failure.step_id, code=failure.code, message=failure.message
         )
+        flight = self._in_flight
+        if flight is None or failure.step_id not in (None, flight.plan.step_id):
+            return
         self._in_flight = None
         if self.sched is not None:
-            self._emit_finals(self.sched.fail_all(ErrorCode.WORKER_FAILED, failure.message))
+            rids = [*flight.plan.rids, *(seq.rid for seq in flight.plan.new_seqs)]
+            message = f"the worker failed the step: {failure.message}"
+            self._emit_finals(self.sched.fail_step(rids, ErrorCode.WORKER_FAILED, message))
 
     def _on_monitor(self) -> None:
         while self.wk_monitor.poll(0, zmq.POLLIN):
@@ -313,15 +353,30 @@ class SchedulerServer:
                 self.log.info("worker_connected")
 
     def _on_worker_lost(self, reason: str) -> None:
+        """Every request the worker held restarts by recompute when a worker is back (or fails
+        past `max_retries`); frontends hear EngineNotReady and keep their requests."""
         self.log.error("worker_lost", reason=reason, num_live=len(self._owners))
         if self.sched is not None:
-            self._emit_finals(self.sched.fail_all(ErrorCode.WORKER_FAILED, reason))
-        self.sched = None
+            message = f"the worker was lost {self.config.max_retries + 1} times: {reason}"
+            finals = self.sched.requeue_all(
+                self.config.max_retries, ErrorCode.WORKER_FAILED, message
+            )
+            self._emit_finals(finals)
         self._ranks.clear()
         self._in_flight = None
-        self._owners.clear()
+        if self._worker_lost_at is None:
+            self._worker_lost_at = time.monotonic()
         for ident in list(self._frontends):
             self._send_frontend(ident, EngineNotReady(reason=reason))
+
+    def _check_requeue_timeout(self, now: float) -> None:
+        """Requeued requests wait at most `requeue_timeout_s` for a worker."""
+        lost_at = self._worker_lost_at
+        if lost_at is None or self.sched is None or now - lost_at <= self.config.requeue_timeout_s:
+            return
+        message = f"no worker came back within {self.config.requeue_timeout_s:g} s"
+        self._emit_finals(self.sched.fail_all(ErrorCode.WORKER_FAILED, message))
+        self._worker_lost_at = now  # requests submitted later wait their own full time
 
     # ---- frontend side -----------------------------------------------------------------------
 
@@ -362,7 +417,7 @@ class SchedulerServer:
         rejection = None
         if self._drain_requested:
             rejection = (ErrorCode.SHUTTING_DOWN, "the engine is shutting down")
-        elif self.sched is None:
+        elif self.sched is None or not self._workers_up():
             rejection = (ErrorCode.NOT_READY, "the worker is not ready")
         elif req.rid in self._owners:
             rejection = (ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already live")
@@ -446,7 +501,7 @@ class SchedulerServer:
     def _stats(self) -> dict[str, float]:
         stats = dict(self.sched.stats()) if self.sched is not None else {}
         stats.update(
-            ready=float(self.sched is not None),
+            ready=float(self._workers_up()),
             draining=float(self._draining_since is not None),
             num_frontends=float(len(self._frontends)),
             num_workers_ready=float(len(self._ranks)),
@@ -460,6 +515,7 @@ class SchedulerServer:
     def _housekeeping(self) -> None:
         now = time.monotonic()
         self._summary.maybe_emit(now, lambda: None if self.sched is None else self.sched.stats())
+        self._check_requeue_timeout(now)
         limit = self.config.frontend_timeout_s
         for ident, seen in list(self._frontends.items()):
             if now - seen > limit:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from services.tokenizer.admission import Rejection, prompt_ids
 from services.tokenizer.config import FrontendConfig
@@ -102,10 +103,16 @@ class FrontendServer:
         sched.setsockopt(zmq.IDENTITY, self.config.frontend_id.encode())
         sched.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a scheduler not there
         sched.setsockopt(zmq.LINGER, 1000)
+        # A scheduler that dies closes the connection: its requests are lost at once (they
+        # would otherwise wait forever once a restarted scheduler keeps the link alive). A hung
+        # one is found by the silence time-out instead.
+        self._sched_monitor = sched.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             clients.bind(self.config.frontend_address)
         except zmq.ZMQError:
             clients.close(0)
+            sched.disable_monitor()
+            self._sched_monitor.close(0)
             sched.close(0)
             raise
         sched.connect(self.config.scheduler_address)
@@ -128,6 +135,7 @@ class FrontendServer:
         poller = zmq.Poller()
         poller.register(clients, zmq.POLLIN)
         poller.register(sched, zmq.POLLIN)
+        poller.register(self._sched_monitor, zmq.POLLIN)
         tick_ms = int(self.config.heartbeat_s * 500)  # housekeeping at twice the heartbeat rate
         while not self._stopped:
             events = dict(poller.poll(tick_ms))
@@ -135,8 +143,12 @@ class FrontendServer:
                 self._on_scheduler()
             if clients in events:
                 self._on_clients()
+            if self._sched_monitor in events:
+                guarded(self.log, "monitor_event_failed", self._on_sched_monitor, None)
             self._housekeeping(time.monotonic())
         clients.close()
+        sched.disable_monitor()
+        self._sched_monitor.close()
         sched.close()
         self.log.info("frontend_stopped")
         return 0
@@ -309,6 +321,16 @@ class FrontendServer:
             return
         self._on_engine_message(msg)
 
+    def _on_sched_monitor(self, _: None) -> None:
+        while self._sched_monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._sched_monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and (self._engine or self._requests):
+                self._engine_lost(
+                    "scheduler_unreachable",
+                    ErrorCode.ENGINE_UNREACHABLE,
+                    "the connection to the scheduler was lost",
+                )
+
     def _on_engine_message(self, msg: Any) -> None:
         if isinstance(msg, OutputBatch):
             self._on_outputs(msg)
@@ -328,11 +350,12 @@ class FrontendServer:
                 )
             self._engine, self._ever_ready = msg, True
         elif isinstance(msg, EngineNotReady):
-            self._engine_lost(
-                "worker_lost" if self._ever_ready else "waiting_for_worker",
-                ErrorCode.WORKER_FAILED,
-                f"the engine lost its worker: {msg.reason}",
-            )
+            # New requests are refused until the worker is back; those in flight stay: the
+            # scheduler restarts them by recompute, or ends them itself (worker_failed).
+            if self._engine is not None:
+                self.log.warning("engine_not_ready", reason=msg.reason)
+            self._engine = None
+            self._not_ready_reason = "worker_lost" if self._ever_ready else "waiting_for_worker"
         elif isinstance(msg, EngineShutdown):
             self._engine_lost(
                 "scheduler_unreachable",

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from conveyor.launcher import StackSettings, gateway_available
+from conveyor.launcher import StackSettings, gateway_available, probe_health
+from tests.bounds import SLOW_HOST_MARGIN_S
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Small enough to allocate fast, large enough for 64 concurrent short requests (each block
 # holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
@@ -87,3 +93,43 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+class UpProcess:
+    """`conveyor up` as a child; a thread collects its stdout so it never blocks."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)  # fmt: skip
+        self.lines: list[str] = []
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_serving(self, timeout: float) -> None:
+        """Until `up` says it serves (it has seen the engine ready itself)."""
+        deadline = time.monotonic() + timeout
+        while not any("serving on" in line for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "conveyor up never became ready"
+            time.sleep(0.2)
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        self._pump.join(5)
+        return self.proc.returncode, "".join(self.lines), err
+
+
+def start_up(tmp_path: Path, *flags: str) -> tuple[UpProcess, str]:
+    """`conveyor up` with the SIMULATED worker and no gateway, serving: (process, address)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "conveyor", "up", "--worker", "sim", "--no-gateway",
+            "--frontend-addr", address, "--log-dir", str(tmp_path / "logs"), *flags]  # fmt: skip
+    up = UpProcess(argv)
+    up.wait_serving(timeout=300)
+    assert probe_health(address, timeout=5.0 + SLOW_HOST_MARGIN_S)
+    return up, address

@@ -1,8 +1,9 @@
 """The user face: `conveyor up` (issue test 5, second half), `generate`, `stats`, `logs`.
 
 `up` runs as a real child process with the SIMULATED worker (fast start; the supervision is
-what is tested): SIGTERM stops it with exit 0 and no process behind; a killed worker makes it
-report and exit non-zero, again with no process behind. `generate`, `stats` and `logs` run
+what is tested): SIGTERM stops it with exit 0 and no process behind; with `--restart no` a
+killed worker makes it report and exit non-zero, again with no process behind (restarts:
+test_engine_faults.py). `generate`, `stats` and `logs` run
 against the session's shared engine. Rough runtime: 30-60 s on the shared machine.
 """
 
@@ -13,17 +14,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conveyor.launcher import probe_health
 from shared.client import Client
 from tests.bounds import SLOW_HOST_MARGIN_S
-from tests.e2e.stack_tools import descendants, free_port, wait_gone
+from tests.e2e.stack_tools import UpProcess, descendants, free_port, start_up, wait_gone
 
 pytestmark = pytest.mark.e2e
 
@@ -36,41 +35,8 @@ def _conveyor(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess
                           capture_output=True, timeout=timeout)  # fmt: skip
 
 
-class _UpProcess:
-    """`conveyor up` as a child; a thread collects its stdout so it never blocks."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)  # fmt: skip
-        self.lines: list[str] = []
-        self._pump = threading.Thread(target=self._read, daemon=True)
-        self._pump.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_serving(self, timeout: float) -> None:
-        """Until `up` says it serves (it has seen the engine ready itself)."""
-        deadline = time.monotonic() + timeout
-        while not any("serving on" in line for line in self.lines):
-            assert self.proc.poll() is None, "".join(self.lines)
-            assert time.monotonic() < deadline, "conveyor up never became ready"
-            time.sleep(0.2)
-
-    def finish(self, timeout: float) -> tuple[int, str, str]:
-        _, err = self.proc.communicate(timeout=timeout)
-        self._pump.join(5)
-        return self.proc.returncode, "".join(self.lines), err
-
-
-def _start_up(tmp_path: Path) -> tuple[_UpProcess, dict[int, str]]:
-    address = f"tcp://127.0.0.1:{free_port()}"
-    up = _UpProcess([sys.executable, "-m", "conveyor", "up", "--worker", "sim", "--no-gateway",
-                     "--frontend-addr", address, "--log-dir", str(tmp_path / "logs")])  # fmt: skip
-    up.wait_serving(timeout=300)
-    assert probe_health(address, timeout=5.0 + SLOW_HOST_MARGIN_S)
+def _start_up(tmp_path: Path, *flags: str) -> tuple[UpProcess, dict[int, str]]:
+    up, _address = start_up(tmp_path, *flags)
     children = descendants(up.proc.pid)
     for module in SERVICES:
         assert any(module in cmd for cmd in children.values()), (module, children)
@@ -90,8 +56,10 @@ def test_up_then_sigterm_leaves_no_process(tmp_path: Path) -> None:
         assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
 
 
-def test_up_reports_a_dead_worker_and_exits_nonzero(tmp_path: Path) -> None:
-    up, children = _start_up(tmp_path)
+def test_up_with_restart_no_reports_a_dead_worker_and_exits_nonzero(tmp_path: Path) -> None:
+    """`--restart no` keeps the old behaviour: a dead worker stops the engine (the default,
+    on-failure, restarts it: tests/e2e/test_engine_faults.py)."""
+    up, children = _start_up(tmp_path, "--restart", "no")
     worker = next(pid for pid, cmd in children.items() if "services.simworker" in cmd)
     os.kill(worker, signal.SIGKILL)
     rc, _out, err = up.finish(timeout=60)
