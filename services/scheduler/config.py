@@ -28,8 +28,9 @@ class SchedulerConfig:
     # s: dynamic/static start a partial batch after this wait (about half a CPU step: longer
     # only adds latency when requests trickle in)
     batch_timeout: float = 0.05
-    # s: short-first promotes a request that waited this long (~50 CPU steps: long enough for
-    # short prompts to win most of the time, short enough that a long one is not starved)
+    # s: priority and short-first promote a request that waited this long (aging, policy.py;
+    # ~50 CPU steps: long enough for the order to win most of the time, short enough that no
+    # request is starved)
     max_wait: float = 5.0
     # Waiting-queue bound; beyond it requests are rejected (overloaded) rather than left to
     # time out. Room for the simulated-GPU benchmarks' bursts (1,024 requests at once).

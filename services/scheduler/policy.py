@@ -2,9 +2,12 @@
 
 * `fcfs`: arrival order.
 * `priority`: lower `priority` first, ties by arrival.
-* `short-first`: shortest prompt first (the seeds' "prefill_first"), with aging: a request that
-  has waited `max_wait` seconds goes before every un-aged one, oldest first, so no request waits
-  much past `max_wait` because of the order (only for a free slot, budget or blocks).
+* `short-first`: shortest prompt first (the seeds' "prefill_first").
+
+Aging, for both sorted policies: a request that has waited `max_wait` seconds goes before every
+un-aged one, oldest first, so no request waits much past `max_wait` because of the order (only
+for a free slot, budget or blocks): no stream of high-priority or short requests starves it.
+The same rule holds when the scheduler makes room for a better-ranked request (`is_aged`).
 
 Requests preempted under fcfs or short-first go back to the head of the queue (their work is
 partly done and they arrived earlier than anyone behind them). Under priority they rejoin by
@@ -116,6 +119,10 @@ class WaitingQueue:
             times.append(first.arrival_time)
         return min(times) if times else None
 
+    def is_aged(self, req: Request, now: float) -> bool:
+        """It arrived `max_wait` or more ago: it ranks before every un-aged request."""
+        return now - req.arrival_time >= self.max_wait
+
     def ordered(self, now: float) -> Iterator[Request]:
         """Waiting requests, best first. Do not add or remove while iterating."""
         yield from self._head
@@ -123,13 +130,11 @@ class WaitingQueue:
             yield from self._by_arrival.values()
             return
         aged: set[str] = set()
-        if self.policy == "short-first":
-            deadline = now - self.max_wait
-            for req in self._by_arrival.values():  # arrival order: the aged form a prefix
-                if req.arrival_time > deadline:
-                    break
-                aged.add(req.rid)
-                yield req
+        for req in self._by_arrival.values():  # arrival order: the aged form a prefix
+            if not self.is_aged(req, now):
+                break
+            aged.add(req.rid)
+            yield req
         for _, _, req in self._sorted:
             if req.rid not in aged:
                 yield req

@@ -326,15 +326,22 @@ class Scheduler:
 
     def _make_room_for_priority(self, step: StepBuilder, now: float) -> None:
         """Priority policy, all slots taken: a waiting request with a better (lower) priority
-        than the worst running one takes that one's slot, so a full batch of low-priority
-        requests cannot hold a high-priority one back (priority inversion). One per step; the
-        victim rejoins the queue behind it by its own priority, so they cannot swap back."""
+        than the worst running one (or an aged one, see policy.py) takes that one's slot, so a
+        full batch of low-priority requests cannot hold a high-priority one back (priority
+        inversion). One per step; the victim rejoins the queue behind it by its own priority
+        (an un-aged victim never outranks an aged head), so they cannot swap back."""
         if len(self._batch) < self.config.max_num_seqs:
             return
         head = next(self._waiting.ordered(now), None)
-        running = [r for r in self._batch.requests.values() if not r.padding]
+        if head is None:
+            return
+        # Aging ranks an aged request before every un-aged one: an aged head may take any
+        # un-aged request's slot, and no aged running request is ever a victim here.
+        is_aged = self._waiting.is_aged
+        running = [r for r in self._batch.requests.values()
+                   if not r.padding and not is_aged(r, now)]  # fmt: skip
         victim = pick_victim("priority", running)
-        if head is not None and victim is not None and victim.priority > head.priority:
+        if victim is not None and (is_aged(head, now) or victim.priority > head.priority):
             self._batch.preempt(victim, step)
 
     def _form_batch(self, now: float) -> None:
