@@ -252,7 +252,7 @@ def test_malformed_frames(conn: Conn) -> None:
 
 def test_frame_too_large(conn: Conn) -> None:
     conn.send({"type": "generate", "v": 1, "id": "big", "prompt": "x" * (4 << 20)})
-    assert conn.error_code(None) == "frame_too_large"
+    assert conn.error_code("big") == "frame_too_large"  # the id is read without decoding all
     check_valid_request_works(conn)
 
 
