@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -59,7 +60,9 @@ class Gateway:
             config.engine_addr,
             timeout=config.engine_timeout_s,
             max_frame_bytes=config.max_frame_bytes,
+            routing_id=f"gateway-{uuid.uuid4().hex}".encode(),  # exempt from the frontend's cap
         )
+        self._per_client: Counter[str] = Counter()  # client key -> engine requests in flight
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.poller = StatsPoller(
@@ -121,6 +124,30 @@ class Gateway:
     ) -> Response:
         if isinstance(plan, ApiError):
             return error_response(plan)
+        client_key = _client_key(request)
+        cap = self.config.max_requests_per_client
+        if cap and self._per_client[client_key] + len(plan.calls) > cap:
+            message = (
+                f"this client already has {self._per_client[client_key]} requests in flight "
+                f"(limit {cap}); wait for one to end"
+            )
+            return error_response(from_engine_error(ErrorCode.OVERLOADED, message))
+        slot = _ClientSlot(self._per_client, client_key, len(plan.calls))
+        try:
+            return await self._serve_counted(kind, plan, request, slot)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def _serve_counted(
+        self, kind: Kind, plan: EngineCallPlan, request: Request, slot: _ClientSlot
+    ) -> Response:
+        """The request, counted against its client until its engine requests are closed."""
+
+        async def close_and_release() -> None:
+            await runs.aclose()
+            slot.release()
+
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         meta = ResponseMeta(
             kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
@@ -135,15 +162,20 @@ class Gateway:
             self.client, calls, self.metrics.observe_end, self.metrics.observe_aborted, self.log
         )
         runs.start()
-        if plan.stream:
-            return await self._stream(request, meta, plan, runs)  # the response closes runs
+        if plan.stream:  # the response closes runs
+            return await self._stream(request, meta, plan, runs, close_and_release)
         try:
             return await self._whole(request, meta, plan, runs)
         finally:
-            await runs.aclose()
+            await close_and_release()
 
     async def _stream(
-        self, request: Request, meta: ResponseMeta, plan: EngineCallPlan, runs: ChoiceRuns
+        self,
+        request: Request,
+        meta: ResponseMeta,
+        plan: EngineCallPlan,
+        runs: ChoiceRuns,
+        close: Callable[[], Awaitable[None]],
     ) -> Response:
         """Wait for every choice's first event so that a refusal is a real HTTP error."""
         handed_over = False  # once the response owns `runs`, it closes them
@@ -155,10 +187,10 @@ class Gateway:
                 return self._failure(meta, failed)
             body = sse_body(meta, plan, runs, self.metrics.observe_error, self.log)
             handed_over = True
-            return ClosingStreamingResponse(body, on_close=runs.aclose)
+            return ClosingStreamingResponse(body, on_close=close)
         finally:
             if not handed_over:
-                await runs.aclose()
+                await close()
 
     async def _whole(
         self, request: Request, meta: ResponseMeta, plan: EngineCallPlan, runs: ChoiceRuns
@@ -185,6 +217,24 @@ class Gateway:
             "request_failed", rid=meta.id, status=err.status, code=err.code, message=err.message
         )
         return error_response(err)
+
+
+class _ClientSlot:
+    """One HTTP request's engine requests, counted against its client until released."""
+
+    def __init__(self, counts: Counter[str], key: str, n: int) -> None:
+        self._counts, self._key, self._n = counts, key, n
+        counts[key] += n
+
+    def release(self) -> None:
+        """Idempotent: called when the engine requests are closed, or the request failed."""
+        if self._n:
+            left = self._counts[self._key] - self._n
+            self._n = 0
+            if left > 0:
+                self._counts[self._key] = left
+            else:
+                self._counts.pop(self._key, None)
 
 
 async def _collect(runs: ChoiceRuns, states: list[ChoiceState]) -> Optional[ChoiceEnd]:
@@ -219,6 +269,14 @@ async def _wait_disconnect(request: Request) -> None:
     """The body was read already, so the next ASGI message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _client_key(request: Request) -> str:
+    """Whom the per-client cap counts: the API key when one is sent, else the peer address."""
+    auth = request.headers.get("authorization")
+    if auth:
+        return "key:" + auth
+    return "addr:" + (request.client.host if request.client else "unknown")
 
 
 def error_response(err: ApiError) -> Response:

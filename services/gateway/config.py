@@ -29,6 +29,10 @@ class GatewayConfig:
     engine_timeout_s: float = 20.0
     stats_interval_s: float = 2.0  # how often /metrics' engine gauges are refreshed
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 request_too_large
+    # Fairness: engine requests one API key (or, without keys, one client address) may have in
+    # flight; past it 429 overloaded. The gateway's own engine connection is exempt from the
+    # frontend's per-connection cap, since all its users share it. 0: no cap.
+    max_requests_per_client: int = 256
     # Engine frames above this are refused here (413 frame_too_large) and never sent: all users
     # share one frontend connection, which a frame over its hard cap would drop.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -49,6 +53,8 @@ class GatewayConfig:
             raise ValueError("max_choices must be >= 1")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.max_requests_per_client < 0:
+            raise ValueError("max_requests_per_client must be >= 0 (0: no cap)")
         if self.max_body_bytes < 1 or self.max_frame_bytes < 1:
             raise ValueError("max_body_bytes and max_frame_bytes must be >= 1")
         if self.engine_timeout_s <= 0 or self.stats_interval_s <= 0:
@@ -132,6 +138,13 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
         default=env_int("MAX_FRAME_BYTES", DEFAULT_MAX_FRAME_BYTES),
         help="the frontend's frame limit; larger requests get 413 [CONVEYOR_MAX_FRAME_BYTES]",
     )
+    p.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=env_int("MAX_REQUESTS_PER_CLIENT", 256),
+        help="engine requests in flight per API key / client address; 0: no cap "
+        "[CONVEYOR_MAX_REQUESTS_PER_CLIENT]",
+    )
     p.add_argument("--log-level", default=env_str("LOG_LEVEL", "info"))
     add_log_format_flag(p)
     p.add_argument(
@@ -151,6 +164,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
             stats_interval_s=a.stats_interval,
             max_body_bytes=a.max_body_bytes,
             max_frame_bytes=a.max_frame_bytes,
+            max_requests_per_client=a.max_requests_per_client,
             log_level=a.log_level,
             log_file=Path(a.log_file) if a.log_file else None,
             log_format=a.log_format,

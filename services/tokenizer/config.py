@@ -27,6 +27,12 @@ class FrontendConfig:
     stats_timeout_s: float = 2.0  # wait for the scheduler's StatsReply
     drain_timeout_s: float = 30.0  # SIGTERM grace for in-flight requests
     send_hwm: int = 100_000  # queued frames per client before it counts as gone
+    # Fairness: requests one connection may have in flight (0: no cap); past it `overloaded`.
+    # Connections whose routing id starts with `cap_exempt_prefix` (the gateway's, which
+    # applies the cap per API key / client address itself) are exempt. Without CURVE the
+    # routing id is not authenticated: the exemption is advisory (docs/protocol.md).
+    max_requests_per_connection: int = 256
+    cap_exempt_prefix: str = "gateway-"
 
     def __post_init__(self) -> None:
         if not self.frontend_address or not self.scheduler_address:
@@ -44,6 +50,8 @@ class FrontendConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if self.send_hwm <= 0:
             raise ValueError("send_hwm must be > 0")
+        if self.max_requests_per_connection < 0:
+            raise ValueError("max_requests_per_connection must be >= 0 (0: no cap)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of scheduler silence before in-flight requests fail with "
         "engine_unreachable (CONVEYOR_SCHEDULER_TIMEOUT)",
     )
+    p.add_argument(
+        "--max-requests-per-connection",
+        type=int,
+        default=env_int("MAX_REQUESTS_PER_CONNECTION", 256),
+        help="requests one connection may have in flight, past it overloaded; 0: no cap "
+        "(CONVEYOR_MAX_REQUESTS_PER_CONNECTION)",
+    )
     add_log_flags(p)
     return p
 
@@ -113,4 +128,5 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         hard_cap_bytes=max(args.hard_cap_bytes, args.max_frame_bytes),
         drain_timeout_s=args.drain_timeout,
         scheduler_timeout_s=args.scheduler_timeout,
+        max_requests_per_connection=args.max_requests_per_connection,
     )

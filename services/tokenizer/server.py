@@ -11,6 +11,7 @@ fails, and every request of that connection is aborted in the scheduler.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -77,6 +78,7 @@ class FrontendServer:
         self._opened = False
         self._requests: dict[str, ClientRequest] = {}  # rid -> state
         self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> rid
+        self._num_per_conn: Counter[bytes] = Counter()  # identity -> requests in flight
         self._last_tx: dict[bytes, float] = {}  # identity -> last frame sent (heartbeats)
         self._stats_waits: dict[str, _StatsWait] = {}
         self._engine: Optional[EngineReady] = None
@@ -226,6 +228,7 @@ class FrontendServer:
             return
         self._requests[rid] = state
         self._by_client[(ident, cmd.id)] = rid
+        self._num_per_conn[ident] += 1
         self._num_requests_total += 1
         self.log.info(
             "request_received", rid=rid, client_id=cmd.id, num_prompt_tokens=len(checked),
@@ -240,6 +243,14 @@ class FrontendServer:
             return Rejection(ErrorCode.SHUTTING_DOWN, "the frontend is shutting down")
         if self._engine is None:
             return Rejection(ErrorCode.NOT_READY, f"the engine is not ready ({self._reason()})")
+        cap = self.config.max_requests_per_connection
+        exempt = ident.startswith(self.config.cap_exempt_prefix.encode())
+        if cap and not exempt and self._num_per_conn[ident] >= cap:
+            return Rejection(
+                ErrorCode.OVERLOADED,
+                f"this connection already has {cap} requests in flight (the per-connection "
+                "limit); wait for one to end or open another connection",
+            )
         return prompt_ids(cmd, self.codec, self._engine)
 
     def _on_abort(self, ident: bytes, client_id: str) -> None:
@@ -303,6 +314,11 @@ class FrontendServer:
     def _forget(self, rid: str) -> ClientRequest:
         state = self._requests.pop(rid)
         self._by_client.pop((state.identity, state.client_id), None)
+        left = self._num_per_conn[state.identity] - 1
+        if left > 0:
+            self._num_per_conn[state.identity] = left
+        else:
+            del self._num_per_conn[state.identity]
         return state
 
     # ---- scheduler side ----------------------------------------------------------------------

@@ -33,8 +33,10 @@ class AsyncClient:
         context: Optional[zmq.asyncio.Context] = None,
         connect_timeout: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        routing_id: Optional[bytes] = None,
     ) -> None:
         self._core = ClientCore(address, timeout, connect_timeout, max_frame_bytes)
+        self.routing_id = routing_id  # the connection's ZeroMQ identity; None: random
         self.address = address
         self.timeout = timeout
         self.connect_timeout = self._core.connect_timeout
@@ -161,6 +163,8 @@ class AsyncClient:
             self._loop = asyncio.get_running_loop()
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            if self.routing_id is not None:
+                self._sock.setsockopt(zmq.IDENTITY, self.routing_id)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)  # as in Client: queue nothing unconnected
             self._sock.connect(self.address)
             self._reader = asyncio.create_task(self._read())

@@ -37,6 +37,8 @@ SIDE_PROMPT = "The conveyor belt carries parcels"
 SIDE_MAX_TOKENS = 120
 GATEWAY_MAX_BODY = 4 << 20  # above the frontend's 1 MiB frame limit: frame_too_large is reachable
 U64_MAX = 2**64 - 1
+CONNECTION_CAP = 4  # requests in flight per ZeroMQ connection (the gateway's is exempt)
+CLIENT_CAP = 8  # engine requests in flight per HTTP client (API key or address)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         http_port=free_port(),
         log_dir=tmp_path_factory.mktemp("logs"),
         worker_flags={"sim_max_model_len": "4096"},
-        gateway_flags={"max_body_bytes": str(GATEWAY_MAX_BODY)},
+        tokenizer_flags={"max_requests_per_connection": str(CONNECTION_CAP)},
+        gateway_flags={
+            "max_body_bytes": str(GATEWAY_MAX_BODY),
+            "max_requests_per_client": str(CLIENT_CAP),
+        },
     )
     st = LocalStack(settings).start()
     try:
@@ -411,6 +417,27 @@ def test_duplicate_id_is_refused_and_the_first_request_goes_on(
             assert msg["id"] == "dup" and msg["usage"]["completion_tokens"] == 200
             return
     pytest.fail("the first request did not finish")
+
+
+def test_one_connection_cannot_fill_the_queue_alone(stack: LocalStack, raw: zmq.Socket) -> None:
+    ids = [f"cap-{n}" for n in range(CONNECTION_CAP)]
+    for rid in ids:
+        raw.send(msgpack.packb(_gen(rid, params={"max_tokens": 2000, "ignore_eos": True})))
+    raw.send(msgpack.packb(_gen("cap-over", params={"max_tokens": 2})))
+    err = _next_error(raw, ANSWER_WITHIN_S)
+    assert err is not None and (err["code"], err["id"]) == ("overloaded", "cap-over")
+    assert "per-connection" in err["message"]
+    for rid in ids:
+        raw.send(msgpack.packb({"type": "abort", "v": 1, "id": rid}))
+    assert stack.http_url is not None
+    # The gateway's one connection carries more than CONNECTION_CAP requests (it is exempt)...
+    body = {"prompt": "x", "max_tokens": 3, "n": CONNECTION_CAP + 2}
+    r = httpx.post(f"{stack.http_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == CONNECTION_CAP + 2
+    # ... and applies its own cap per client instead.
+    body = {"prompt": "x", "max_tokens": 3, "n": CLIENT_CAP + 1}
+    r = httpx.post(f"{stack.http_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
 
 
 def test_temperature_below_the_floor_is_greedy(stack: LocalStack) -> None:
