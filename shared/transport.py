@@ -1,4 +1,5 @@
-"""What every service's receive loop shares: bounded receive turns and a per-message boundary.
+"""What every service's receive loop shares: bounded receive turns, a per-message boundary,
+and peer liveness from socket events.
 
 A loop that serves several sockets takes at most `max_messages` (and at most `max_turn_s` of
 work) from one socket per turn, so that no peer starves the others or the loop's housekeeping
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 MAX_MESSAGES_PER_TURN = 512
 MAX_TURN_S = 0.1
@@ -60,3 +62,24 @@ def guarded(
             except Exception:  # noqa: BLE001 - the error reply itself failed: logged drop
                 log.exception(event + "_reply_failed")
         return None
+
+
+class DisconnectWatch:
+    """Peer liveness from the socket itself: `on_gone()` runs when a connection of `sock`
+    drops (a peer process that dies closes it at once; a hung one needs a heartbeat instead).
+    Create before `sock` connects; register `.monitor` in the loop's poller."""
+
+    def __init__(self, sock: zmq.Socket, on_gone: Callable[[], None]) -> None:
+        self._sock = sock
+        self._on_gone = on_gone
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def on_events(self) -> None:
+        """Called when `.monitor` is readable."""
+        while self.monitor.poll(0, zmq.POLLIN):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self._on_gone()
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(0)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from services.tokenizer.admission import Rejection, prompt_ids
 from services.tokenizer.config import FrontendConfig
@@ -42,11 +41,10 @@ from shared.protocol.engine_channel import (
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
-from shared.transport import guarded, one_turn
+from shared.transport import DisconnectWatch, guarded, one_turn
 
-# Receive turns are bounded (shared/transport.py): a backlog of large output batches (1,000
-# running requests, a frontend slower than the engine) must not delay housekeeping, whose
-# FrontendHello keeps the scheduler from declaring this frontend gone.
+# Receive turns are bounded (shared/transport.py): a backlog of output batches must not delay
+# the FrontendHello that keeps the scheduler from declaring this frontend gone.
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +106,12 @@ class FrontendServer:
         # A scheduler that dies closes the connection: its requests are lost at once (they
         # would otherwise wait forever once a restarted scheduler keeps the link alive). A hung
         # one is found by the silence time-out instead.
-        self._sched_monitor = sched.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sched_watch = DisconnectWatch(sched, self._scheduler_gone)
         try:
             clients.bind(self.config.frontend_address)
         except zmq.ZMQError:
             clients.close(0)
-            sched.disable_monitor()
-            self._sched_monitor.close(0)
+            self._sched_watch.close()
             sched.close(0)
             raise
         sched.connect(self.config.scheduler_address)
@@ -137,7 +134,7 @@ class FrontendServer:
         poller = zmq.Poller()
         poller.register(clients, zmq.POLLIN)
         poller.register(sched, zmq.POLLIN)
-        poller.register(self._sched_monitor, zmq.POLLIN)
+        poller.register(self._sched_watch.monitor, zmq.POLLIN)
         tick_ms = int(self.config.heartbeat_s * 500)  # housekeeping at twice the heartbeat rate
         while not self._stopped:
             events = dict(poller.poll(tick_ms))
@@ -145,12 +142,13 @@ class FrontendServer:
                 self._on_scheduler()
             if clients in events:
                 self._on_clients()
-            if self._sched_monitor in events:
-                guarded(self.log, "monitor_event_failed", self._on_sched_monitor, None)
+            if self._sched_watch.monitor in events:
+                guarded(
+                    self.log, "monitor_event_failed", lambda _: self._sched_watch.on_events(), 0
+                )
             self._housekeeping(time.monotonic())
         clients.close()
-        sched.disable_monitor()
-        self._sched_monitor.close()
+        self._sched_watch.close()
         sched.close()
         self.log.info("frontend_stopped")
         return 0
@@ -337,15 +335,10 @@ class FrontendServer:
             return
         self._on_engine_message(msg)
 
-    def _on_sched_monitor(self, _: None) -> None:
-        while self._sched_monitor.poll(0, zmq.POLLIN):
-            event = recv_monitor_message(self._sched_monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED and (self._engine or self._requests):
-                self._engine_lost(
-                    "scheduler_unreachable",
-                    ErrorCode.ENGINE_UNREACHABLE,
-                    "the connection to the scheduler was lost",
-                )
+    def _scheduler_gone(self) -> None:
+        if self._engine is not None or self._requests:
+            msg = "the connection to the scheduler was lost"
+            self._engine_lost("scheduler_unreachable", ErrorCode.ENGINE_UNREACHABLE, msg)
 
     def _on_engine_message(self, msg: Any) -> None:
         if isinstance(msg, OutputBatch):
