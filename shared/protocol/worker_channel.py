@@ -31,6 +31,17 @@ class WorkerReady:
     dtype: str  # "float32" | "bfloat16" | ...
     device: str  # "cpu" | "cuda:0" | "sim:h200" ...
 
+    def __post_init__(self) -> None:
+        # Checked on decode (the codec turns this into invalid_field): a WorkerReady that
+        # could not size a scheduler is refused before it reaches one.
+        counts = (self.rank >= 0, self.num_blocks >= 1, self.block_size >= 1,
+                  self.max_model_len >= 2, self.vocab_size >= 1)  # fmt: skip
+        if not all(counts):
+            raise ValueError(
+                "WorkerReady needs rank >= 0, num_blocks >= 1, block_size >= 1, "
+                "max_model_len >= 2 and vocab_size >= 1"
+            )
+
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
