@@ -312,10 +312,8 @@ class FrontendServer:
     def _forget(self, rid: str) -> ClientRequest:
         state = self._requests.pop(rid)
         self._by_client.pop((state.identity, state.client_id), None)
-        left = self._num_per_conn[state.identity] - 1
-        if left > 0:
-            self._num_per_conn[state.identity] = left
-        else:
+        self._num_per_conn[state.identity] -= 1
+        if self._num_per_conn[state.identity] <= 0:
             del self._num_per_conn[state.identity]
         return state
 
