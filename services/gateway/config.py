@@ -32,7 +32,7 @@ class GatewayConfig:
     # Fairness: engine requests one API key (or, without keys, one client address) may have in
     # flight; past it 429 overloaded. The gateway's own engine connection is exempt from the
     # frontend's per-connection cap, since all its users share it. 0: no cap.
-    max_requests_per_client: int = 256
+    max_requests_per_client: int = 1024
     # Engine frames above this are refused here (413 frame_too_large) and never sent: all users
     # share one frontend connection, which a frame over its hard cap would drop.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -141,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
     p.add_argument(
         "--max-requests-per-client",
         type=int,
-        default=env_int("MAX_REQUESTS_PER_CLIENT", 256),
+        default=env_int("MAX_REQUESTS_PER_CLIENT", 1024),
         help="engine requests in flight per API key / client address; 0: no cap "
         "[CONVEYOR_MAX_REQUESTS_PER_CLIENT]",
     )

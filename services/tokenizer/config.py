@@ -31,7 +31,7 @@ class FrontendConfig:
     # Connections whose routing id starts with `cap_exempt_prefix` (the gateway's, which
     # applies the cap per API key / client address itself) are exempt. Without CURVE the
     # routing id is not authenticated: the exemption is advisory (docs/protocol.md).
-    max_requests_per_connection: int = 256
+    max_requests_per_connection: int = 1024
     cap_exempt_prefix: str = "gateway-"
 
     def __post_init__(self) -> None:
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-requests-per-connection",
         type=int,
-        default=env_int("MAX_REQUESTS_PER_CONNECTION", 256),
+        default=env_int("MAX_REQUESTS_PER_CONNECTION", 1024),
         help="requests one connection may have in flight, past it overloaded; 0: no cap "
         "(CONVEYOR_MAX_REQUESTS_PER_CONNECTION)",
     )
