@@ -10,7 +10,7 @@ COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz
+.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real
 
 venv: $(STAMP)
 
@@ -52,6 +52,10 @@ test: $(STAMP) $(COMPOSE)
 # The long fuzz run (docs/RELIABILITY.md): 200,000 frames against a live frontend (~6 min).
 fuzz: $(STAMP)
 	CONVEYOR_FUZZ_FRAMES=200000 $(BIN)/python -m pytest -q -s tests/e2e/test_fuzz_frontend.py
+
+# kill -9 of the REAL worker under 16 streams (docs/RELIABILITY.md; minutes: two model loads).
+faults-real: model
+	CONVEYOR_FAULTS_WORKER=model $(BIN)/python -m pytest -q -s tests/e2e/test_engine_faults.py -k worker_killed
 
 bench: model
 	$(BIN)/python -m conveyor bench --compare-batching --out results/bench

@@ -124,12 +124,17 @@ class UpProcess:
         return self.proc.returncode, "".join(self.lines), err
 
 
-def start_up(tmp_path: Path, *flags: str) -> tuple[UpProcess, str]:
-    """`conveyor up` with the SIMULATED worker and no gateway, serving: (process, address)."""
+def start_up(tmp_path: Path, *flags: str, worker: str = "sim") -> tuple[UpProcess, str]:
+    """`conveyor up` with the SIMULATED worker (or, `worker="model"`, the real one in fp32 with
+    ENGINE_WORKER_FLAGS) and no gateway, serving: (process, address)."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "conveyor", "up", "--worker", "sim", "--no-gateway",
+    worker_flags = ["--worker", worker]
+    if worker == "model":
+        worker_flags += [a for k, v in ENGINE_WORKER_FLAGS.items()
+                         for a in ("--" + k.replace("_", "-"), v)]  # fmt: skip
+    argv = [sys.executable, "-m", "conveyor", "up", *worker_flags, "--no-gateway",
             "--frontend-addr", address, "--log-dir", str(tmp_path / "logs"), *flags]  # fmt: skip
     up = UpProcess(argv)
-    up.wait_serving(timeout=300)
+    up.wait_serving(timeout=600)
     assert probe_health(address, timeout=5.0 + SLOW_HOST_MARGIN_S)
     return up, address

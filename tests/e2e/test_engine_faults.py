@@ -24,14 +24,21 @@ from pathlib import Path
 import pytest
 
 from shared.client import AsyncClient, Client, EngineError
+from shared.env import env_str
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import UpProcess, descendants, start_up, wait_gone
 
 pytestmark = pytest.mark.e2e
 
 NUM_STREAMS = 16
-MAX_TOKENS = 400  # ~5.4 ms per modelled decode step: the streams are mid-way at the kill
-READY_AGAIN_WITHIN_S = 10.0 + SLOW_HOST_MARGIN_S  # promised: 10 s (measured: RELIABILITY.md)
+# `make faults-real` runs the worker test on the real worker (CONVEYOR_FAULTS_WORKER=model).
+WORKER = env_str("FAULTS_WORKER", "sim") or "sim"
+WORKER_MODULE = "services.simworker" if WORKER == "sim" else "services.worker"
+# sim: ~5.4 ms per modelled decode step; real (CPU): ~50-150 ms. Mid-way at the kill either way.
+MAX_TOKENS = 400 if WORKER == "sim" else 40
+# promised: 10 s (+ the model's load time with the real worker), measured: RELIABILITY.md
+READY_AGAIN_WITHIN_S = 10.0 + SLOW_HOST_MARGIN_S
+WAIT_S = 120.0 if WORKER == "sim" else 900.0
 PROMPTS = [f"Parcel {n} travels along the belt to" for n in range(NUM_STREAMS)]
 
 
@@ -57,17 +64,17 @@ async def _streams_with_a_kill(address: str, pid: int) -> tuple[list, float]:
             asyncio.create_task(_stream(client, p, ev))
             for p, ev in zip(PROMPTS, events, strict=True)
         ]
-        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), timeout=120)
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), timeout=WAIT_S)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
     return list(results), killed_at
 
 
 def _ready_again(address: str, out: list[float]) -> None:
     """Polls health until it was not ready and is ready again: appends that moment."""
     seen_down = False
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + WAIT_S
     with Client(address, timeout=10.0) as c:
         while time.monotonic() < deadline:
             ready = c.health()["ready"]
@@ -85,7 +92,7 @@ def _kill_under_load(up: UpProcess, address: str, module: str) -> tuple[list, fl
     watcher = threading.Thread(target=_ready_again, args=(address, ready_at), daemon=True)
     watcher.start()
     results, killed_at = asyncio.run(_streams_with_a_kill(address, pid))
-    watcher.join(180)
+    watcher.join(WAIT_S)
     assert ready_at, "the engine did not become ready again"
     assert _service_pid(up, module) != pid  # `up` started a new one
     return results, ready_at[0] - killed_at
@@ -97,12 +104,14 @@ def _engine_stats(address: str) -> dict[str, float]:
 
 
 def test_worker_killed_under_load_loses_nothing(tmp_path: Path) -> None:
-    up, address = start_up(tmp_path)
+    started = time.monotonic()
+    up, address = start_up(tmp_path, worker=WORKER)
+    load_s = time.monotonic() - started  # start to serving: mostly the model's load time
     try:
-        with Client(address, timeout=60.0) as c:
+        with Client(address, timeout=WAIT_S) as c:
             want = [c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
                     for p in PROMPTS]  # fmt: skip
-        results, recovery_s = _kill_under_load(up, address, "services.simworker")
+        results, recovery_s = _kill_under_load(up, address, WORKER_MODULE)
         for got, ref in zip(results, want, strict=True):
             assert not isinstance(got, BaseException), got
             flat = [t for chunk in got for t in chunk]
@@ -111,8 +120,11 @@ def test_worker_killed_under_load_loses_nothing(tmp_path: Path) -> None:
         assert stats["kv_blocks_used"] == 0 and stats["num_live_requests"] == 0, stats
         scheduler_log = (tmp_path / "logs" / "scheduler.log").read_text()
         assert '"event":"worker_lost"' in scheduler_log
-        print(f"\nworker kill -9: ready again after {recovery_s:.2f} s")  # RELIABILITY.md
-        assert recovery_s < READY_AGAIN_WITHIN_S
+        print(
+            f"\nworker ({WORKER}) kill -9: ready again after {recovery_s:.2f} s; "
+            f"start to serving {load_s:.2f} s"
+        )  # quoted in docs/RELIABILITY.md
+        assert recovery_s < READY_AGAIN_WITHIN_S + (load_s if WORKER == "model" else 0.0)
     finally:
         _stop(up)
 
