@@ -62,7 +62,20 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
     folder: Path = prepare_model(args.model)
     print(folder)
+    _build_cpu_kernels()
     return 0
+
+
+def _build_cpu_kernels() -> None:
+    """Compile the worker's C++ CPU kernels once for this machine (cached; the first worker
+    start would do it otherwise). A failure is reported, not fatal: the worker falls back to
+    torch, and tests/kernels/test_cpu_ext.py fails on machines that should build it."""
+    from services.worker.ops_cpu import build_cpu_ext
+
+    error = build_cpu_ext()
+    if error is not None:
+        print(f"warning: the C++ CPU kernels did not build (torch fallback): {error}",
+              file=sys.stderr)  # fmt: skip
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -48,8 +48,8 @@ KNOWN: dict[str, str] = {
     "POLICY": "scheduler: fcfs | priority | short-first",
     "BATCHING": "scheduler: continuous | dynamic | static",
     "DTYPE": "worker: float32 | bfloat16 | ...",
-    "AUTO_DTYPE": "worker: what --dtype auto becomes on CPU (float32 | bfloat16), overriding "
-    "the machine's own choice (tests pin it to run the suite as another CPU would)",
+    "AUTO_DTYPE": "worker: what --dtype auto becomes on CPU (float32 | bfloat16), instead of "
+    "the GEMM probe's choice (tests pin it to run the suite as another CPU would)",
     "KV_CACHE_MEMORY": "worker: memory for the KV cache",
 }
 

@@ -8,13 +8,11 @@ from typing import Optional
 from shared.env import env_str
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# "auto": bfloat16 on CUDA; on CPU bfloat16 only where the CPU has native bf16 matmuls
-# (avx512_bf16 / amx_bf16: ~4x fp32 GEMM speed), else float32. Measured on an AVX2-only EPYC
-# (no avx512): torch's bf16 GEMM runs at ~10 GFLOP/s against ~50 for fp32, and a 256-token
-# prefill step takes 3.6 s in bf16 against 0.8 s in fp32.
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+# "auto": bfloat16 on CUDA; on CPU the faster of bfloat16 and float32 on the model's own GEMMs,
+# measured once per machine (services/worker/dtype_probe.py): flag names cannot tell, and the
+# gap is large both ways (AVX2-only EPYC: bf16 ~5x slower; AMX Xeon: bf16 ~6x faster).
 DEFAULT_DTYPE = "auto"
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small on a 24 GiB host
 
 
@@ -27,8 +25,9 @@ class WorkerConfig:
     kv_cache_memory: Optional[int] = None  # bytes for K and V of every layer
     kv_cache_fraction: Optional[float] = None  # else this share of the device's free memory
     max_model_len: Optional[int] = None  # None: the model's max positions
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
-    num_threads: Optional[int] = None  # torch intra-op threads; None leaves torch's default
+    # auto: triton on CUDA; on CPU the C++ extension ("cpu"), torch when it cannot be built
+    attention_backend: str = "auto"
+    num_threads: Optional[int] = None  # torch intra-op threads; None: torch's, capped at the CPUs
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,9 +55,9 @@ class WorkerConfig:
             raise ValueError(f"num_threads must be an integer > 0, got {self.num_threads!r}")
 
 
-def resolve_dtype(config: WorkerConfig) -> str:
-    """The concrete dtype for `config.dtype` ("auto" resolved as described above; on CPU,
-    CONVEYOR_AUTO_DTYPE replaces the machine's own choice)."""
+def resolve_dtype(config: WorkerConfig) -> Optional[str]:
+    """The concrete dtype for `config.dtype`, or None for "auto" on CPU without
+    CONVEYOR_AUTO_DTYPE (then decided at start by services.worker.dtype_probe)."""
     if config.dtype != "auto":
         return config.dtype
     if config.device.startswith("cuda"):
@@ -68,16 +67,7 @@ def resolve_dtype(config: WorkerConfig) -> str:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"CONVEYOR_AUTO_DTYPE must be float32 or bfloat16, got {forced!r}")
         return forced
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
+    return None
 
 
 def _pos_int(v: object) -> bool:

@@ -89,7 +89,8 @@ class LlamaModel:
         self, step: StepTensors, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Run every layer over the step's T tokens, writing their K/V into the cache;
-        return float32 logits [S, V] at `step.logits_indices`."""
+        return logits [S, V] at `step.logits_indices`, in the model's dtype (the sampler
+        casts only when it needs to)."""
         a, ops = self.args, self.ops
         t = step.input_ids.shape[0]
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -118,4 +119,4 @@ class LlamaModel:
         rows = step.logits_indices
         # only the sampled rows need the final norm and the LM head
         h, _ = ops.rms_norm(x[rows], self.norm, a.rms_norm_eps, residual[rows])  # type: ignore
-        return F.linear(h, self.lm_head).float()
+        return F.linear(h, self.lm_head)

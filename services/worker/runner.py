@@ -7,17 +7,21 @@ batch, sample at the rows that asked, return a StepResult.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import structlog
 import torch
 
 from services.worker.config import WorkerConfig, resolve_dtype
+from services.worker.dtype_probe import resolve_auto_dtype
 from services.worker.input_batch import InputBatch, RequestState
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
+from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
 from services.worker.sampler import SampleRow, sample
 from services.worker.weights import ModelArgs, load_weights, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model
@@ -26,38 +30,70 @@ from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_ops(config: WorkerConfig) -> Any:
-    """TorchOps on CPU, TritonOps on CUDA, or what `attention_backend` forces. Triton is
-    imported only when chosen, so the CPU path never needs it."""
+def make_ops(config: WorkerConfig, args: ModelArgs, dtype: torch.dtype, log: Any) -> Any:
+    """CpuOps (the C++ extension) on CPU, TritonOps on CUDA, or what `attention_backend`
+    forces. On CPU, "auto" falls back to TorchOps (logged) when the extension cannot be built or
+    does not cover the model; "cpu" forced makes that a ValueError. Triton is imported only when
+    chosen, so the CPU path never needs it."""
     backend = config.attention_backend
     if backend == "auto":
-        backend = "triton" if config.device.startswith("cuda") else "torch"
+        backend = "triton" if config.device.startswith("cuda") else "cpu"
     if backend == "torch":
         return TorchOps()
+    if backend == "cpu":
+        return _cpu_ops(config, args, dtype, log)
     from services.worker.ops_triton import TritonOps
 
     return TritonOps()
 
 
+def _cpu_ops(config: WorkerConfig, args: ModelArgs, dtype: torch.dtype, log: Any) -> Any:
+    forced = config.attention_backend == "cpu"
+    if config.device != "cpu" or not CpuOps.supports(args.head_dim, dtype):
+        why = f"the C++ CPU kernels do not cover device={config.device} head_dim={args.head_dim} "
+        why += f"dtype={dtype}"
+        if forced:
+            raise ValueError(why)
+        log.warning("cpu_ext_not_used", reason=why, fallback="torch")
+        return TorchOps()
+    ext = try_load_cpu_ext(log)
+    if ext is None:
+        if forced:
+            raise ValueError("attention_backend=cpu but the C++ CPU extension did not build")
+        return TorchOps()
+    return CpuOps(ext)
+
+
+def worker_cores() -> int:
+    """CPUs this process may run on (its affinity mask): torch's intra-op threads default."""
+    return len(os.sched_getaffinity(0))
+
+
 class ModelRunner:
     """Owns the model, the KV cache and per-request state of one worker rank."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, log: Optional[Any] = None) -> None:
         """Load everything; ValueError with a clear message on a bad model, an unsupported
-        architecture or a KV budget too small for one max-length sequence."""
+        architecture or a KV budget too small for one max-length sequence. `log` (structlog)
+        receives start-up facts (ops chosen, dtype probe); None uses structlog's default."""
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        self.log = log if log is not None else structlog.get_logger().bind(service="worker")
+        # None: torch's default (which honours OMP_NUM_THREADS), capped at this process's CPUs
+        threads = config.num_threads or min(torch.get_num_threads(), worker_cores())
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         self.folder: Path = prepare_model(config.model)
         self.args: ModelArgs = model_args(self.folder)
         self.max_model_len = self._max_model_len(config, self.args)
-        self.dtype_name = resolve_dtype(config)
+        self.dtype_name = resolve_dtype(config) or resolve_auto_dtype(
+            self.args, cache_base() / "dtype", self.log
+        )
         self.dtype = TORCH_DTYPES[self.dtype_name]
         num_blocks = num_blocks_for(self.args, config, self.dtype, self.max_model_len)
         weights = load_weights(self.folder, self.dtype, config.device)
-        self.model = LlamaModel(
-            self.args, weights, make_ops(config), self.max_model_len, config.device
-        )
+        ops = make_ops(config, self.args, self.dtype, self.log)
+        self.log.info("worker_ops", ops=ops.name, threads=torch.get_num_threads())
+        self.model = LlamaModel(self.args, weights, ops, self.max_model_len, config.device)
         self.kv_cache = KVCache(self.args, num_blocks, config.block_size, self.dtype, config.device)
         self.batch = InputBatch(config.block_size, num_blocks, self.max_model_len, config.device)
         self.model_name = model_name(self.folder)
@@ -99,7 +135,7 @@ class ModelRunner:
         if not states:
             return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
         step = self.batch.tensors(plan, states)
-        logits = self.model.forward(step, self.kv_cache.layers)  # [S, V] float32
+        logits = self.model.forward(step, self.kv_cache.layers)  # [S, V] model dtype
         return self._finish(plan, sampled, logits, start)
 
     @torch.inference_mode()
@@ -107,7 +143,7 @@ class ModelRunner:
         """Like `execute` without sampling: the float32 logits [S, V] of the sampling rows.
         For tests and tools; it updates request state the same way (histories excepted)."""
         states = self.batch.apply_plan(plan)
-        return self.model.forward(self.batch.tensors(plan, states), self.kv_cache.layers)
+        return self.model.forward(self.batch.tensors(plan, states), self.kv_cache.layers).float()
 
     def _finish(
         self, plan: StepPlan, sampled: list[RequestState], logits: torch.Tensor, start: float

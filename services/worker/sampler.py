@@ -113,11 +113,26 @@ def draw(filtered: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return idx.clamp_(max=filtered.shape[1] - 1)
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that reads or changes the distribution: argmax alone decides."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
 def sample(
     logits: torch.Tensor, rows: list[SampleRow]
 ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
-    """logits [S, V] float32 (modified in place) -> one token per row, and logprobs where the
-    row's params ask for them (from the processed distribution)."""
+    """logits [S, V] in the model's dtype (float32 ones are modified in place) -> one token per
+    row, and logprobs where the row's params ask for them (from the processed distribution).
+    When every row is plain greedy the argmax runs on the logits as they are (no float copy)."""
+    if all(is_plain_greedy(r.params) for r in rows):
+        return logits.argmax(dim=1).tolist(), [None] * len(rows)
+    logits = logits.float()
     apply_penalties(logits, rows)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     processed = logits

@@ -40,7 +40,7 @@ def run_worker(
 
     log.info("loading_model", model=config.model, dtype=config.dtype, device=config.device)
     try:
-        runner = ModelRunner(config)
+        runner = ModelRunner(config, log=log)
     except ValueError as exc:  # a config the model cannot honour (documented by ModelRunner)
         log.error("bad_worker_config", message=str(exc))
         return EXIT_BAD_CONFIG

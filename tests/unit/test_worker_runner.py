@@ -262,14 +262,21 @@ def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
     assert (k.float() - want_k[0].transpose(0, 1)).abs().max().item() < tol
 
 
-def test_auto_dtype_follows_the_cpu(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.config import cpu_has_native_bf16, resolve_dtype
+def test_auto_dtype_follows_the_probe(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unpinned, CPU "auto" is left to the GEMM probe (cached under CONVEYOR_CACHE_DIR/dtype)."""
+    from services.worker.config import resolve_dtype
+    from services.worker.dtype_probe import decide_cpu_dtype
+    from services.worker.weights import model_args
 
     monkeypatch.delenv("CONVEYOR_AUTO_DTYPE", raising=False)
-    want = "bfloat16" if cpu_has_native_bf16() else "float32"
-    assert resolve_dtype(WorkerConfig()) == want
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    assert resolve_dtype(WorkerConfig()) is None
     assert resolve_dtype(WorkerConfig(device="cuda")) == "bfloat16"
-    assert make_runner(tiny, dtype="auto").ready_message().dtype == want
+    got = make_runner(tiny, dtype="auto").ready_message().dtype
+    cached = decide_cpu_dtype(model_args(tiny), tmp_path / "dtype")
+    assert cached.source == "cache" and got == cached.dtype
 
 
 @pytest.mark.parametrize("forced", ["float32", "bfloat16"])
@@ -284,3 +291,33 @@ def test_auto_dtype_can_be_pinned(tiny: Path, monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setenv("CONVEYOR_AUTO_DTYPE", "int8")
     with pytest.raises(ValueError, match="CONVEYOR_AUTO_DTYPE"):
         resolve_dtype(WorkerConfig())
+
+
+def test_dtype_probe_measures_then_caches(tiny: Path, tmp_path: Path) -> None:
+    from services.worker.dtype_probe import choose, decide_cpu_dtype
+    from services.worker.weights import model_args
+
+    args = model_args(tiny)
+    first = decide_cpu_dtype(args, tmp_path)
+    assert first.source == "probe"
+    assert all(rate > 0 for rate in first.gflops.values())
+    assert first.dtype == choose(first.gflops)
+    again = decide_cpu_dtype(args, tmp_path)
+    assert (again.source, again.gflops, again.dtype) == ("cache", first.gflops, first.dtype)
+    assert choose({"float32": 10.0, "bfloat16": 14.9}) == "float32"
+    assert choose({"float32": 10.0, "bfloat16": 15.0}) == "bfloat16"
+
+
+def test_cpu_runner_uses_the_cpp_kernels_and_they_agree_with_torch(tiny: Path) -> None:
+    """On CPU "auto" runs the C++ extension (a build failure would show here as "torch");
+    its mixed-step logits equal the plain-torch path's."""
+    rng = random.Random(5)
+    seqs = {f"s{i}": [rng.randrange(3, 265) for _ in range(rng.randint(1, 90))] for i in range(5)}
+    fast = make_runner(tiny, block_size=16)
+    slow = make_runner(tiny, block_size=16, attention_backend="torch")
+    assert (fast.model.ops.name, slow.model.ops.name) == ("cpu", "torch")
+    got = _run_script(fast, seqs, random.Random(1), together=True)
+    want = _run_script(slow, seqs, random.Random(1), together=True)
+    assert got.keys() == want.keys()
+    for key, logits in got.items():
+        assert (logits - want[key]).abs().max().item() < 1e-4, key

@@ -1,0 +1,105 @@
+"""Conveyor's C++ CPU kernels (kernels/csrc/cpu_ops.cpp): build once per machine, load, launch.
+
+The extension is compiled with torch.utils.cpp_extension (ninja from the venv) for the CPU it
+runs on (-march=native), so its build folder is keyed by what changes the binary: the CPU model
+and flags, the torch version, the compiler flags and the source itself. A second process (or a
+second worker rank) finds the build done and only imports it; torch's own file lock keeps two
+processes from building at once.
+
+Launchers check shapes and dtypes (ValueError naming the argument) before the C++ code, which
+trusts pointers. Each has a torch reference of the same function beside it:
+`cpu_paged_attention` <-> `kernels.paged_attention.paged_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# -march=native: the build is per machine (the key holds the CPU flags); -fopenmp enables the
+# `omp simd` loops (threads come from at::parallel_for, i.e. torch's own pool)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes cpu_ops.cpp is instantiated for
+
+
+def cpu_identity() -> str:
+    """CPU model name and flags (from /proc/cpuinfo; the platform string where unreadable)."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == platform.processor():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = value.strip()
+                break
+    except OSError:
+        pass
+    return f"{model}|{flags}"
+
+
+def build_key() -> str:
+    """Hex digest naming the build folder: CPU, torch version, flags and source."""
+    h = hashlib.sha256()
+    for part in (cpu_identity(), torch.__version__, " ".join(CFLAGS)):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(SOURCE.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_cpu_ops(cache_dir: Path, verbose: bool = False) -> ModuleType:
+    """Build (first time on this machine) and import the extension from `cache_dir/<key>`.
+    Raises (RuntimeError, OSError, ...) when it cannot be built; callers decide what to do."""
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    key = build_key()
+    folder = cache_dir / key
+    folder.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=f"conveyor_cpu_ops_{key}",
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        build_directory=str(folder),
+        verbose=verbose,
+    )
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the venv's ninja package sits beside the interpreter, which
+    is not on PATH when the venv is not activated (make, the launcher)."""
+    try:
+        import ninja  # the PyPI package: ships the binary in ninja.BIN_DIR
+    except ImportError:
+        return
+    bin_dir = str(ninja.BIN_DIR)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+
+
+def cpu_paged_attention(
+    ext: ModuleType,
+    q: torch.Tensor,  # [T, H, D], unit stride on D (views of the fused qkv output are fine)
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32, cached + new tokens per sequence
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+) -> torch.Tensor:  # [T, H, D], q's dtype
+    """Causal paged attention over a mixed step, reading K/V in place (semantics: the module
+    doc of kernels.paged_attention; reference: paged_attention_ref). The C++ side checks shapes,
+    dtypes and strides (ValueError); lengths and block-table entries are trusted, as in the
+    Triton kernel. Called once per layer per step, so the checks stay in C++ (no Python cost)."""
+    return ext.paged_attention(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, float(scale)
+    )

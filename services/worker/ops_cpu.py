@@ -1,0 +1,106 @@
+"""CpuOps: the model's small kernels as one C++ call each (kernels/csrc/cpu_ops.cpp).
+
+Same methods and signatures as TorchOps (docs/design/contracts.md), which stays the reference
+and the fallback. Paged attention reads K/V in place from the block pool (no gather, no padded
+copy, no mask tensor); RMSNorm fuses the residual add; rotary rotates q and k in one call,
+reading cos/sin rows by position; SiLU-and-mul is one pass.
+
+The extension is built once per machine into `$CONVEYOR_CACHE_DIR/ext/<key>` (kernels.cpu_ext):
+by `conveyor model prepare`, else by the first worker start. When it cannot be built the worker
+logs `cpu_ext_unavailable` once and runs TorchOps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+
+from kernels.cpu_ext import HEAD_DIMS, cpu_paged_attention, load_cpu_ops
+from services.worker.ops import TorchOps
+from shared.env import env_str
+
+
+def cache_base() -> Path:
+    """$CONVEYOR_CACHE_DIR, default ~/.cache/conveyor (models/, ext/ and dtype/ below it)."""
+    base = env_str("CACHE_DIR")
+    return Path(base).expanduser() if base else Path.home() / ".cache" / "conveyor"
+
+
+def ext_cache_dir() -> Path:
+    """$CONVEYOR_CACHE_DIR/ext: one build folder per key (kernels.cpu_ext.build_key)."""
+    return cache_base() / "ext"
+
+
+def try_load_cpu_ext(log: Optional[Any] = None) -> Optional[ModuleType]:
+    """The built extension, or None (logged once through `log`) when it cannot be built.
+    Called once per process by make_ops; `conveyor model prepare` calls it to build ahead."""
+    try:
+        return load_cpu_ops(ext_cache_dir())
+    except Exception as exc:  # a compiler error has many types (RuntimeError, OSError, ...)
+        if log is not None:
+            log.warning("cpu_ext_unavailable", error=str(exc)[-2000:], fallback="torch")
+        return None
+
+
+def build_cpu_ext() -> Optional[str]:
+    """Build (or find built) the extension ahead of the first worker start; called by
+    `conveyor model prepare`. Returns None when it loads, else the error's text."""
+    try:
+        load_cpu_ops(ext_cache_dir())
+    except Exception as exc:  # see try_load_cpu_ext
+        return str(exc)[-2000:]
+    return None
+
+
+class CpuOps(TorchOps):
+    """C++ kernels for every op the extension covers; write_kv stays torch's index_copy_."""
+
+    name = "cpu"
+
+    def __init__(self, ext: ModuleType) -> None:
+        super().__init__()
+        self._ext = ext
+
+    @staticmethod
+    def supports(head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether the compiled kernels cover this model (else the runner uses TorchOps)."""
+        return head_dim in HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,  # [B+1] int32
+        seq_lens: torch.Tensor,  # [B] int32, context after this step
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        return cpu_paged_attention(
+            self._ext, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale
+        )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, Hd]
+        weight: torch.Tensor,  # [Hd]
+        eps: float,
+        residual: Optional[torch.Tensor] = None,  # [T, Hd]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, res = self._ext.rms_norm(x, weight, eps, residual)
+        return out, res
+
+    def rotary(
+        self,
+        q: torch.Tensor,  # [T, H, D], rotated in place
+        k: torch.Tensor,  # [T, Hkv, D], rotated in place
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    ) -> None:
+        self._ext.rotary(q, k, positions, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        return self._ext.silu_and_mul(x)
