@@ -1,15 +1,17 @@
 """Time one worker step against transformers' forward with its contiguous cache.
 
 Decode: one step at batch 1, 8, 32, 128 with ~256 cached tokens per sequence; prefill: one
-512-token prompt. Both engines run in this one process on the same weights and dtype, so the
-ratios are fair even on a shared machine (take the minimum of several repeats). The KV contents
-are random: step time does not depend on them.
+512-token prompt. Three paths run in this one process on the same weights and dtype, so the
+ratios are fair even on a shared machine (take the minimum of several repeats): the worker with
+its default CPU ops (the C++ extension), the same worker with the plain-torch ops (the old path:
+gathered, padded SDPA), and transformers. The KV contents are random: step time does not depend
+on them.
 
     PYTHONPATH=. python bench/worker_step_bench.py [--dtype auto] [--batches 1,8,32,128]
         [--context 256] [--prefill 512] [--repeat 5] [--threads 2] [--out results/...json]
 
-Writes JSON to results/ and prints a markdown table of times and ratios (ours / transformers;
-below 1 means the paged step is faster) for docs/PERFORMANCE.md. Run it on a quiet machine.
+Writes JSON to results/ and prints a markdown table of times and ratios (transformers / ours:
+above 1 means the paged step is faster) for docs/PERFORMANCE.md. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from services.worker.config import WorkerConfig, resolve_dtype
+from services.worker.config import WorkerConfig
+from services.worker.ops import TorchOps
 from services.worker.runner import ModelRunner
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
@@ -141,10 +144,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    args.dtype = resolve_dtype(WorkerConfig(dtype=args.dtype))
+    probe = ModelRunner(WorkerConfig(dtype=args.dtype, kv_cache_memory=64 << 20))
+    args.dtype = probe.dtype_name  # "auto" resolved as the worker does
+    del probe
     dtype = getattr(torch, args.dtype)
     need = max(batches) * (args.context + 16) * 2 * 30 * 3 * 64 * dtype.itemsize
     runner = ModelRunner(WorkerConfig(dtype=args.dtype, kv_cache_memory=max(need, 1 << 30)))
+    fast_ops, torch_ops = runner.model.ops, TorchOps()
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(runner.folder, dtype=dtype).eval()
@@ -165,22 +171,31 @@ def main() -> None:
         )
     )
     for name, ours, theirs in cases:
-        t_ours, t_hf = timed(ours, args.repeat), timed(theirs, args.repeat)
+        runner.model.ops = fast_ops
+        t_ours = timed(ours, args.repeat)
+        runner.model.ops = torch_ops
+        t_old = timed(ours, args.repeat)
+        t_hf = timed(theirs, args.repeat)
         rows.append(
             {
                 "case": name,
+                "ops": fast_ops.name,
                 "ours_min_s": min(t_ours),
+                "torch_ops_min_s": min(t_old),
                 "hf_min_s": min(t_hf),
                 "ours_median_s": statistics.median(t_ours),
+                "torch_ops_median_s": statistics.median(t_old),
                 "hf_median_s": statistics.median(t_hf),
-                "ratio_min": min(t_ours) / min(t_hf),
+                "hf_over_ours": min(t_hf) / min(t_ours),
+                "torch_ops_over_ours": min(t_old) / min(t_ours),
             }
         )
         print(
-            f"{name}: ours {min(t_ours) * 1e3:.1f} ms, transformers {min(t_hf) * 1e3:.1f} ms, "
-            f"ratio {rows[-1]['ratio_min']:.2f}",
+            f"{name}: ours ({fast_ops.name}) {min(t_ours) * 1e3:.1f} ms, torch ops "
+            f"{min(t_old) * 1e3:.1f} ms, transformers {min(t_hf) * 1e3:.1f} ms",
             flush=True,
         )
+    runner.model.ops = fast_ops
     report = {
         "dtype": args.dtype,
         "context": args.context,
@@ -192,13 +207,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(
-        f"\n| step ({args.dtype}, {args.context} cached) | ours (ms) | transformers (ms) | ratio |"
+        f"\n| step ({args.dtype}, {args.context} cached) | ours, {fast_ops.name} ops (ms) "
+        "| ours, torch ops (ms) | transformers (ms) | transformers / ours | torch ops / ours |"
     )
-    print("|---|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['case']} | {r['ours_min_s'] * 1e3:.1f} | {r['hf_min_s'] * 1e3:.1f} "
-            f"| {r['ratio_min']:.2f} |"
+            f"| {r['case']} | {r['ours_min_s'] * 1e3:.1f} | {r['torch_ops_min_s'] * 1e3:.1f} "
+            f"| {r['hf_min_s'] * 1e3:.1f} | {r['hf_over_ours']:.2f} "
+            f"| {r['torch_ops_over_ours']:.2f} |"
         )
     print(f"\nwrote {out}")
 

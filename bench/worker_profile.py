@@ -1,0 +1,90 @@
+"""Where a worker decode step's time goes, and whether its linear layers run at the GEMM rate.
+
+Profiles `--steps` decode steps at batch `--batch` (`--context` cached tokens each) with
+torch.profiler and prints the top operators by self CPU time; then times the same linear-layer
+shapes (the fused qkv, o, gate/up and down of one layer, and the LM head at the sampled rows) in
+a bare F.linear loop, and prints the step's matmul time against that floor. A ratio near 1 means
+the linear layers already run at the machine's GEMM rate (no per-call repacking to fix).
+
+    PYTHONPATH=. python bench/worker_profile.py [--dtype float32] [--batch 32] [--context 256]
+        [--ops cpu|torch] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.worker_step_bench import ours_decode
+from services.worker.config import WorkerConfig
+from services.worker.dtype_probe import linear_shapes
+from services.worker.runner import ModelRunner
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul_fused", "mkldnn::_linear")
+
+
+def bare_linear_seconds(runner: ModelRunner, rows: int, repeat: int) -> float:
+    """One step's linear layers (all layers + LM head) timed in a bare F.linear loop."""
+    args, dtype = runner.args, runner.dtype
+    gen = torch.Generator().manual_seed(0)
+    pairs = [
+        (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
+        for k, n in linear_shapes(args)
+    ]
+    head = (torch.randn(rows, args.hidden_size, generator=gen).to(dtype), runner.model.lm_head)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            for _layer in range(args.num_layers):
+                for x, w in pairs:
+                    torch.nn.functional.linear(x, w)
+            torch.nn.functional.linear(*head)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--ops", default="auto", choices=["auto", "cpu", "torch"])
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    need = args.batch * (args.context + 16) * 2 * 30 * 3 * 64 * 4
+    runner = ModelRunner(
+        WorkerConfig(
+            dtype=args.dtype, kv_cache_memory=max(need, 1 << 28), attention_backend=args.ops
+        )
+    )
+    run = ours_decode(runner, args.batch, args.context, 0)
+    run()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        run()
+    step_s = (time.perf_counter() - start) / args.steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            run()
+    events = prof.key_averages()
+    threads = torch.get_num_threads()
+    print(f"ops={runner.model.ops.name} dtype={runner.dtype_name} threads={threads}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    matmul_s = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6
+    matmul_s /= args.steps
+    bare_s = bare_linear_seconds(runner, args.batch, 5)
+    num_ops = sum(e.count for e in events) / args.steps
+    print(f"step (unprofiled): {step_s * 1e3:.1f} ms; operator calls per step: {num_ops:.0f}")
+    print(
+        f"matmuls in the step: {matmul_s * 1e3:.1f} ms; the same shapes in a bare F.linear loop: "
+        f"{bare_s * 1e3:.1f} ms (ratio {matmul_s / bare_s:.2f}); "
+        f"linear share of the step {bare_s / step_s:.0%}"
+    )
+
+
+if __name__ == "__main__":
+    main()
