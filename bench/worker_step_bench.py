@@ -144,7 +144,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    probe = ModelRunner(WorkerConfig(dtype=args.dtype, kv_cache_memory=64 << 20))
+    probe = ModelRunner(
+        WorkerConfig(dtype=args.dtype, kv_cache_memory=64 << 20, max_model_len=1024)
+    )
     args.dtype = probe.dtype_name  # "auto" resolved as the worker does
     del probe
     dtype = getattr(torch, args.dtype)
