@@ -89,9 +89,16 @@ def main() -> None:
         f"output tokens; roofline (faster dtype, {best}): {floor_tps:.0f} output tok/s"
     )
     if args.result is not None:
-        run = json.loads(args.result.read_text())
-        tps = float(run["output_throughput"])
-        print(f"run {args.result}: {tps:.1f} output tok/s = {tps / floor_tps:.0%} of the roofline")
+        data = json.loads(args.result.read_text())
+        # a plain `conveyor bench` result, or --compare-batching's compare.json (runs by mode)
+        runs = {"run": data} if "runs" not in data else {
+            f"{scenario}/{mode}": run
+            for scenario, modes in data["runs"].items()
+            for mode, run in modes.items()
+        }  # fmt: skip
+        for name, run in runs.items():
+            tps = float(run["output_throughput"])
+            print(f"{name}: {tps:.1f} output tok/s = {tps / floor_tps:.0%} of the roofline")
 
 
 if __name__ == "__main__":
