@@ -19,6 +19,7 @@ from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
 from shared.env import add_log_flags, env_float, env_int, env_str
 from shared.logging import configure_logging
+from shared.prefix_hash import cache_namespace
 from shared.protocol.worker_channel import WorkerReady
 
 
@@ -108,6 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ready.max_model_len,
             list(ready.eos_token_ids),
             clock=time.time,
+            cache_namespace=cache_namespace(ready.model_name, ready.dtype),
         )
 
     server = SchedulerServer(server_config, make_scheduler, log)

@@ -1,14 +1,23 @@
-"""The KV block pool: a free list and reference counts over the worker's `num_blocks` blocks.
+"""The KV block pool: free blocks, reference counts and the prefix cache over `num_blocks` blocks.
 
 The scheduler owns every block table; the worker only stores KV where a plan tells it to.
-Reference counts are kept per block so that prefix sharing can later hand one block to several
-tables; today each allocated block has exactly one owner. All operations are O(blocks touched);
-nothing walks the whole pool except `check_integrity()`, which tests call after every step.
+A block is in exactly one of three states:
+
+* owned: ref count >= 1, in that many tables (several when a cached prefix is shared);
+* free: ref count 0, holds nothing findable, on the free stack;
+* cached: ref count 0 but holds a full block registered under its content key (see
+  shared/prefix_hash.py); findable by `find_prefix` until it is evicted, on the eviction list.
+
+An owned block may be registered too (it is findable while in use). Allocation takes free
+blocks first, then evicts the least recently released cached block. A table's blocks are
+released deepest first, so among blocks released together the deepest is evicted first and a
+prefix's shared root lives longest. All operations are O(blocks touched); only
+`check_integrity()` walks the pool (tests call it after every step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Optional
 
 
@@ -23,14 +32,26 @@ class BlockPool:
         # A stack: the lowest ids come out first, which keeps test output readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_counts: list[int] = [0] * num_blocks
+        self._key_of: list[Optional[bytes]] = [None] * num_blocks  # registered content key
+        self._by_key: dict[bytes, int] = {}  # content key -> the block registered under it
+        # cached blocks (ref count 0, registered), least recently released first; dict as an
+        # ordered set: O(1) append, removal and pop of the oldest
+        self._evictable: dict[int, None] = {}
+        self.num_evicted = 0  # cached blocks reused for something else, since start
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: free plus cached (evicted on demand)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks, owned or not: what `find_prefix` can return."""
+        return len(self._by_key)
 
     def blocks_needed(self, num_have: int, num_tokens: int) -> int:
         """Blocks to add to a table of `num_have` blocks so it covers `num_tokens` positions."""
@@ -38,40 +59,116 @@ class BlockPool:
 
     def can_allocate(self, num: int, keep_watermark: bool) -> bool:
         reserve = self.watermark_blocks if keep_watermark else 0
-        return len(self._free) - num >= reserve
+        return self.num_free - num >= reserve
 
     def allocate(self, num: int) -> Optional[list[int]]:
-        """Take `num` free blocks (ref count 1 each), or None (and take nothing) if too few."""
-        if num > len(self._free):
+        """Take `num` blocks (ref count 1 each), or None (and take nothing) if too few.
+
+        Never-registered free blocks go first; then cached blocks are evicted, oldest first.
+        """
+        free = self._free
+        if num > len(free) + len(self._evictable):
             return None
-        if num == 1:  # the common case: one decode crossed a block boundary
-            block = self._free.pop()
+        if num == 1 and free:  # the common case: one decode crossed a block boundary
+            block = free.pop()
             self._ref_counts[block] = 1
             return [block]
-        taken = self._free[len(self._free) - num :]
-        del self._free[len(self._free) - num :]
+        num_plain = min(num, len(free))
+        taken = free[len(free) - num_plain :]
+        del free[len(free) - num_plain :]
         taken.reverse()
+        for _ in range(num - num_plain):
+            taken.append(self._evict_oldest())
         for block in taken:
             self._ref_counts[block] = 1
         return taken
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block; a block with no reference left becomes free.
+    def _evict_oldest(self) -> int:
+        block = next(iter(self._evictable))
+        del self._evictable[block]
+        key = self._key_of[block]
+        assert key is not None  # only registered blocks are evictable
+        del self._by_key[key]
+        self._key_of[block] = None
+        self.num_evicted += 1
+        return block
 
-        Freed in reverse so the table's first block is reused first (a stack).
-        """
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; a block with no reference left becomes cached
+        (registered) or free. Released in reverse, deepest first: of blocks released together
+        the deepest is evicted first, and the table's first plain block is reused first."""
         refs = self._ref_counts
+        key_of = self._key_of
         for block in reversed(list(block_ids)):
             if refs[block] <= 0:
                 raise ValueError(f"block {block} freed but not allocated")
             refs[block] -= 1
             if refs[block] == 0:
-                self._free.append(block)
+                if key_of[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+
+    # ---- the prefix cache ----------------------------------------------------------------------
+
+    def find_prefix(self, keys: Sequence[bytes], num_max: int) -> list[int]:
+        """The blocks registered under keys[0], keys[1], ... up to the first miss, at most
+        `num_max`. Changes nothing: call `take_cached` once the caller will use them."""
+        found: list[int] = []
+        by_key = self._by_key
+        for i in range(min(num_max, len(keys))):
+            block = by_key.get(keys[i])
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_reviving(self, block_ids: Iterable[int]) -> int:
+        """How many of these registered blocks are cached (ref count 0): taking them uses up
+        that many of `num_free`."""
+        refs = self._ref_counts
+        return sum(1 for b in block_ids if refs[b] == 0)
+
+    def take_cached(self, block_ids: Iterable[int]) -> None:
+        """A hit: one more reference to each (registered) block; cached ones leave the
+        eviction list."""
+        refs = self._ref_counts
+        for block in block_ids:
+            if refs[block] == 0:
+                del self._evictable[block]
+            refs[block] += 1
+
+    def register(self, block: int, key: bytes) -> bool:
+        """Called once the step that filled owned `block` completed: it becomes findable under
+        `key`. False (and nothing changes) when another block already holds that content (two
+        requests computed the same prefix in one step) or this one is registered already."""
+        if self._key_of[block] is not None or key in self._by_key:
+            return False
+        if self._ref_counts[block] <= 0:
+            raise ValueError(f"block {block} registered but not owned")
+        self._key_of[block] = key
+        self._by_key[key] = block
+        return True
+
+    def key_of(self, block: int) -> Optional[bytes]:
+        return self._key_of[block]
+
+    def reset_cache(self) -> int:
+        """Forget every registered key (owned blocks stay owned but are no longer findable);
+        cached blocks become free. Returns the number of keys dropped."""
+        dropped = len(self._by_key)
+        for block in self._by_key.values():
+            self._key_of[block] = None
+        self._by_key.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return dropped
 
     def check_integrity(self, tables: Iterable[list[int]], shared_ok: bool = False) -> None:
-        """Raise AssertionError unless free + used == total, the free list holds each free block
-        once, every owned block's ref count equals its number of owners, and (unless `shared_ok`)
-        no block is owned twice. O(num_blocks): for tests and debugging only."""
+        """Raise AssertionError unless every block is in exactly one state (owned, free,
+        cached), each state's bookkeeping agrees (ref counts equal owners, the free stack and the
+        eviction list hold each of their blocks once, key maps are inverse), and (unless
+        `shared_ok`) no block is owned twice. O(num_blocks): for tests and debugging only."""
         owners = [0] * self.num_blocks
         for table in tables:
             for block in table:
@@ -81,15 +178,28 @@ class BlockPool:
         free_set = set(self._free)
         if len(free_set) != len(self._free):
             raise AssertionError("a block is on the free list twice")
+        if free_set & self._evictable.keys():
+            raise AssertionError("a block is both free and cached")
         num_owned = sum(1 for n in owners if n > 0)
-        if num_owned + len(self._free) != self.num_blocks:
+        if num_owned + self.num_free != self.num_blocks:
             raise AssertionError(
-                f"free {len(self._free)} + used {num_owned} != total {self.num_blocks}"
+                f"free {self.num_free} + used {num_owned} != total {self.num_blocks}"
             )
+        for key, block in self._by_key.items():
+            if self._key_of[block] != key:
+                raise AssertionError(f"block {block}: key maps disagree")
         for block, n in enumerate(owners):
             if n > 1 and not shared_ok:
                 raise AssertionError(f"block {block} is owned by {n} tables")
             if n != self._ref_counts[block]:
                 raise AssertionError(f"block {block}: ref count {self._ref_counts[block]} != {n}")
-            if (n == 0) != (block in free_set):
-                raise AssertionError(f"block {block} is both free and owned, or neither")
+            key = self._key_of[block]
+            if key is not None and self._by_key.get(key) != block:
+                raise AssertionError(f"block {block}: key maps disagree")
+            unowned = block in free_set or block in self._evictable
+            if (n == 0) != unowned:
+                raise AssertionError(f"block {block} is both unowned and owned, or neither")
+            if block in self._evictable and key is None:
+                raise AssertionError(f"block {block} is cached but has no key")
+            if block in free_set and key is not None:
+                raise AssertionError(f"block {block} is free but still has a key")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-Policy = Literal["fcfs", "priority", "short-first"]
+Policy = Literal["fcfs", "priority", "short-first", "lpm"]
 Batching = Literal["continuous", "dynamic", "static"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 BATCHING_MODES: tuple[str, ...] = get_args(Batching)
@@ -40,6 +40,9 @@ class SchedulerConfig:
     # Fraction of the KV pool new admissions must leave free, so that running decodes can grow
     # for a while before anyone must be preempted.
     watermark: float = 0.01
+    # Automatic prefix caching: full KV blocks are kept by content and a request whose prompt
+    # starts with cached blocks computes only the rest (services/scheduler/block_pool.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         problems = config_problems(self)
@@ -81,6 +84,8 @@ def config_problems(c: SchedulerConfig) -> list[str]:
             out.append(f"{name} must be a number >= 0")
     if not _is_num(c.watermark) or not 0.0 <= c.watermark < 1.0:
         out.append("watermark must be in [0, 1)")
+    if not isinstance(c.enable_prefix_caching, bool):
+        out.append("enable_prefix_caching must be a bool")
     if c.policy not in POLICIES:
         out.append(f"policy must be one of {', '.join(POLICIES)}")
     if c.batching not in BATCHING_MODES:

@@ -3,13 +3,16 @@
 * `fcfs`: arrival order.
 * `priority`: lower `priority` first, ties by arrival.
 * `short-first`: shortest prompt first (the seeds' "prefill_first").
+* `lpm`: longest cached prefix first (SGLang's name). The cached prefix of a waiting request
+  changes as the cache fills and evicts, so the order is computed afresh by `ordered()`:
+  O(waiting x prompt blocks) dictionary lookups.
 
-Aging, for both sorted policies: a request that has waited `max_wait` seconds goes before every
+Aging, for every sorted policy: a request that has waited `max_wait` seconds goes before every
 un-aged one, oldest first, so no request waits much past `max_wait` because of the order (only
 for a free slot, budget or blocks): no stream of high-priority or short requests starves it.
 The same rule holds when the scheduler makes room for a better-ranked request (`is_aged`).
 
-Requests preempted under fcfs or short-first go back to the head of the queue (their work is
+Requests preempted under fcfs, short-first or lpm go back to the head of the queue (their work is
 partly done and they arrived earlier than anyone behind them). Under priority they rejoin by
 their key, so a preempted low-priority request cannot jump ahead of a higher-priority one.
 
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Optional
 
 from services.scheduler.request import Request
 
@@ -66,12 +70,22 @@ def pick_victim(
 class WaitingQueue:
     """Requests waiting for admission, iterated in policy order by `ordered(now)`.
 
-    Add and remove are O(1) for fcfs and O(log n) + a memmove for the sorted policies.
+    Add and remove are O(1) for fcfs and lpm, O(log n) + a memmove for the sorted policies.
     """
 
-    def __init__(self, policy: str, max_wait: float) -> None:
+    def __init__(
+        self,
+        policy: str,
+        max_wait: float,
+        cached_len: Optional[Callable[[Request], int]] = None,
+    ) -> None:
+        """`cached_len`: a request's cached prefix length in tokens (needed by `lpm`)."""
+        if policy == "lpm" and cached_len is None:
+            raise ValueError("the lpm policy needs a cached_len function")
         self.policy = policy
         self.max_wait = max_wait
+        self._cached_len = cached_len
+        self._sorts = policy in ("priority", "short-first")  # keeps `_sorted` up to date
         self._head: deque[Request] = deque()  # preempted (fcfs, short-first), oldest first
         self._by_arrival: dict[str, Request] = {}  # everyone not in _head, in arrival order
         self._sorted: list[tuple[int, int, Request]] = []  # (key, seq_no, req) for sorted policies
@@ -88,7 +102,7 @@ class WaitingQueue:
     def add(self, req: Request) -> None:
         """A new request: joins in policy order."""
         self._by_arrival[req.rid] = req
-        if self.policy != "fcfs":
+        if self._sorts:
             bisect.insort(self._sorted, (self._key(req), req.seq_no, req))
 
     def add_preempted(self, req: Request) -> None:
@@ -107,7 +121,7 @@ class WaitingQueue:
         if self._by_arrival.pop(req.rid, None) is None:
             self._head.remove(req)
             return
-        if self.policy != "fcfs":
+        if self._sorts:
             item = (self._key(req), req.seq_no, req)
             i = bisect.bisect_left(self._sorted, item[:2], key=lambda t: t[:2])
             del self._sorted[i]
@@ -135,6 +149,18 @@ class WaitingQueue:
                 break
             aged.add(req.rid)
             yield req
+        if self.policy == "lpm":
+            yield from self._longest_prefix_first(aged)
+            return
         for _, _, req in self._sorted:
             if req.rid not in aged:
                 yield req
+
+    def _longest_prefix_first(self, aged: set[str]) -> list[Request]:
+        """The un-aged requests, longest cached prefix first, ties by arrival."""
+        cached_len = self._cached_len
+        assert cached_len is not None  # checked in __init__
+        rest = [r for r in self._by_arrival.values() if r.rid not in aged]
+        lengths = {r.rid: cached_len(r) for r in rest}
+        rest.sort(key=lambda r: (-lengths[r.rid], r.seq_no))
+        return rest

@@ -47,6 +47,12 @@ class Request:
     preempted_at_step: Optional[int] = None  # the schedule() round that preempted it
     num_preemptions: int = 0
     num_worker_retries: int = 0  # times it restarted because the worker was lost
+    # prefix caching: content keys of its full blocks (tokens only decide them, so they are
+    # kept across preemption), how many of its table's blocks are registered or were hits,
+    # and the prompt tokens found cached when it was first scheduled
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: Optional[int] = None
     first_scheduled: Optional[float] = None
     first_token: Optional[float] = None
     finished: Optional[float] = None
@@ -84,6 +90,7 @@ class Request:
             None if finish_reason is None else self.timings(),
             error_code,
             error_message,
+            self.num_cached_tokens or 0,
         )
 
     def reset_for_recompute(self) -> None:
@@ -92,4 +99,5 @@ class Request:
         self.prefill_len = len(self.token_ids)
         self.block_ids = []
         self.num_sent_blocks = 0
+        self.num_registered_blocks = 0
         self.known_to_worker = False

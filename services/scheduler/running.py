@@ -3,11 +3,13 @@ preemption by policy, and release (what the worker must drop with the next plan)
 
 Only running requests hold blocks. A preempted request loses all of them and keeps its tokens;
 it recomputes later (in continuous mode from the waiting queue's head, in dynamic/static mode
-in place, as a member of its batch).
+in place, as a member of its batch). With prefix caching its full blocks are registered before
+they are freed, so its resume is mostly a cache hit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 from services.scheduler.block_pool import BlockPool
@@ -17,9 +19,18 @@ from services.scheduler.step import StepBuilder
 
 
 class RunningSet:
-    def __init__(self, pool: BlockPool, policy: str, requeue: Optional[WaitingQueue]) -> None:
-        """`requeue`: where preempted requests go; None keeps them in the batch (in place)."""
+    def __init__(
+        self,
+        pool: BlockPool,
+        policy: str,
+        requeue: Optional[WaitingQueue],
+        register: Optional[Callable[[Request], None]] = None,
+    ) -> None:
+        """`requeue`: where preempted requests go; None keeps them in the batch (in place).
+        `register`: makes a request's computed full blocks findable (prefix caching), called
+        before a preempted request's blocks are freed."""
         self.pool = pool
+        self._register = register
         self.policy = policy
         self.requeue = requeue
         self.requests: dict[str, Request] = {}  # batch order (admission order)
@@ -93,6 +104,8 @@ class RunningSet:
         """Free `req`'s blocks; it recomputes later with its generated tokens kept. Static
         padding is only evicted: it keeps its slot and is never computed again."""
         step.drop(req)
+        if self._register is not None and not req.padding:
+            self._register(req)  # nothing is in flight during schedule(): its KV is complete
         self.pool.free(req.block_ids)
         if req.known_to_worker:
             self.released.append(req.rid)

@@ -1,12 +1,10 @@
-"""The scheduler core: waiting queue, running batch, KV block pool and block tables.
+"""The scheduler core: waiting queue, running batch, KV block pool (and prefix cache), tables.
 
 Pure Python and single-threaded; the process loop (server.py) calls it: `add_request` and
 `abort_request` as messages arrive, then `schedule()` -> worker -> `update()`, one plan in flight
-at a time. Invariants kept after every call (checked by `check_integrity()`):
-
-* the block pool's free + used == total and each used block belongs to exactly one table;
-* only running requests hold blocks; running <= max_num_seqs; tokens per step <= the budget;
-* a request is live (waiting or running) until its one final output has been returned.
+at a time. Invariants kept after every call: services/scheduler/integrity.py (checked by
+`check_integrity()`); tokens per step <= the budget; a request is live (waiting or running)
+until its one final output has been returned.
 """
 
 from __future__ import annotations
@@ -19,7 +17,9 @@ from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.integrity import check_scheduler
 from services.scheduler.policy import WaitingQueue, pick_victim
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters, StepRecord
@@ -45,13 +45,16 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int],
         clock: Callable[[], float] = time.time,
+        cache_namespace: bytes = b"",
     ) -> None:
+        """`cache_namespace`: what besides tokens decides the KV (shared/prefix_hash.py
+        `cache_namespace(model, dtype)`, from the worker handshake)."""
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (one prompt token and one output)")
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.pool = BlockPool(num_blocks, block_size, config.watermark)
+        self._cache_namespace = cache_namespace
         # A request alone may fill the whole pool: num_blocks * block_size computed positions,
         # plus its last sampled token, which is never computed. Past that it ends as "length"
         # instead of preempting itself forever.
@@ -59,9 +62,8 @@ class Scheduler:
         self._eos_ids = frozenset(eos_token_ids)
         self._clock = clock
         self._rules = BatchingRules.from_config(config)
-        self._waiting = WaitingQueue(config.policy, config.max_wait)
-        requeue = self._waiting if self._rules.preempts_to_queue else None
-        self._batch = RunningSet(self.pool, config.policy, requeue)
+        self._caching = config.enable_prefix_caching
+        self._fresh_state(num_blocks)
         self._live: dict[str, Request] = {}  # waiting + running, not finished
         self._inflight: Optional[dict[str, Request]] = None  # sampling requests of the plan
         self._inflight_step: Optional[int] = None
@@ -130,10 +132,7 @@ class Scheduler:
         for req in list(self._live.values()):
             self._mark_finished(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
-        self._waiting = WaitingQueue(self.config.policy, self.config.max_wait)
-        self.pool = BlockPool(self.pool.num_blocks, self.block_size, self.config.watermark)
-        requeue = self._waiting if self._rules.preempts_to_queue else None
-        self._batch = RunningSet(self.pool, self.config.policy, requeue)
+        self._fresh_state(self.pool.num_blocks)  # a new pool: the prefix cache is empty
         self._inflight = None
         self._inflight_step = None
         return outputs
@@ -144,6 +143,7 @@ class Scheduler:
         plan. Waiting requests and requests outside the step go on."""
         self._inflight = None
         self._inflight_step = None
+        self._inflight_filled = []  # prefix caching: what the failed step filled is withdrawn
         now = self._clock()
         outputs = []
         for rid in rids:
@@ -166,10 +166,7 @@ class Scheduler:
         live = sorted(self._live.values(), key=lambda r: r.seq_no)
         # A worker that only reconnected still holds these: the next plan releases them.
         held = [r.rid for r in live if r.known_to_worker] + self._batch.take_released()
-        self._waiting = WaitingQueue(self.config.policy, self.config.max_wait)
-        self.pool = BlockPool(self.pool.num_blocks, self.block_size, self.config.watermark)
-        requeue = self._waiting if self._rules.preempts_to_queue else None
-        self._batch = RunningSet(self.pool, self.config.policy, requeue)
+        self._fresh_state(self.pool.num_blocks)  # and an empty prefix cache: the KV is gone
         self._batch.released.extend(held)
         self._inflight = None
         self._inflight_step = None
@@ -188,6 +185,22 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self._waiting.add_preempted(req)
         return outputs
+
+    def _fresh_state(self, num_blocks: int) -> None:
+        """An empty pool, prefix cache, waiting queue and batch (start, and after a failure)."""
+        config = self.config
+        self.pool = BlockPool(num_blocks, self.block_size, config.watermark)
+        self.prefix_cache = PrefixCache(self.pool, self._cache_namespace, self._caching)
+        self._waiting = WaitingQueue(config.policy, config.max_wait, self.prefix_cache.cached_len)
+        requeue = self._waiting if self._rules.preempts_to_queue else None
+        register = self.prefix_cache.register_computed if self._caching else None
+        self._batch = RunningSet(self.pool, config.policy, requeue, register)
+        self._inflight_filled: list[Request] = []
+
+    def reset_prefix_cache(self) -> int:
+        """The `reset_prefix_cache` command: cached blocks become free and no block is findable
+        any more (blocks in use stay in use). Returns the number of blocks dropped."""
+        return self.prefix_cache.reset()
 
     # ---- one iteration -----------------------------------------------------------------------
 
@@ -222,7 +235,8 @@ class Scheduler:
                 req.first_scheduled = now
         self._inflight = built.sampled
         self._inflight_step = self._step_id
-        self._record_step(built, step.num_preemptions, now)
+        self._inflight_filled = built.filled
+        self._record_step(built, step, now)
         return built.plan
 
     def _fill_step(self, now: float, spare_protected: bool) -> StepBuilder:
@@ -233,7 +247,7 @@ class Scheduler:
         one's slot)."""
         self._batch.round += 1
         self._batch.spare_protected = spare_protected
-        step = StepBuilder(self.config.max_num_batched_tokens)
+        step = StepBuilder(self.config.max_num_batched_tokens, self.block_size * self._caching)
         prefills = self._schedule_decodes(step)
         self._schedule_running_prefills(step, prefills)
         if self._rules.admits_every_step and step.num_preemptions == 0:
@@ -260,10 +274,11 @@ class Scheduler:
             if req.padding:
                 padding.append(req)
                 continue
-            if computed >= len(req.block_ids) * block_size and not self._batch.grow(
-                req, computed + 1, step
-            ):
-                continue  # no block and nobody ranked below it to take one from: it waits
+            if computed >= len(req.block_ids) * block_size:  # its table is full: grow it
+                if self._caching:  # blocks filled by decodes become findable here
+                    self.prefix_cache.register_computed(req)
+                if not self._batch.grow(req, computed + 1, step):
+                    continue  # no block and nobody ranked below it to take one from: it waits
             append(req)
         for req in padding:
             self._schedule_padding(req, step)
@@ -292,6 +307,10 @@ class Scheduler:
                 or req.preempted_at_step == self._batch.round
             ):
                 continue  # preempted (or, padding) since the list was made
+            # dynamic/static: a member (re)starting looks up its cached prefix first
+            fresh = self._caching and not req.block_ids and req.num_computed_tokens == 0
+            if fresh and self.prefix_cache.attach_if_room(req, step):
+                fresh = False  # a hit, counted
             start = req.num_computed_tokens
             # Room for at least one more token, preempting lower-ranked requests if need be;
             # then the chunk shrinks to what is free rather than preempt for all of it.
@@ -301,24 +320,33 @@ class Scheduler:
             n = min(req.prefill_len - start, chunk_size, step.budget_left, fit)
             self._batch.grow(req, start + n, step)
             step.add_chunk(req, n)
+            if fresh:  # a miss, counted once the request is scheduled
+                self.prefix_cache.count(req, step)
 
     def _admit_waiting(self, step: StepBuilder, now: float) -> None:
         """Continuous mode: waiting requests join in policy order. Stops at the first that does
         not fit (no skipping ahead: that is what keeps fcfs fair and aging effective)."""
         admitted: list[Request] = []
         chunk_size = self.config.chunk_size
+        cache, pool, bs = self.prefix_cache, self.pool, self.block_size
         for req in self._waiting.ordered(now):
             if len(self._batch) >= self.config.max_num_seqs or step.budget_left == 0:
                 break
-            n = min(len(req.token_ids), chunk_size, step.budget_left)
-            need = self.pool.blocks_needed(0, n)
+            hits = cache.lookup(req) if self._caching else []
+            num_cached = len(hits) * bs
+            n = min(len(req.token_ids) - num_cached, chunk_size, step.budget_left)
+            need = pool.blocks_needed(len(hits), num_cached + n)
             # The watermark protects running requests; with none running anyone may start.
-            if not self.pool.can_allocate(need, keep_watermark=len(self._batch) > 0):
+            # Cached hits (ref count 0) are taken from the free count too.
+            reviving = pool.num_reviving(hits) if hits else 0
+            if not pool.can_allocate(need + reviving, keep_watermark=len(self._batch) > 0):
                 break
-            blocks = self.pool.allocate(need)
-            assert blocks is not None  # can_allocate said so
             self._batch.start(req)
-            req.block_ids = blocks
+            if self._caching:
+                cache.attach(req, hits, step)  # before allocating: never evicts its own hits
+            blocks = pool.allocate(need)
+            assert blocks is not None  # can_allocate said so
+            req.block_ids.extend(blocks)
             admitted.append(req)
             step.add_chunk(req, n)
         for req in admitted:
@@ -376,6 +404,8 @@ class Scheduler:
         inflight = self._inflight
         self._inflight = None
         self._inflight_step = None
+        if self._inflight_filled:  # the step completed: the blocks its chunks filled are valid
+            self._register_filled()
         now = self._clock()
         running = RUNNING
         finished: list[RequestOutput] = []
@@ -403,6 +433,15 @@ class Scheduler:
             finished.extend(self._fail_missing(inflight.values(), now))
         return self._output_batch(result, skipped, finished)
 
+    def _register_filled(self) -> None:
+        """Prefix caching: blocks filled by the completed step's prefill chunks become findable
+        (requests aborted while it ran are skipped: their blocks are already free)."""
+        batch = self._batch
+        for req in self._inflight_filled:
+            if req.rid in batch and batch.requests[req.rid] is req:
+                self.prefix_cache.register_computed(req)
+        self._inflight_filled = []
+
     def _output_batch(
         self, result: StepResult, skipped: list[int], finished: list[RequestOutput]
     ) -> OutputBatch:
@@ -426,6 +465,8 @@ class Scheduler:
         return req.output([token], lps, reason)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
+        if self._caching:  # its last step completed: what it computed stays findable
+            self.prefix_cache.register_computed(req)
         self._mark_finished(req, reason, now)
         if self._rules.keeps_finished_as_padding:
             req.padding = True  # keeps its slot and blocks until the whole batch is done
@@ -457,7 +498,7 @@ class Scheduler:
 
     # ---- observability -----------------------------------------------------------------------
 
-    def _record_step(self, built: BuiltStep, num_preempted: int, now: float) -> None:
+    def _record_step(self, built: BuiltStep, step: StepBuilder, now: float) -> None:
         plan = built.plan
         num_running = len(self._batch)
         record = StepRecord(
@@ -473,8 +514,10 @@ class Scheduler:
             batch_utilization=num_running / self.config.max_num_seqs,
             num_kv_blocks_used=self.pool.num_used,
             num_kv_blocks_total=self.pool.num_blocks,
-            num_preemptions=num_preempted,
+            num_preemptions=step.num_preemptions,
             num_released=len(plan.released_rids),
+            num_prefix_cache_queries=step.num_cache_queries,
+            num_prefix_cache_hits=step.num_cache_hits,
         )
         self.counters.num_steps += 1
         self.counters.num_prefill_tokens += record.num_prefill_tokens
@@ -496,6 +539,7 @@ class Scheduler:
             "kv_usage": self.pool.num_used / self.pool.num_blocks,
         }
         out.update(self.counters.as_stats())
+        out.update(self.prefix_cache.stats())
         return out
 
     def is_live(self, rid: str) -> bool:
@@ -508,17 +552,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if an invariant is broken. O(total blocks): tests only."""
-        tables = [r.block_ids for r in self._batch.requests.values()]
-        self.pool.check_integrity(tables)
-        assert len(self._batch) <= self.config.max_num_seqs, "too many running"
-        for req in self._live.values():
-            if req.status is RequestStatus.WAITING:
-                assert not req.block_ids and req in self._waiting, f"{req.rid} waiting wrongly"
-            else:
-                assert req.status is RUNNING and req.rid in self._batch, f"{req.rid} lost"
-        for req in self._batch.requests.values():
-            assert req.padding or req.rid in self._live, f"{req.rid} runs but is not live"
-            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
-        assert len(self._waiting) + sum(
-            not r.padding for r in self._batch.requests.values()
-        ) == len(self._live), "live requests are neither waiting nor running"
+        check_scheduler(self, self._live.values(), self._waiting, self._batch)

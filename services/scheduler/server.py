@@ -39,8 +39,10 @@ from shared.protocol.engine_channel import (
     FrontendBye,
     FrontendHello,
     OutputBatch,
+    PrefixCacheReset,
     RequestOutput,
     RequestRejected,
+    ResetPrefixCache,
     StatsQuery,
     StatsReply,
     SubmitRequest,
@@ -364,6 +366,10 @@ class SchedulerServer:
             self._send_frontend(ident, StatsReply(query_id=msg.query_id, stats=self._stats()))
         elif isinstance(msg, FrontendBye):
             self._frontend_gone(ident, "frontend said bye")
+        elif isinstance(msg, ResetPrefixCache):
+            dropped = self.sched.reset_prefix_cache() if self.sched is not None else 0
+            self.log.info("prefix_cache_reset", num_blocks_dropped=dropped)
+            self._send_frontend(ident, PrefixCacheReset(msg.query_id, dropped))
         else:
             self.log.warning("unexpected_frontend_message", type=type(msg).__name__)
 

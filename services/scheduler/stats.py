@@ -25,6 +25,10 @@ class StepRecord:
     num_kv_blocks_total: int
     num_preemptions: int  # in this step
     num_released: int  # requests the worker drops before this step
+    # prefix-cache lookups of requests (re)scheduled in this step, in tokens: looked up, and
+    # found cached (those requests compute only the rest)
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """A flat map for one JSON log line."""
@@ -43,6 +47,8 @@ class StepRecord:
             "num_kv_blocks_total": self.num_kv_blocks_total,
             "num_preemptions": self.num_preemptions,
             "num_released": self.num_released,
+            "num_prefix_cache_queries": self.num_prefix_cache_queries,
+            "num_prefix_cache_hits": self.num_prefix_cache_hits,
         }
 
 

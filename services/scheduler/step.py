@@ -20,15 +20,25 @@ class BuiltStep:
     is_prefill: list[bool]  # [B], for the step record
     num_prefill_tokens: int
     sampled: dict[str, Request]  # rid -> request for every sequence that samples
+    # prefill chunks that fill at least one more block: registered in the prefix cache once
+    # the step has completed (empty with prefix caching off). A block filled by a decode is
+    # registered later, off this path: when its table next grows, or when it finishes or is
+    # preempted.
+    filled: list[Request]
 
 
 class StepBuilder:
     """Decodes (one token each, the common case) are kept apart from prefill chunks so the
     plan's columns for hundreds of decodes are built with list comprehensions."""
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, block_size: int = 0) -> None:
+        """`block_size` 0: no prefix caching, so blocks filled by chunks are not tracked."""
         self.token_budget = token_budget
+        self.block_size = block_size
         self.num_preemptions = 0
+        # prefix-cache lookups of this step: tokens looked up, tokens found cached
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0
         self.decodes: list[Request] = []  # batch order; append directly
         # rid -> (request, num_tokens) for prefill chunks, in batch order after the decodes
         self._chunks: dict[str, tuple[Request, int]] = {}
@@ -71,6 +81,8 @@ class StepBuilder:
         new_block_ids: list[list[int]] = []
         sampled: dict[str, Request] = {}
         no_blocks: list[int] = []  # shared by every decode that appended none (read-only)
+        filled: list[Request] = []
+        bs = self.block_size
         for r in decodes:  # one pass: the common case of a step, hundreds of times
             rid = r.rid
             start = r.num_computed_tokens
@@ -111,6 +123,8 @@ class StepBuilder:
                 new_block_ids.append(req.block_ids[req.num_sent_blocks :])
             req.num_sent_blocks = len(req.block_ids)
             req.num_computed_tokens = start + n
+            if bs and (start + n) // bs > req.num_registered_blocks:
+                filled.append(req)
             done = start + n == len(req.token_ids)
             sample.append(done)
             if done:
@@ -126,4 +140,4 @@ class StepBuilder:
             sample,
             released_rids,
         )
-        return BuiltStep(plan, is_prefill, self._num_chunk_tokens, sampled)
+        return BuiltStep(plan, is_prefill, self._num_chunk_tokens, sampled, filled)

@@ -46,6 +46,14 @@ class StatsQuery:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Empty the prefix cache (blocks in use stay in use but are no longer findable); answered
+    with `PrefixCacheReset`, same `query_id`."""
+
+    query_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class FrontendBye:
     """The frontend is shutting down: abort all its requests."""
 
@@ -103,6 +111,8 @@ class RequestOutput:
     timings: Optional[RequestTimings] = None  # set on the final output
     error_code: Optional[str] = None
     error_message: Optional[str] = None
+    # prompt tokens whose KV came from the prefix cache when the request was first scheduled
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +165,14 @@ class RequestRejected:
 class StatsReply:
     query_id: str
     stats: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    """The answer to `ResetPrefixCache`: how many cached blocks were dropped."""
+
+    query_id: str
+    num_blocks_dropped: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,10 @@
 
 `CheckingWorker` plays the worker's side of the step contract strictly: it keeps each request's
 tokens and block table only from what plans say, writes every computed token into a simulated
-paged KV cache and, before sampling, reads the whole context back through the block table. A
-block table that points at someone else's blocks, a wrong position or a wrong token fails loudly.
+paged KV cache and, before sampling, reads the whole context back through the block table. What
+a slot holds stands for real KV: the position and a digest of every token up to it, so a table
+may share another request's block (a prefix-cache hit) only when the whole prefix agrees. A block
+table that points at other KV, a wrong position or a wrong token fails loudly.
 Its sampled token depends only on (request id, output index), like the real worker's seeded
 draw, so recomputation after preemption must reproduce every output.
 """
@@ -34,13 +36,21 @@ class _Seq:
     num_prompt_tokens: int
     block_ids: list[int]
     num_cached: int = 0
+    digests: list[int] = field(default_factory=list)  # [p]: digest of token_ids[: p + 1]
+
+    def digest(self, pos: int) -> int:
+        """What real KV at `pos` depends on: every token up to and including it."""
+        d = self.digests
+        while len(d) <= pos:
+            d.append(hash((d[-1] if d else 0, self.token_ids[len(d)])))
+        return d[pos]
 
 
 class CheckingWorker:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.kv: list[Optional[tuple[str, int, int]]] = [None] * (num_blocks * block_size)
+        self.kv: list[Optional[tuple[int, int]]] = [None] * (num_blocks * block_size)
         self.seqs: dict[str, _Seq] = {}
         self.num_steps = 0
 
@@ -56,7 +66,9 @@ class CheckingWorker:
         for ns in plan.new_seqs:
             assert ns.rid in plan.rids, "a new sequence that is not scheduled"
             assert ns.rid not in self.seqs, f"{ns.rid} sent as new while the worker holds it"
-            self.seqs[ns.rid] = _Seq(list(ns.token_ids), ns.num_prompt_tokens, list(ns.block_ids))
+            start = plan.start_positions[plan.rids.index(ns.rid)]  # > 0: a prefix-cache hit
+            seq = _Seq(list(ns.token_ids), ns.num_prompt_tokens, list(ns.block_ids), start)
+            self.seqs[ns.rid] = seq
         offset = 0
         for i, rid in enumerate(plan.rids):  # every sequence writes its KV first, as per layer
             seq = self.seqs[rid]
@@ -68,7 +80,7 @@ class CheckingWorker:
             assert chunk == seq.token_ids[start : start + n], f"{rid}: wrong tokens"
             assert len(seq.block_ids) * self.block_size >= start + n, f"{rid}: table too short"
             for pos in range(start, start + n):
-                self.kv[self._slot(seq, pos)] = (rid, pos, seq.token_ids[pos])
+                self.kv[self._slot(seq, pos)] = (pos, seq.digest(pos))
             seq.num_cached = start + n
         rids: list[str] = []
         tokens: list[int] = []
@@ -85,11 +97,12 @@ class CheckingWorker:
         return StepResult(plan.step_id, rids, tokens)
 
     def _check_context(self, rid: str, seq: _Seq) -> None:
-        """Attention reads every cached position through the table: each must hold this
-        request's own token (another request writing into our blocks shows up here)."""
+        """Attention reads every cached position through the table: each must hold the KV of
+        this request's own prefix (another request writing into our blocks, or a cache hit on a
+        block of another prefix, shows up here)."""
         for pos in range(seq.num_cached):
             got = self.kv[self._slot(seq, pos)]
-            assert got == (rid, pos, seq.token_ids[pos]), f"{rid}@{pos}: KV holds {got}"
+            assert got == (pos, seq.digest(pos)), f"{rid}@{pos}: KV holds {got}"
 
 
 class FakeClock:

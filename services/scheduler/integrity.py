@@ -1,0 +1,51 @@
+"""The scheduler's invariants, checked by tests after every step (O(total blocks)).
+
+* the block pool's own bookkeeping (services/scheduler/block_pool.py `check_integrity`): every
+  block owned, free or cached, ref counts equal owners, nothing both cached and owned-free;
+* a block is shared by several tables only with prefix caching on, and a table's registered
+  blocks hold the content its request's keys claim (no request reads another prefix's KV);
+* only running requests hold blocks; running <= max_num_seqs; every live request is either
+  waiting or running, exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from services.scheduler.policy import WaitingQueue
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.running import RunningSet
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import Scheduler
+
+
+def check_scheduler(
+    sched: Scheduler, live: Iterable[Request], waiting: WaitingQueue, batch: RunningSet
+) -> None:
+    """Raise AssertionError if an invariant is broken."""
+    bs = sched.block_size
+    running = list(batch.requests.values())
+    sched.pool.check_integrity(
+        [r.block_ids for r in running], shared_ok=sched.config.enable_prefix_caching
+    )
+    for req in running:  # a table's registered blocks hold what its keys claim
+        assert req.num_registered_blocks * bs <= req.num_computed_tokens
+        for i in range(req.num_registered_blocks):
+            key = sched.pool.key_of(req.block_ids[i])
+            assert key in (None, req.block_keys[i]), f"{req.rid}: block {i} holds other KV"
+    assert len(batch) <= sched.config.max_num_seqs, "too many running"
+    num_live = 0
+    for req in live:
+        num_live += 1
+        if req.status is RequestStatus.WAITING:
+            assert not req.block_ids and req in waiting, f"{req.rid} waiting wrongly"
+        else:
+            assert req.status is RequestStatus.RUNNING and req.rid in batch, f"{req.rid} lost"
+    for req in running:
+        assert req.padding or sched.is_live(req.rid), f"{req.rid} runs but is not live"
+        assert len(req.block_ids) * bs >= req.num_computed_tokens
+    assert len(waiting) + sum(not r.padding for r in running) == num_live, (
+        "live requests are neither waiting nor running"
+    )

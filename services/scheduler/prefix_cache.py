@@ -1,0 +1,126 @@
+"""Automatic prefix caching, the scheduler's side: which of a request's blocks can come from the
+cache, and when its own full blocks become findable.
+
+The cache itself lives in the block pool (services/scheduler/block_pool.py): registered blocks
+keyed by content (shared/prefix_hash.py). This module decides what is looked up and registered:
+
+* lookup: when a request is scheduled for the first time, or resumes after preemption, its
+  longest prefix of cached full blocks goes into its table and only the rest is computed. At most
+  (len(tokens) - 1) // block_size blocks are looked up, so at least one token is always computed
+  (the last position must produce logits) and a hit block is never written to.
+* registration: a full block becomes findable only once the step that computed its last slot
+  has completed. Blocks filled by prefill chunks are registered when the step's result arrives;
+  blocks filled by decodes when the table next grows, or when the request finishes or is
+  preempted (so the decode loop pays nothing). A failed step registers nothing, and a worker
+  failure or (re)handshake replaces the pool, which empties the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.request import Request
+from services.scheduler.step import StepBuilder
+from shared.prefix_hash import extend_block_keys
+
+
+@dataclass(slots=True)
+class PrefixCacheCounters:
+    """Since start; tokens, as vLLM counts them: a query is a (re)scheduled request's tokens,
+    a hit the part of them found cached."""
+
+    num_queries: int = 0  # tokens looked up
+    num_hits: int = 0  # tokens found cached
+    num_resets: int = 0
+
+    def as_stats(self) -> dict[str, float]:
+        q = self.num_queries
+        return {
+            "prefix_cache_queries": q,
+            "prefix_cache_hits": self.num_hits,
+            "prefix_cache_hit_rate": self.num_hits / q if q else 0.0,
+            "num_prefix_cache_resets": self.num_resets,
+        }
+
+
+class PrefixCache:
+    """Lookups and registrations for one block pool. With `enabled` false every lookup misses
+    and nothing is registered (the scheduler then skips calling it on its paths)."""
+
+    def __init__(self, pool: BlockPool, namespace: bytes, enabled: bool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.namespace = namespace
+        self.enabled = enabled
+        self.counters = PrefixCacheCounters()
+
+    def lookup(self, req: Request) -> list[int]:
+        """The cached blocks `req` could start with (changes nothing). Computes the request's
+        block keys once; later lookups (each schedule() while it waits) are dict reads."""
+        if not self.enabled:
+            return []
+        bs = self.block_size
+        num_full = (len(req.token_ids) - 1) // bs
+        if len(req.block_keys) < num_full:
+            extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
+        return self.pool.find_prefix(req.block_keys, num_full)
+
+    def cached_len(self, req: Request) -> int:
+        """Tokens of `req`'s prompt found cached now (the `lpm` policy's key)."""
+        return len(self.lookup(req)) * self.block_size
+
+    def attach(self, req: Request, hits: list[int], step: StepBuilder) -> None:
+        """`req` (no blocks, nothing computed) starts with `hits` from `lookup()` in its table:
+        they count as computed. Call before allocating its other blocks, so that allocation
+        cannot evict them. Counts the query (a miss when `hits` is empty)."""
+        self.pool.take_cached(hits)
+        req.block_ids = list(hits)
+        req.num_registered_blocks = len(hits)
+        req.num_computed_tokens = len(hits) * self.block_size
+        self.count(req, step)
+
+    def attach_if_room(self, req: Request, step: StepBuilder) -> bool:
+        """`attach` its hits if there are any and reviving them leaves the pool non-negative
+        (dynamic/static members restarting in place); False when it starts from nothing."""
+        hits = self.lookup(req)
+        if not hits or not self.pool.can_allocate(self.pool.num_reviving(hits), False):
+            return False
+        self.attach(req, hits, step)
+        return True
+
+    def count(self, req: Request, step: StepBuilder) -> None:
+        """One lookup that led to scheduling `req`: counters, step log, and the request's
+        `num_cached_tokens` when it is scheduled for the first time."""
+        num_cached = req.num_computed_tokens
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_cached
+        self.counters.num_queries += len(req.token_ids)
+        self.counters.num_hits += num_cached
+        step.num_cache_queries += len(req.token_ids)
+        step.num_cache_hits += num_cached
+
+    def register_computed(self, req: Request) -> None:
+        """Make `req`'s full blocks findable, up to what completed steps computed. Called only
+        when no step that writes into them is in flight (see the module docstring)."""
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if num_full <= req.num_registered_blocks:
+            return
+        if len(req.block_keys) < num_full:
+            extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
+        register, blocks, keys = self.pool.register, req.block_ids, req.block_keys
+        for i in range(req.num_registered_blocks, num_full):
+            register(blocks[i], keys[i])
+        req.num_registered_blocks = num_full
+
+    def reset(self) -> int:
+        """Empty the cache (the `reset_prefix_cache` command); the number of keys dropped."""
+        self.counters.num_resets += 1
+        return self.pool.reset_cache()
+
+    def stats(self) -> dict[str, float]:
+        out = self.counters.as_stats()
+        out["prefix_cache_blocks"] = self.pool.num_cached
+        out["num_prefix_cache_evictions"] = self.pool.num_evicted
+        return out
