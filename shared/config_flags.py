@@ -44,6 +44,7 @@ def add_config_flags(
             continue  # a field no command line can express (e.g. a nested structure)
         default = f.default if f.default is not dataclasses.MISSING else None
         env_value = env_str(env_name(f.name))
+        is_switch = hints[f.name] is bool
         group.add_argument(
             flag_name(f.name),
             dest=f.name,
@@ -53,7 +54,17 @@ def add_config_flags(
             default=env_value if env_value is not None else argparse.SUPPRESS,
             metavar=None if choices else f.name.upper(),
             help=f"default {default!r}" + (" ('none' for None)" if nullable else ""),
+            # a bool: `--flag` alone means true, `--flag false` still works, `--no-flag` too
+            **({"nargs": "?", "const": True} if is_switch else {}),
         )
+        if is_switch:
+            group.add_argument(
+                "--no-" + flag_name(f.name)[2:],
+                dest=f.name,
+                action="store_false",
+                default=argparse.SUPPRESS,
+                help=f"{flag_name(f.name)} false",
+            )
         added.append(f.name)
     return added
 

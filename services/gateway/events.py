@@ -52,6 +52,7 @@ class ChoiceEnd:
     num_output_tokens: int = 0
     times: RequestTimes = field(default_factory=RequestTimes)
     error: Optional[ApiError] = None
+    num_cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache
 
 
 ChoiceEvent = TextDelta | ChoiceEnd
@@ -72,6 +73,7 @@ def end_from_done(index: int, done: Any) -> ChoiceEnd:
         finish_reason=done.finish_reason,
         num_prompt_tokens=int(usage.get("prompt_tokens") or 0),
         num_output_tokens=int(usage.get("completion_tokens") or 0),
+        num_cached_tokens=int(usage.get("num_cached_tokens") or 0),
         times=RequestTimes(
             queue_s=_seconds(timings.get("queue_s")),
             ttft_s=_seconds(timings.get("ttft_s")),

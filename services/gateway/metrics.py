@@ -70,9 +70,19 @@ _ENGINE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kv_cache_blocks_used": ("KV cache blocks in use.", ("kv_blocks_used",)),
     "kv_cache_blocks_total": ("KV cache blocks in the pool.", ("kv_blocks_total",)),
     "batch_utilization": ("Running requests / max_num_seqs.", ("batch_utilization",)),
+    "prefix_cache_hit_rate": (
+        "Prompt tokens found cached / looked up, since start.",
+        ("prefix_cache_hit_rate",),
+    ),
+    "prefix_cache_blocks": ("KV blocks findable in the prefix cache.", ("prefix_cache_blocks",)),
 }
 _ENGINE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "num_preemptions": ("Preemptions since the engine started.", ("num_preemptions",)),
+    "prefix_cache_queries": (
+        "Prompt tokens looked up in the prefix cache.",
+        ("prefix_cache_queries",),
+    ),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", ("prefix_cache_hits",)),
 }
 # Any other scheduler stat: `num_*` are counters since start (the scheduler's convention: its
 # only `num_*` gauges are mapped above), anything else a gauge; named conveyor:engine_<key>.

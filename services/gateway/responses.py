@@ -64,18 +64,23 @@ class ChoiceState:
         self.text_len += len(delta.text)
 
 
-def usage(calls: list[EngineCall], ends: list[ChoiceEnd]) -> dict[str, int]:
-    """Prompt tokens once per prompt (n choices share it, as OpenAI counts), output summed."""
-    prompt_by_index: dict[int, int] = {}
+def usage(calls: list[EngineCall], ends: list[ChoiceEnd]) -> dict[str, Any]:
+    """Prompt tokens once per prompt (n choices share it, as OpenAI counts), output summed;
+    `prompt_tokens_details.cached_tokens` counts prompt tokens found in the prefix cache, once
+    per prompt like the prompt tokens (the first choice to end speaks for its prompt)."""
+    prompt_by_index: dict[int, tuple[int, int]] = {}
     prompt_of_choice = {c.index: c.prompt_index for c in calls}
     for end in ends:
-        prompt_by_index.setdefault(prompt_of_choice[end.index], end.num_prompt_tokens)
-    prompt = sum(prompt_by_index.values())
+        counts = (end.num_prompt_tokens, end.num_cached_tokens)
+        prompt_by_index.setdefault(prompt_of_choice[end.index], counts)
+    prompt = sum(p for p, _ in prompt_by_index.values())
+    cached = sum(c for _, c in prompt_by_index.values())
     completion = sum(e.num_output_tokens for e in ends)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -182,7 +187,7 @@ def finish_chunk(meta: ResponseMeta, end: ChoiceEnd, include_usage: bool) -> dic
     return _chunk(meta, choice, include_usage)
 
 
-def usage_chunk(meta: ResponseMeta, usage_map: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, usage_map: dict[str, Any]) -> dict[str, Any]:
     """With stream_options.include_usage: the extra last chunk, no choices, the totals."""
     return {**meta.envelope(streaming=True), "choices": [], "usage": usage_map}
 

@@ -64,9 +64,13 @@ class ClientRequest:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_ids_sent: int = 0  # token ids already streamed
+    # prompt tokens the engine found in its prefix cache; known from the engine's final output
+    # (0 when the frontend ends the request first: a stop string, an abort)
+    num_cached_tokens: int = 0
 
     def on_output(self, out: RequestOutput, now: float) -> Progress:
         """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
+        self.num_cached_tokens = out.num_cached_tokens
         if out.new_token_ids:
             self._take(out.new_token_ids, out.logprobs, now)
         if out.finish_reason == "error":
@@ -157,7 +161,7 @@ class ClientRequest:
         else:
             logprobs = self.logprobs if self.sampling.logprobs is not None else None
             whole = (self.text, self.token_ids, logprobs)
-        usage = Usage(self.num_prompt_tokens, len(self.token_ids))
+        usage = Usage(self.num_prompt_tokens, len(self.token_ids), self.num_cached_tokens)
         timings = self.timings(engine_timings, now)
         frames.append(done_reply(self.client_id, reason, stop_reason, usage, timings, whole))
         return frames

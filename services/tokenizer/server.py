@@ -34,8 +34,10 @@ from shared.protocol.engine_channel import (
     FrontendBye,
     FrontendHello,
     OutputBatch,
+    PrefixCacheReset,
     RequestRejected,
     RequestTimings,
+    ResetPrefixCache,
     StatsQuery,
     StatsReply,
     SubmitRequest,
@@ -52,6 +54,7 @@ class _StatsWait:
     identity: bytes
     client_id: Optional[str]
     deadline: float
+    kind: str = "stats"  # or "reset_prefix_cache"
 
 
 class FrontendServer:
@@ -197,6 +200,8 @@ class FrontendServer:
                 engine.max_model_len if engine else None, engine.vocab_size if engine else None,
                 self.config.frontend_id,
             ))  # fmt: skip
+        elif isinstance(cmd, cc.ResetPrefixCacheCommand):
+            self._on_stats(ident, cmd.id, "reset_prefix_cache")
         else:
             self._on_stats(ident, cmd.id)
 
@@ -263,12 +268,25 @@ class FrontendServer:
             if not self._send_client(ident, frame):
                 return
 
-    def _on_stats(self, ident: bytes, client_id: Optional[str]) -> None:
-        qid = f"{self.config.frontend_id}-stats-{self._next_seq}"
+    def _on_stats(self, ident: bytes, client_id: Optional[str], kind: str = "stats") -> None:
+        """A query the scheduler answers (stats, reset_prefix_cache)."""
+        qid = f"{self.config.frontend_id}-{kind}-{self._next_seq}"
         self._next_seq += 1
         deadline = time.monotonic() + self.config.stats_timeout_s
-        self._stats_waits[qid] = _StatsWait(ident, client_id, deadline)
-        self._send_scheduler(encode(StatsQuery(qid)))  # unanswered: the time-out replies
+        self._stats_waits[qid] = _StatsWait(ident, client_id, deadline, kind)
+        query = StatsQuery(qid) if kind == "stats" else ResetPrefixCache(qid)
+        self._send_scheduler(encode(query))  # unanswered: the time-out replies
+
+    def _answer_reset(self, qid: str, num_blocks_dropped: Optional[int]) -> None:
+        wait = self._stats_waits.pop(qid, None)
+        if wait is None:
+            return
+        if num_blocks_dropped is None:
+            msg = "the engine did not answer reset_prefix_cache in time"
+            self._reply_error(wait.identity, ErrorCode.ENGINE_UNREACHABLE, msg, wait.client_id)
+            return
+        reply = cc.reset_prefix_cache_reply(wait.client_id, num_blocks_dropped)
+        self._send_client(wait.identity, reply)
 
     def _answer_stats(self, qid: str, engine: Optional[dict[str, float]]) -> None:
         wait = self._stats_waits.pop(qid, None)
@@ -371,6 +389,8 @@ class FrontendServer:
             )
         elif isinstance(msg, StatsReply):
             self._answer_stats(msg.query_id, msg.stats)
+        elif isinstance(msg, PrefixCacheReset):
+            self._answer_reset(msg.query_id, msg.num_blocks_dropped)
         else:
             self.log.warning("unexpected_scheduler_message", type=type(msg).__name__)
 
@@ -465,7 +485,8 @@ class FrontendServer:
         self._heartbeat_clients(now)
         for qid, wait in list(self._stats_waits.items()):
             if now > wait.deadline:
-                self._answer_stats(qid, None)
+                answer = self._answer_stats if wait.kind == "stats" else self._answer_reset
+                answer(qid, None)
         self._drain_step(now)
 
     def _heartbeat_clients(self, now: float) -> None:

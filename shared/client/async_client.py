@@ -121,6 +121,10 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         return await self._query("stats")
 
+    async def reset_prefix_cache(self) -> int:
+        """Empty the engine's prefix cache; the number of cached blocks dropped."""
+        return int((await self._query("reset_prefix_cache"))["num_blocks_dropped"])
+
     async def close(self) -> None:
         if self._closed:
             return

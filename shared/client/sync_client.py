@@ -130,6 +130,10 @@ class Client:
         """The `stats` reply: `ready`, `frontend` and `engine` counters."""
         return self._query("stats")
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the engine's prefix cache; the number of cached blocks dropped."""
+        return int(self._query("reset_prefix_cache")["num_blocks_dropped"])
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

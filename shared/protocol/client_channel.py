@@ -23,7 +23,7 @@ MAX_ID_BYTES = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
-CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats")
+CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache")
 
 _INT, _NUM, _BOOL = "int", "number", "bool"
 # params key -> (wire type, may be nil). Defaults live in SamplingParams.
@@ -87,7 +87,16 @@ class StatsCommand:
     id: Optional[str] = None
 
 
-ClientCommand = Union[GenerateCommand, AbortCommand, HealthCommand, StatsCommand]
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCacheCommand:
+    """Empty the engine's prefix cache; answered with the number of blocks dropped."""
+
+    id: Optional[str] = None
+
+
+ClientCommand = Union[
+    GenerateCommand, AbortCommand, HealthCommand, StatsCommand, ResetPrefixCacheCommand
+]
 
 
 # ---- client -> frontend ----------------------------------------------------------------------
@@ -126,6 +135,8 @@ def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES)
     if kind == "abort":
         return AbortCommand(_required_id(wire))
     optional_id = _optional_id(wire)
+    if kind == "reset_prefix_cache":
+        return ResetPrefixCacheCommand(optional_id)
     return HealthCommand(optional_id) if kind == "health" else StatsCommand(optional_id)
 
 
@@ -313,6 +324,7 @@ def _stop_strings(value: Any, rid: Optional[str]) -> list[str]:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache
 
     def to_wire(self) -> dict[str, int]:
         total = self.prompt_tokens + self.completion_tokens
@@ -320,6 +332,7 @@ class Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": total,
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
 
@@ -420,6 +433,10 @@ def health_reply(
         vocab_size=vocab_size,
         frontend_id=frontend_id,
     )
+
+
+def reset_prefix_cache_reply(id: Optional[str], num_blocks_dropped: int) -> bytes:
+    return encode_reply("reset_prefix_cache", id, num_blocks_dropped=num_blocks_dropped)
 
 
 def stats_reply(

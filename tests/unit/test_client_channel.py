@@ -188,7 +188,12 @@ def test_reply_shapes() -> None:
         "a", "length", None, Usage(3, 1), Timings(0.1, 0.2, None, 0.3), whole=("hey", [7], lp)
     )
     done = decode_reply(frame)
-    assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert done["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 1,
+        "total_tokens": 4,
+        "num_cached_tokens": 0,
+    }
     assert done["timings"] == {"queue_s": 0.1, "ttft_s": 0.2, "tpot_s": None, "e2e_s": 0.3}
     assert (done["text"], done["token_ids"]) == ("hey", [7])
     assert done["logprobs"] == [

@@ -117,7 +117,12 @@ def test_done_carries_usage_timings_and_the_whole_text() -> None:
     msgs = frames(req, [out("ab"), out("cd"), out("e", "length", timings=timings)])
     done = msgs[-1]
     assert done["text"] == "abcde" and done["finish_reason"] == "length"
-    assert done["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    assert done["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 5,
+        "total_tokens": 11,
+        "num_cached_tokens": 0,
+    }
     t = done["timings"]
     assert t["queue_s"] == 0.25 and t["ttft_s"] == 1.0 and t["e2e_s"] == 3.0
     assert t["tpot_s"] == 2.0 / 4  # first token at 101, last at 103, 4 tokens after the first
