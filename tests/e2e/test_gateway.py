@@ -140,6 +140,11 @@ def test_chat_matches_the_zmq_client(oai: openai.OpenAI, model_name: str,
     assert text == want.text
     assert chunks[-1].usage is not None and not chunks[-1].choices
     assert chunks[-1].usage.completion_tokens == want.usage["completion_tokens"]
+    # the same prompt ran before (prefix caching is on by default): whole blocks were reused,
+    # reported as OpenAI does, in the non-streamed usage and in the include_usage chunk
+    for usage in (got.usage, chunks[-1].usage):
+        assert usage.prompt_tokens_details is not None
+        assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
 
 def test_n_choices_use_derived_seeds(oai: openai.OpenAI, model_name: str,
