@@ -1,0 +1,266 @@
+"""Property tests of automatic prefix caching (~10-20 s): the block pool alone, then the
+scheduler driven by random streams of requests that share prefixes, with aborts (also while a
+step is in flight), preemptions (small pools), evictions, cache resets and every policy.
+
+After every step: `check_integrity()` holds (each block owned, free or cached; ref counts equal
+owners; nothing both cached and owned-free; a table's registered blocks hold the keys its request
+claims), and the checking worker read every cached position of every scheduled request back
+through its table: a hit on a block holding another prefix's KV fails there. At the end nothing
+leaks, every request finished once with the model's tokens, and hits did happen.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_scheduler_support import CheckingWorker, FakeClock, Run, token_for
+
+from services.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.block_pool import BlockPool
+from shared.prefix_hash import block_key
+from shared.protocol.engine_channel import SubmitRequest
+from shared.protocol.sampling import SamplingParams
+
+VOCAB = 50
+
+# ---- the pool alone --------------------------------------------------------------------------
+
+pool_ops = st.lists(
+    st.tuples(st.sampled_from(["alloc", "free", "register", "hit", "reset"]), st.integers(0, 99)),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(1, 12), ops=pool_ops)
+def test_pool_states_stay_consistent_under_random_operations(
+    num_blocks: int, ops: list[tuple[str, int]]
+) -> None:
+    """Tables as lists of blocks; every operation the scheduler uses, in any order."""
+    pool = BlockPool(num_blocks, block_size=2)
+    tables: list[list[int]] = []
+    content: dict[int, bytes] = {}  # block -> the key it was registered under (while it is)
+    for op, x in ops:
+        if op == "alloc":
+            got = pool.allocate(1 + x % 3)
+            if got is not None:
+                assert all(pool.key_of(b) is None for b in got)  # evicted: no key any more
+                tables.append(got)
+        elif op == "free" and tables:
+            pool.free(tables.pop(x % len(tables)))
+        elif op == "register" and tables:
+            table = tables[x % len(tables)]
+            key = block_key(None, [x, x], b"ns")
+            if pool.register(table[x % len(table)], key):
+                content[table[x % len(table)]] = key
+        elif op == "hit":
+            key = block_key(None, [x, x], b"ns")
+            found = pool.find_prefix([key], 1)
+            if found:
+                assert pool.key_of(found[0]) == key == content[found[0]]
+                reviving = pool.num_reviving(found)
+                before = pool.num_free
+                pool.take_cached(found)
+                assert pool.num_free == before - reviving
+                tables.append(found)
+        elif op == "reset":
+            dropped = pool.reset_cache()
+            assert dropped >= 0 and pool.num_cached == 0
+        pool.check_integrity(tables, shared_ok=True)
+        # used + free (plain and cached) is the whole pool
+        assert pool.num_used + pool.num_free == num_blocks
+    for table in tables:
+        pool.free(table)
+    pool.check_integrity([], shared_ok=True)
+    assert pool.num_free == num_blocks
+
+
+def test_eviction_takes_plain_free_blocks_first_then_lru_deepest_first() -> None:
+    pool = BlockPool(6, block_size=1)
+    first = pool.allocate(3)
+    assert first is not None
+    keys = [block_key(None, [i], b"") for i in range(3)]
+    for block, key in zip(first, keys, strict=True):
+        assert pool.register(block, key)
+    pool.free(first)  # released together: the deepest (last) is evicted first
+    plain = pool.allocate(3)
+    assert plain is not None and not set(plain) & set(first)  # never-registered blocks first
+    assert pool.num_cached == 3
+    one = pool.allocate(1)
+    assert one == [first[2]] and pool.find_prefix(keys, 3) == first[:2]
+    two = pool.allocate(1)
+    assert two == [first[1]] and pool.find_prefix(keys, 3) == first[:1]
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    family: int  # requests of one family share its prefix
+    prefix_len: int
+    suffix_len: int
+    max_tokens: int
+    abort_step: Optional[int]
+    abort_in_flight: bool
+
+
+arrivals = st.builds(
+    Arrival,
+    step=st.integers(0, 12),
+    family=st.integers(0, 2),
+    prefix_len=st.sampled_from([9, 17, 30]) | st.integers(0, 30),
+    suffix_len=st.integers(0, 6),
+    max_tokens=st.integers(1, 12),
+    abort_step=st.none() | st.none() | st.integers(0, 30),
+    abort_in_flight=st.booleans(),
+)
+
+
+def _prompt(a: Arrival, rid: str) -> list[int]:
+    prefix = [(a.family * 101 + i * 7) % 97 + 3 for i in range(a.prefix_len)]
+    suffix = [(zlib.crc32(rid.encode()) + i) % 97 + 3 for i in range(a.suffix_len)]
+    return (prefix + suffix) or [5]
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> SchedulerConfig:
+    max_num_seqs = draw(st.integers(1, 5))
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + draw(st.integers(0, 30)),
+        chunk_size=draw(st.integers(1, 24)),
+        max_wait=draw(st.sampled_from([0.0, 0.05, 10.0])),
+        policy=draw(st.sampled_from(["fcfs", "lpm", "short-first", "priority"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", "dynamic", "static"])),
+        watermark=draw(st.sampled_from([0.0, 0.1])),
+        enable_prefix_caching=True,
+    )
+
+
+def _step_requests(
+    sched: Scheduler, workload: list[Arrival], step: int, in_flight: bool, run: Run
+) -> dict[str, Arrival]:
+    admitted = {}
+    for i, a in enumerate(workload):
+        rid = f"r{i}"
+        if a.step == step and not in_flight:
+            sampling = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+            if sched.add_request(SubmitRequest(rid, _prompt(a, rid), sampling)) is None:
+                admitted[rid] = a
+        if a.abort_step == step and a.abort_in_flight == in_flight:
+            out = sched.abort_request(rid)
+            run.add([out] if out is not None else [])
+    return admitted
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=configs(),
+    num_blocks=st.integers(4, 12) | st.integers(13, 40),  # small: preemption and eviction
+    block_size=st.sampled_from([1, 2, 4]),
+    workload=st.lists(arrivals, min_size=2, max_size=12),
+    reset_steps=st.sets(st.integers(0, 40), max_size=2),
+)
+def test_shared_prefix_workloads_keep_every_invariant(
+    config: SchedulerConfig,
+    num_blocks: int,
+    block_size: int,
+    workload: list[Arrival],
+    reset_steps: set[int],
+) -> None:
+    clock = FakeClock()
+    sched = Scheduler(config, num_blocks, block_size, 80, [], clock=clock, cache_namespace=b"m")
+    worker = CheckingWorker(num_blocks, block_size, vocab_size=VOCAB)
+    run = Run()
+    admitted: dict[str, Arrival] = {}
+    last_arrival = max(a.step for a in workload)
+    for step in range(3000):
+        admitted.update(_step_requests(sched, workload, step, False, run))
+        if step in reset_steps:
+            assert sched.reset_prefix_cache() >= 0
+        plan = sched.schedule()
+        sched.check_integrity()
+        if plan is not None:
+            _step_requests(sched, workload, step, True, run)  # aborts while in flight
+            run.add(sched.update(worker.execute(plan)))
+            sched.check_integrity()
+        elif step > last_arrival and not sched.has_work():
+            break
+        clock.advance(max(0.01, sched.next_timeout() or 0.0) if plan is None else 0.01)
+    assert not sched.has_work(), "work left after 3000 steps"
+    assert sched.pool.num_used == 0 and sched.pool.num_free == num_blocks  # no leak
+    sched.check_integrity()
+    stats = sched.stats()
+    event(f"hits: {stats['prefix_cache_hits'] > 0}")
+    event(f"evictions: {stats['num_prefix_cache_evictions'] > 0}")
+    event(f"preempted: {stats['num_preemptions'] > 0}")
+    for rid, a in admitted.items():
+        final = run.final(rid)
+        tokens = run.tokens(rid)
+        assert tokens == [token_for(rid, i, VOCAB) for i in range(len(tokens))]
+        if final.finish_reason != "abort":
+            assert final.finish_reason == "length"
+            cached = final.num_cached_tokens
+            assert cached % block_size == 0 and cached < len(_prompt(a, rid))
+
+
+def test_hits_happen_and_count_in_the_step_log() -> None:
+    """A fixed picture: the second request of a family hits the first one's full blocks and
+    computes only the rest; the step record and the counters say so."""
+    clock = FakeClock()
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64)
+    sched = Scheduler(config, 32, 4, 128, [], clock=clock, cache_namespace=b"m")
+    worker = CheckingWorker(32, 4, vocab_size=VOCAB)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prefix = list(range(10, 30))  # 20 tokens: 5 full blocks
+    sched.add_request(SubmitRequest("a", prefix + [1, 2], sampling))
+    run = Run()
+    plan = sched.schedule()
+    assert plan is not None
+    run.add(sched.update(worker.execute(plan)))
+    sched.add_request(SubmitRequest("b", prefix + [3, 4, 5], sampling))
+    plan = sched.schedule()
+    assert plan is not None
+    i = plan.rids.index("b")
+    assert plan.start_positions[i] == 20 and plan.num_tokens[i] == 3
+    rec = sched.last_step_record
+    assert rec is not None
+    assert rec.num_prefix_cache_queries == 23 and rec.num_prefix_cache_hits == 20
+    run.add(sched.update(worker.execute(plan)))
+    while sched.has_work():
+        plan = sched.schedule()
+        assert plan is not None
+        run.add(sched.update(worker.execute(plan)))
+    assert run.final("b").num_cached_tokens == 20 and run.final("a").num_cached_tokens == 0
+    stats = sched.stats()
+    assert stats["prefix_cache_queries"] == 22 + 23 and stats["prefix_cache_hits"] == 20
+    assert sched.reset_prefix_cache() == stats["prefix_cache_blocks"] > 0
+
+
+def test_caching_off_never_shares_and_counts_nothing() -> None:
+    clock = FakeClock()
+    config = SchedulerConfig(max_num_seqs=4, enable_prefix_caching=False)
+    sched = Scheduler(config, 32, 4, 128, [], clock=clock)
+    worker = CheckingWorker(32, 4, vocab_size=VOCAB)
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    run = Run()
+    for rid in ("a", "b"):
+        sched.add_request(SubmitRequest(rid, list(range(10, 30)), sampling))
+        first_start = None
+        while sched.has_work():
+            plan = sched.schedule()
+            assert plan is not None
+            if first_start is None:
+                first_start = plan.start_positions[plan.rids.index(rid)]
+            run.add(sched.update(worker.execute(plan)))
+            sched.check_integrity()
+        assert first_start == 0  # the same prompt again: computed from scratch
+    assert run.final("b").num_cached_tokens == 0
+    stats = sched.stats()
+    assert stats["prefix_cache_queries"] == 0 and stats["prefix_cache_blocks"] == 0
