@@ -17,16 +17,18 @@ and hashes a 16-token block in about a microsecond on this CPU.
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Optional
 
 DIGEST_BYTES = 16  # 128-bit keys
-_ROOT = b"\x00" * DIGEST_BYTES  # the parent of a prefix's first block
+_SWAP = sys.byteorder != "little"  # keys are over little-endian uint32 token ids everywhere
 
 
 def cache_namespace(model_name: str, dtype: str, extra: str = "") -> bytes:
     """What, besides tokens, decides a block's KV: blocks of different namespaces never match.
+    It stands in for the parent key of a prefix's first block, so it reaches every key.
 
     Called once when the worker handshake says which model and dtype the KV cache holds.
     """
@@ -36,10 +38,15 @@ def cache_namespace(model_name: str, dtype: str, extra: str = "") -> bytes:
 
 def block_key(parent: Optional[bytes], token_ids: Sequence[int], namespace: bytes) -> bytes:
     """The key of one full block: `token_ids` (block_size ids) after the prefix keyed `parent`
-    (None for a prompt's first block). Token ids are packed as unsigned 32-bit integers."""
-    h = hashlib.blake2b(parent or _ROOT, digest_size=DIGEST_BYTES, key=namespace)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    return h.digest()
+    (None for a prompt's first block, whose parent is then the namespace). Token ids are hashed
+    as little-endian unsigned 32-bit integers. ~1-2 us per 16-token block here: the scheduler
+    computes keys off its result -> plan path where it can (see services/scheduler)."""
+    packed = array("I", token_ids)
+    if _SWAP:
+        packed.byteswap()
+    return hashlib.blake2b(
+        (parent or namespace) + packed.tobytes(), digest_size=DIGEST_BYTES
+    ).digest()
 
 
 def extend_block_keys(
@@ -49,6 +56,6 @@ def extend_block_keys(
     keys of its first `num_full` full blocks. Keys depend on tokens only, so a request computes
     each once, however often it is looked up or preempted."""
     parent = keys[-1] if keys else None
-    for i in range(len(keys), num_full):
+    for i in range(len(keys), num_full):  # a hot loop only while a prompt arrives
         parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], namespace)
         keys.append(parent)

@@ -9,10 +9,17 @@ keyed by content (shared/prefix_hash.py). This module decides what is looked up 
   (len(tokens) - 1) // block_size blocks are looked up, so at least one token is always computed
   (the last position must produce logits) and a hit block is never written to.
 * registration: a full block becomes findable only once the step that computed its last slot
-  has completed. Blocks filled by prefill chunks are registered when the step's result arrives;
-  blocks filled by decodes when the table next grows, or when the request finishes or is
-  preempted (so the decode loop pays nothing). A failed step registers nothing, and a worker
-  failure or (re)handshake replaces the pool, which empties the cache.
+  has completed. Blocks filled by prefill chunks are registered when the step's result arrives
+  (their keys were computed when the request arrived); a request whose table is full of blocks
+  filled by decodes is queued when its table grows, and `flush()` registers them after the next
+  plan has left (the server calls it off the result -> plan path; `schedule()` flushes
+  whatever is left before any lookup). A finishing or preempted request registers at once. A
+  failed step registers nothing, and a worker failure or (re)handshake replaces the pool,
+  which empties the cache.
+
+Keys cost ~1-2 us per block, so they are computed off the result -> plan path where possible:
+a prompt's at `add_request` (which the server runs while the worker computes), a decode-filled
+block's in `flush()`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.block_pool import BlockPool
-from services.scheduler.request import Request
+from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import StepBuilder
 from shared.prefix_hash import extend_block_keys
 
@@ -54,6 +61,19 @@ class PrefixCache:
         self.namespace = namespace
         self.enabled = enabled
         self.counters = PrefixCacheCounters()
+        # (request, its preemption count, blocks of its table whose KV is complete), queued on
+        # the result -> plan path and registered by `flush()`
+        self._pending: list[tuple[Request, int, int]] = []
+
+    def prepare(self, req: Request) -> None:
+        """A request arrived: compute the keys of its prompt's full blocks now (the server
+        handles arrivals while the worker computes), so lookups and registrations of them on
+        the result -> plan path are dictionary operations."""
+        if self.enabled:
+            bs = self.block_size
+            extend_block_keys(
+                req.block_keys, req.token_ids, bs, self.namespace, (len(req.token_ids) - 1) // bs
+            )
 
     def lookup(self, req: Request) -> list[int]:
         """The cached blocks `req` could start with (changes nothing). Computes the request's
@@ -103,11 +123,26 @@ class PrefixCache:
     def register_computed(self, req: Request) -> None:
         """Make `req`'s full blocks findable, up to what completed steps computed. Called only
         when no step that writes into them is in flight (see the module docstring)."""
-        bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        self._register(req, min(req.num_computed_tokens // self.block_size, len(req.block_ids)))
+
+    def defer(self, req: Request) -> None:
+        """`req`'s table is full and every slot computed by completed steps (a decode about to
+        grow it): register its blocks in `flush()`, off the result -> plan path."""
+        self._pending.append((req, req.num_preemptions, len(req.block_ids)))
+
+    def flush(self) -> None:
+        """Register what `defer` queued. A request preempted or finished since registered at
+        that moment, and one no longer running holds other blocks now: both are skipped."""
+        pending, self._pending = self._pending, []
+        for req, num_preemptions, num_full in pending:
+            if req.status is RequestStatus.RUNNING and req.num_preemptions == num_preemptions:
+                self._register(req, num_full)
+
+    def _register(self, req: Request, num_full: int) -> None:
         if num_full <= req.num_registered_blocks:
             return
         if len(req.block_keys) < num_full:
+            bs = self.block_size
             extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
         register, blocks, keys = self.pool.register, req.block_ids, req.block_keys
         for i in range(req.num_registered_blocks, num_full):

@@ -22,7 +22,7 @@ from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
-from services.scheduler.stats import Counters, StepRecord
+from services.scheduler.stats import Counters, StepRecord, step_record
 from services.scheduler.step import BuiltStep, StepBuilder
 from shared.protocol.engine_channel import (
     OutputBatch,
@@ -103,6 +103,8 @@ class Scheduler:
             max_len=min(self._max_len, len(req.prompt_token_ids) + req.sampling.max_tokens),
             stop_ids=frozenset(stop_ids),
         )
+        if self._caching:
+            self.prefix_cache.prepare(request)
         self._live[req.rid] = request
         self._waiting.add(request)
         self.counters.num_admitted += 1
@@ -197,6 +199,12 @@ class Scheduler:
         self._batch = RunningSet(self.pool, config.policy, requeue, register)
         self._inflight_filled: list[Request] = []
 
+    def after_plan(self) -> None:
+        """Called once the plan has left and the step's outputs were sent, while the worker
+        computes: work kept off the result -> plan path (prefix-cache registrations)."""
+        if self._caching:
+            self.prefix_cache.flush()
+
     def reset_prefix_cache(self) -> int:
         """The `reset_prefix_cache` command: cached blocks become free and no block is findable
         any more (blocks in use stay in use). Returns the number of blocks dropped."""
@@ -214,6 +222,8 @@ class Scheduler:
         if self._inflight_step is not None:
             raise RuntimeError("schedule() called while a plan is in flight")
         now = self._clock()
+        if self._caching:
+            self.prefix_cache.flush()  # normally done off this path, by `after_plan()`
         if self._rules.keeps_finished_as_padding:
             self._batch.end_static_batch_if_done()
         if self._rules.should_form_batch(now, self._waiting, len(self._batch)):
@@ -275,8 +285,8 @@ class Scheduler:
                 padding.append(req)
                 continue
             if computed >= len(req.block_ids) * block_size:  # its table is full: grow it
-                if self._caching:  # blocks filled by decodes become findable here
-                    self.prefix_cache.register_computed(req)
+                if self._caching:  # its decode-filled blocks become findable after the plan
+                    self.prefix_cache.defer(req)
                 if not self._batch.grow(req, computed + 1, step):
                     continue  # no block and nobody ranked below it to take one from: it waits
             append(req)
@@ -499,29 +509,11 @@ class Scheduler:
     # ---- observability -----------------------------------------------------------------------
 
     def _record_step(self, built: BuiltStep, step: StepBuilder, now: float) -> None:
-        plan = built.plan
         num_running = len(self._batch)
-        record = StepRecord(
-            step_id=plan.step_id,
-            time=now,
-            rids=plan.rids,
-            num_tokens=plan.num_tokens,
-            is_prefill=built.is_prefill,
-            num_prefill_tokens=built.num_prefill_tokens,
-            num_decode_tokens=plan.total_tokens - built.num_prefill_tokens,
-            num_waiting=len(self._waiting),
-            num_running=num_running,
-            batch_utilization=num_running / self.config.max_num_seqs,
-            num_kv_blocks_used=self.pool.num_used,
-            num_kv_blocks_total=self.pool.num_blocks,
-            num_preemptions=step.num_preemptions,
-            num_released=len(plan.released_rids),
-            num_prefix_cache_queries=step.num_cache_queries,
-            num_prefix_cache_hits=step.num_cache_hits,
+        record = step_record(
+            built, step, now, len(self._waiting), num_running, self.config.max_num_seqs, self.pool
         )
-        self.counters.num_steps += 1
-        self.counters.num_prefill_tokens += record.num_prefill_tokens
-        self.counters.num_decode_tokens += record.num_decode_tokens
+        self.counters.count_step(record)
         self.last_step_record = record
 
     def next_timeout(self) -> Optional[float]:

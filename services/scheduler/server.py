@@ -266,6 +266,8 @@ class SchedulerServer:
         self._maybe_send_plan(back_to_back=True)
         self._log_step(flight, result, now, len(outputs))
         self._emit(outputs)
+        if self.sched is not None:
+            self.sched.after_plan()  # deferred core work, while the worker computes
 
     def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
         # converted once, after the next plan has left: the record is not copied on send

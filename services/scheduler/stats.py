@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.step import BuiltStep, StepBuilder
+
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
@@ -65,6 +68,11 @@ class Counters:
     num_rejected: int = 0
     num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
+    def count_step(self, record: StepRecord) -> None:
+        self.num_steps += 1
+        self.num_prefill_tokens += record.num_prefill_tokens
+        self.num_decode_tokens += record.num_decode_tokens
+
     def count_finish(self, reason: str) -> None:
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
@@ -81,3 +89,34 @@ class Counters:
         for reason, n in self.num_finished.items():
             out[f"num_finished_{reason}"] = n
         return out
+
+
+def step_record(
+    built: BuiltStep,
+    step: StepBuilder,
+    now: float,
+    num_waiting: int,
+    num_running: int,
+    max_num_seqs: int,
+    pool: BlockPool,
+) -> StepRecord:
+    """The record of a plan just built (after its admissions and preemptions)."""
+    plan = built.plan
+    return StepRecord(
+        step_id=plan.step_id,
+        time=now,
+        rids=plan.rids,
+        num_tokens=plan.num_tokens,
+        is_prefill=built.is_prefill,
+        num_prefill_tokens=built.num_prefill_tokens,
+        num_decode_tokens=plan.total_tokens - built.num_prefill_tokens,
+        num_waiting=num_waiting,
+        num_running=num_running,
+        batch_utilization=num_running / max_num_seqs,
+        num_kv_blocks_used=pool.num_used,
+        num_kv_blocks_total=pool.num_blocks,
+        num_preemptions=step.num_preemptions,
+        num_released=len(plan.released_rids),
+        num_prefix_cache_queries=step.num_cache_queries,
+        num_prefix_cache_hits=step.num_cache_hits,
+    )
