@@ -94,7 +94,9 @@ def _add_workload_flags(w: argparse._ArgumentGroup) -> None:
     w.add_argument("--input-len", type=int, default=256)
     w.add_argument("--output-len", type=int, default=128)
     w.add_argument("--range-ratio", type=float, default=0.0)
-    w.add_argument("--prefix-len", type=int, default=256, help="shared-prefix workload")
+    w.add_argument("--prefix-len", type=int, default=256,
+                   help="shared-prefix: its prefix; multi-turn: the system prompt")  # fmt: skip
+    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     w.add_argument(
         "--scale",
         type=float,
@@ -147,6 +149,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         output_len=args.output_len,
         range_ratio=args.range_ratio,
         prefix_len=args.prefix_len,
+        num_turns=args.num_turns,
         scale=1.0 if args.scale is None else args.scale,
     )
 

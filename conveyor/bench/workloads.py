@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-WORKLOADS = ("random", "uniform", "mixed", "shared-prefix", "chat")
+WORKLOADS = ("random", "uniform", "mixed", "shared-prefix", "chat", "multi-turn")
 
 # Ids below this are left out of prompts: tokenizers put their special tokens first
 # (SmolLM2: 0-16), and a random <|im_end|> in a prompt would change what the model does.
@@ -49,7 +49,14 @@ class WorkloadConfig:
     random: lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)];
     uniform: exactly input_len / output_len; mixed: the seeds' 32-512 in / 16-256 out;
     shared-prefix: a common `prefix_len`-token system prompt + an `input_len` random suffix;
-    chat: heavy-tailed (log-normal) lengths.
+    chat: heavy-tailed (log-normal) lengths;
+    multi-turn: conversations of `num_turns` turns after a common `prefix_len`-token system
+    prompt; turn t resends the whole history (its earlier `input_len`-token user messages and
+    `output_len`-token replies) and adds a new message. Requests come turn by turn (every
+    conversation's turn 0, then turn 1, ...): run it with --max-concurrency = the number of
+    conversations so a conversation's next turn starts about when its previous one ends. The
+    replies in the history are drawn, not the model's answers (a workload is fixed in advance),
+    so a turn can reuse its previous turn's prompt, not that turn's output.
     """
 
     name: str = "random"
@@ -59,6 +66,7 @@ class WorkloadConfig:
     output_len: int = 128
     range_ratio: float = 0.0
     prefix_len: int = 256
+    num_turns: int = 4  # multi-turn: turns per conversation
     scale: float = 1.0
     vocab_size: int = 49152
     max_model_len: Optional[int] = None  # clip prompt + output to fit, when given
@@ -72,6 +80,8 @@ class WorkloadConfig:
             raise ValueError("input_len and output_len must be >= 1")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+        if self.num_turns < 1:
+            raise ValueError(f"num_turns must be >= 1, got {self.num_turns}")
         if self.prefix_len < 0:
             raise ValueError(f"prefix_len must be >= 0, got {self.prefix_len}")
         if not 0.0 < self.scale <= 64.0:
@@ -86,6 +96,8 @@ def generate(cfg: WorkloadConfig) -> list[BenchRequest]:
     """The workload's requests, deterministic for (cfg)."""
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_prompts
+    if cfg.name == "multi-turn":
+        return _multi_turn(rng, cfg)
     prefix: list[int] = []
     if cfg.name == "mixed":
         in_lens = rng.integers(MIXED_INPUT_RANGE[0], MIXED_INPUT_RANGE[1] + 1, n)
@@ -109,6 +121,28 @@ def generate(cfg: WorkloadConfig) -> list[BenchRequest]:
             in_len -= len(prefix)
         ids = prefix + _token_ids(rng, max(in_len, 1), cfg.vocab_size)
         requests.append(BenchRequest(index=i, prompt_token_ids=ids, max_tokens=out_len))
+    return requests
+
+
+def _multi_turn(rng: np.random.Generator, cfg: WorkloadConfig) -> list[BenchRequest]:
+    """See WorkloadConfig: `num_prompts` requests, turn-major, ceil(n / num_turns)
+    conversations; a conversation whose history outgrows max_model_len ends early."""
+    num_convs = -(-cfg.num_prompts // cfg.num_turns)
+    system = _token_ids(rng, _scaled(cfg.prefix_len, cfg.scale), cfg.vocab_size)
+    if not cfg.prefix_len:
+        system = []
+    in_len, out_len = _scaled(cfg.input_len, cfg.scale), _scaled(cfg.output_len, cfg.scale)
+    history = [list(system) for _ in range(num_convs)]
+    requests: list[BenchRequest] = []
+    for _turn in range(cfg.num_turns):
+        for conv in range(num_convs):
+            if len(requests) == cfg.num_prompts:
+                return requests
+            prompt = history[conv] + _token_ids(rng, in_len, cfg.vocab_size)
+            if cfg.max_model_len is not None and len(prompt) + out_len > cfg.max_model_len:
+                continue  # this conversation is over: its history no longer fits
+            requests.append(BenchRequest(len(requests), prompt, out_len))
+            history[conv] = prompt + _token_ids(rng, out_len, cfg.vocab_size)
     return requests
 
 

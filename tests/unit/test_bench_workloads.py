@@ -62,6 +62,25 @@ def test_shared_prefix_and_scale() -> None:
     assert {(r.prompt_len, r.max_tokens) for r in half} == {(16, 4)}
 
 
+def test_multi_turn_resends_the_history_turn_by_turn() -> None:
+    cfg = WorkloadConfig(
+        name="multi-turn", num_prompts=9, num_turns=3, input_len=5, output_len=4, prefix_len=16
+    )
+    reqs = generate(cfg)
+    assert [r.prompt_len for r in reqs] == [21] * 3 + [30] * 3 + [39] * 3
+    system = reqs[0].prompt_token_ids[:16]
+    assert all(r.prompt_token_ids[:16] == system for r in reqs)
+    for conv in range(3):
+        turns = [reqs[t * 3 + conv].prompt_token_ids for t in range(3)]
+        for earlier, later in zip(turns, turns[1:], strict=False):
+            assert later[: len(earlier)] == earlier  # the history is resent as it was
+    assert reqs[3].prompt_token_ids[:21] != reqs[4].prompt_token_ids[:21]  # conversations differ
+    capped = generate(WorkloadConfig(name="multi-turn", num_prompts=8, num_turns=4,
+                                     input_len=50, output_len=50, prefix_len=10,
+                                     max_model_len=260))  # fmt: skip
+    assert len(capped) == 4 and all(r.prompt_len + r.max_tokens <= 260 for r in capped)
+
+
 def test_chat_is_heavy_tailed_and_clipped() -> None:
     reqs = generate(WorkloadConfig(name="chat", num_prompts=2000, seed=3))
     ins = np.array([r.prompt_len for r in reqs])
@@ -76,7 +95,8 @@ def test_max_model_len_clips_prompt_plus_output() -> None:
 
 
 def test_bad_configs_are_rejected() -> None:
-    for bad in ({"name": "nope"}, {"num_prompts": 0}, {"range_ratio": 1.0}, {"scale": 0}):
+    for bad in ({"name": "nope"}, {"num_prompts": 0}, {"range_ratio": 1.0}, {"scale": 0},
+                {"num_turns": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             WorkloadConfig(**bad)
     for bad_arrival in ({"request_rate": 0}, {"burstiness": 0}, {"max_concurrency": 0}):
