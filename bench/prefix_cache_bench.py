@@ -1,0 +1,213 @@
+"""Prefix caching on vs off, end to end, measured side by side in one run.
+
+    PYTHONPATH=. .venv/bin/python bench/prefix_cache_bench.py --out results/prefix_cache
+    PYTHONPATH=. .venv/bin/python bench/prefix_cache_bench.py --worker sim --sim-device h200 \\
+        --sim-model llama-3-8b --out results/prefix_cache_h200
+
+For each of `--repeats` rounds and each mode (caching on, then off) it starts one engine
+(conveyor.launcher.LocalStack; only `--enable-prefix-caching` differs), and runs every scenario
+on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts cold:
+
+* shared-prefix: `--num-prompts` requests at once, a `--prefix-len`-token shared prefix and
+  `--suffix-len`-token distinct suffixes, `--output-len` tokens out (EOS ignored);
+* multi-turn: `--conversations` x `--num-turns` requests, each turn resending its history after
+  a `--system-len`-token system prompt, at most one request per conversation in flight;
+* no-sharing: random distinct prompts (0% hits), to show what caching costs when it cannot help.
+
+Prints mean TTFT, output throughput and the engine's hit rate per scenario and mode, and the
+on/off ratios (median over rounds); writes everything to <out>/prefix_cache.json. Run it alone
+(flock -x /tmp/conveyor-cpu.lock ...): end-to-end timings on a shared machine swing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from conveyor.bench.arrivals import ArrivalConfig
+from conveyor.bench.backends import ConveyorBackend, SamplingChoice
+from conveyor.bench.metrics import compute_metrics
+from conveyor.bench.runner import run_workload
+from conveyor.bench.workloads import WorkloadConfig, generate
+from conveyor.launcher import LocalStack, StackSettings
+from shared.client import Client
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    workload: WorkloadConfig
+    max_concurrency: Optional[int]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", choices=("model", "sim"), default="model")
+    p.add_argument("--sim-device", default="h200")
+    p.add_argument("--sim-model", default="llama-3-8b")
+    p.add_argument("--dtype", default="float32", help="real worker dtype")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="real worker KV cache")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--num-turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per user turn")
+    p.add_argument("--scenarios", default="shared-prefix,multi-turn,no-sharing")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("results/prefix_cache"))
+    return p.parse_args(argv)
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    all_ = {
+        "shared-prefix": Scenario(
+            "shared-prefix",
+            WorkloadConfig(
+                name="shared-prefix",
+                num_prompts=args.num_prompts,
+                input_len=args.suffix_len,
+                output_len=args.output_len,
+                prefix_len=args.prefix_len,
+            ),
+            None,
+        ),
+        "multi-turn": Scenario(
+            "multi-turn",
+            WorkloadConfig(
+                name="multi-turn",
+                num_prompts=args.conversations * args.num_turns,
+                num_turns=args.num_turns,
+                input_len=args.turn_len,
+                output_len=args.output_len,
+                prefix_len=args.system_len,
+            ),
+            args.conversations,
+        ),
+        "no-sharing": Scenario(
+            "no-sharing",
+            WorkloadConfig(
+                name="uniform",
+                num_prompts=args.num_prompts,
+                input_len=args.suffix_len + args.prefix_len // 4,
+                output_len=args.output_len,
+            ),
+            None,
+        ),
+    }
+    return [all_[name] for name in args.scenarios.split(",")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stack(args: argparse.Namespace, caching: bool, log_dir: Path) -> LocalStack:
+    worker_flags = {}
+    if args.worker == "model":
+        worker_flags = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
+    return LocalStack(
+        StackSettings(
+            worker=args.worker,
+            sim_device=args.sim_device if args.worker == "sim" else None,
+            sim_model=args.sim_model if args.worker == "sim" else None,
+            frontend_address=f"tcp://127.0.0.1:{_free_port()}",
+            scheduler_flags={"enable_prefix_caching": str(caching)},
+            worker_flags=worker_flags,
+            gateway=False,
+            log_dir=log_dir,
+        )
+    )
+
+
+def _run(address: str, scenario: Scenario) -> dict[str, Any]:
+    """One cold run of a scenario on a running engine: metrics and the engine's hit rate."""
+    with Client(address, timeout=600.0) as client:
+        # a short unrelated request first (first-use costs), then a cold cache
+        client.generate(prompt_token_ids=[101 + i for i in range(24)], max_tokens=2)
+        client.reset_prefix_cache()
+        before = client.stats()["engine"]
+    requests = generate(scenario.workload)
+    arrivals = ArrivalConfig(max_concurrency=scenario.max_concurrency)
+    sampling = SamplingChoice(temperature=0.0, ignore_eos=True)
+
+    async def go() -> Any:
+        backend = ConveyorBackend(address, id_prefix=f"pc-{uuid.uuid4().hex[:8]}")
+        try:
+            return await run_workload(backend, requests, arrivals, sampling, None)
+        finally:
+            await backend.aclose()
+
+    outcome = asyncio.run(go())
+    metrics = compute_metrics(outcome.traces, outcome.duration_s)
+    with Client(address, timeout=60.0) as client:
+        after = client.stats()["engine"]
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    metrics["hit_rate"] = hits / queries if queries else 0.0
+    metrics["prefill_tokens"] = after["num_prefill_tokens"] - before["num_prefill_tokens"]
+    return metrics
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    plan = scenarios(args)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {"on": [], "off": []} for s in plan}
+    for r in range(args.repeats):
+        for mode in ("on", "off"):
+            log_dir = Path(tempfile.mkdtemp(prefix=f"prefix-cache-{mode}-"))
+            stack = _stack(args, mode == "on", log_dir)
+            stack.start()
+            try:
+                stack.wait_ready(timeout=600.0)
+                for s in plan:
+                    m = _run(stack.frontend_address, s)
+                    if m["failed"]:
+                        raise SystemExit(f"{s.name} caching {mode}: {m['failed']} requests failed")
+                    runs[s.name][mode].append(m)
+                    print(
+                        f"round {r} {s.name:13s} caching {mode:3s}: mean TTFT "
+                        f"{m['mean_ttft_ms']:9.1f} ms, output {m['output_throughput']:8.1f} tok/s,"
+                        f" hit rate {m['hit_rate']:.3f}, prefill tokens {m['prefill_tokens']:.0f}",
+                        flush=True,
+                    )
+            finally:
+                stack.stop()
+    summary = {}
+    for name, modes in runs.items():
+        med = {
+            mode: {k: statistics.median(m[k] for m in ms) for k in ("mean_ttft_ms",
+                   "output_throughput", "hit_rate", "prefill_tokens", "duration")}
+            for mode, ms in modes.items()
+        }  # fmt: skip
+        ttft_x = med["off"]["mean_ttft_ms"] / med["on"]["mean_ttft_ms"]
+        tput_x = med["on"]["output_throughput"] / med["off"]["output_throughput"]
+        summary[name] = {**med, "ttft_off_over_on": ttft_x, "throughput_on_over_off": tput_x}
+        print(
+            f"{name:13s}: mean TTFT off/on = {ttft_x:.2f}x, output throughput on/off = "
+            f"{tput_x:.2f}x (hit rate on {med['on']['hit_rate']:.3f})",
+            flush=True,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {k: str(v) for k, v in vars(args).items()}
+    path = args.out / "prefix_cache.json"
+    path.write_text(json.dumps({"args": meta, "summary": summary, "runs": runs}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
