@@ -14,9 +14,11 @@ on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts
   a `--system-len`-token system prompt, at most one request per conversation in flight;
 * no-sharing: random distinct prompts (0% hits), to show what caching costs when it cannot help.
 
-Prints mean TTFT, output throughput and the engine's hit rate per scenario and mode, and the
-on/off ratios (median over rounds); writes everything to <out>/prefix_cache.json. Run it alone
-(flock -x /tmp/conveyor-cpu.lock ...): end-to-end timings on a shared machine swing.
+Prints mean TTFT, output throughput, the engine's hit rate and the scheduler's median
+result -> next plan gap (`gap_s` of the step log: the scheduler's cost per step as the server
+runs it) per scenario and mode, and the on/off ratios (median over rounds); writes everything to
+<out>/prefix_cache.json. Run it alone (flock -x /tmp/conveyor-cpu.lock ...): end-to-end timings
+on a shared machine swing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import orjson
 
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import ConveyorBackend, SamplingChoice
@@ -133,13 +137,26 @@ def _stack(args: argparse.Namespace, caching: bool, log_dir: Path) -> LocalStack
     )
 
 
-def _run(address: str, scenario: Scenario) -> dict[str, Any]:
+def _gaps_us(log_dir: Path) -> list[float]:
+    """Every step's result -> next plan gap so far (µs), from the scheduler's step log."""
+    out = []
+    with (log_dir / "scheduler.log").open("rb") as f:
+        for line in f:
+            if b'"event":"step"' in line:
+                gap = orjson.loads(line).get("gap_s")
+                if gap is not None:
+                    out.append(gap * 1e6)
+    return out
+
+
+def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
     """One cold run of a scenario on a running engine: metrics and the engine's hit rate."""
     with Client(address, timeout=600.0) as client:
         # a short unrelated request first (first-use costs), then a cold cache
         client.generate(prompt_token_ids=[101 + i for i in range(24)], max_tokens=2)
         client.reset_prefix_cache()
         before = client.stats()["engine"]
+    num_gaps = len(_gaps_us(log_dir))
     requests = generate(scenario.workload)
     arrivals = ArrivalConfig(max_concurrency=scenario.max_concurrency)
     sampling = SamplingChoice(temperature=0.0, ignore_eos=True)
@@ -159,6 +176,8 @@ def _run(address: str, scenario: Scenario) -> dict[str, Any]:
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     metrics["hit_rate"] = hits / queries if queries else 0.0
     metrics["prefill_tokens"] = after["num_prefill_tokens"] - before["num_prefill_tokens"]
+    gaps = _gaps_us(log_dir)[num_gaps:]
+    metrics["median_gap_us"] = statistics.median(gaps) if gaps else 0.0
     return metrics
 
 
@@ -174,14 +193,15 @@ def main(argv: list[str]) -> int:
             try:
                 stack.wait_ready(timeout=600.0)
                 for s in plan:
-                    m = _run(stack.frontend_address, s)
+                    m = _run(stack.frontend_address, s, log_dir)
                     if m["failed"]:
                         raise SystemExit(f"{s.name} caching {mode}: {m['failed']} requests failed")
                     runs[s.name][mode].append(m)
                     print(
                         f"round {r} {s.name:13s} caching {mode:3s}: mean TTFT "
                         f"{m['mean_ttft_ms']:9.1f} ms, output {m['output_throughput']:8.1f} tok/s,"
-                        f" hit rate {m['hit_rate']:.3f}, prefill tokens {m['prefill_tokens']:.0f}",
+                        f" hit rate {m['hit_rate']:.3f}, prefill tokens {m['prefill_tokens']:.0f},"
+                        f" median gap {m['median_gap_us']:.0f} us",
                         flush=True,
                     )
             finally:
@@ -190,15 +210,19 @@ def main(argv: list[str]) -> int:
     for name, modes in runs.items():
         med = {
             mode: {k: statistics.median(m[k] for m in ms) for k in ("mean_ttft_ms",
-                   "output_throughput", "hit_rate", "prefill_tokens", "duration")}
+                   "output_throughput", "hit_rate", "prefill_tokens", "duration",
+                   "median_gap_us")}
             for mode, ms in modes.items()
         }  # fmt: skip
         ttft_x = med["off"]["mean_ttft_ms"] / med["on"]["mean_ttft_ms"]
         tput_x = med["on"]["output_throughput"] / med["off"]["output_throughput"]
-        summary[name] = {**med, "ttft_off_over_on": ttft_x, "throughput_on_over_off": tput_x}
+        gap_x = med["on"]["median_gap_us"] / max(med["off"]["median_gap_us"], 1e-9)
+        summary[name] = {**med, "ttft_off_over_on": ttft_x, "throughput_on_over_off": tput_x,
+                         "gap_on_over_off": gap_x}  # fmt: skip
         print(
             f"{name:13s}: mean TTFT off/on = {ttft_x:.2f}x, output throughput on/off = "
-            f"{tput_x:.2f}x (hit rate on {med['on']['hit_rate']:.3f})",
+            f"{tput_x:.2f}x, scheduler gap on/off = {gap_x:.2f}x "
+            f"(hit rate on {med['on']['hit_rate']:.3f})",
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
