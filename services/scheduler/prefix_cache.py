@@ -9,13 +9,13 @@ keyed by content (shared/prefix_hash.py). This module decides what is looked up 
   (len(tokens) - 1) // block_size blocks are looked up, so at least one token is always computed
   (the last position must produce logits) and a hit block is never written to.
 * registration: a full block becomes findable only once the step that computed its last slot
-  has completed. Blocks filled by prefill chunks are registered when the step's result arrives
-  (their keys were computed when the request arrived); a request whose table is full of blocks
-  filled by decodes is queued when its table grows, and `flush()` registers them after the next
-  plan has left (the server calls it off the result -> plan path; `schedule()` flushes
-  whatever is left before any lookup). A finishing or preempted request registers at once. A
-  failed step registers nothing, and a worker failure or (re)handshake replaces the pool,
-  which empties the cache.
+  has completed. Blocks filled by prefill chunks are queued when the step's result arrives,
+  blocks filled by decodes when the request's table next grows; `flush()` registers the queue
+  after the next plan has left (the server calls `after_plan()` off the result -> plan path),
+  or earlier, at the first lookup that could find them (so no lookup misses a completed block).
+  A finishing or preempted request registers at once (its blocks are freed next). A failed
+  step registers nothing, and a worker failure or (re)handshake replaces the pool, which
+  empties the cache.
 
 Keys cost ~1-2 us per block, so they are computed off the result -> plan path where possible:
 a prompt's at `add_request` (which the server runs while the worker computes), a decode-filled
@@ -80,6 +80,8 @@ class PrefixCache:
         block keys once; later lookups (each schedule() while it waits) are dict reads."""
         if not self.enabled:
             return []
+        if self._pending:  # completed blocks not registered yet: a lookup must see them
+            self.flush()
         bs = self.block_size
         num_full = (len(req.token_ids) - 1) // bs
         if len(req.block_keys) < num_full:
@@ -125,10 +127,11 @@ class PrefixCache:
         when no step that writes into them is in flight (see the module docstring)."""
         self._register(req, min(req.num_computed_tokens // self.block_size, len(req.block_ids)))
 
-    def defer(self, req: Request) -> None:
-        """`req`'s table is full and every slot computed by completed steps (a decode about to
-        grow it): register its blocks in `flush()`, off the result -> plan path."""
-        self._pending.append((req, req.num_preemptions, len(req.block_ids)))
+    def defer(self, req: Request, num_full: int) -> None:
+        """The first `num_full` blocks of `req`'s table hold KV computed by completed steps:
+        register them in `flush()`, off the result -> plan path."""
+        if num_full > req.num_registered_blocks:
+            self._pending.append((req, req.num_preemptions, num_full))
 
     def flush(self) -> None:
         """Register what `defer` queued. A request preempted or finished since registered at

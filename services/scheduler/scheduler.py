@@ -222,8 +222,6 @@ class Scheduler:
         if self._inflight_step is not None:
             raise RuntimeError("schedule() called while a plan is in flight")
         now = self._clock()
-        if self._caching:
-            self.prefix_cache.flush()  # normally done off this path, by `after_plan()`
         if self._rules.keeps_finished_as_padding:
             self._batch.end_static_batch_if_done()
         if self._rules.should_form_batch(now, self._waiting, len(self._batch)):
@@ -286,7 +284,7 @@ class Scheduler:
                 continue
             if computed >= len(req.block_ids) * block_size:  # its table is full: grow it
                 if self._caching:  # its decode-filled blocks become findable after the plan
-                    self.prefix_cache.defer(req)
+                    self.prefix_cache.defer(req, len(req.block_ids))
                 if not self._batch.grow(req, computed + 1, step):
                     continue  # no block and nobody ranked below it to take one from: it waits
             append(req)
@@ -444,12 +442,12 @@ class Scheduler:
         return self._output_batch(result, skipped, finished)
 
     def _register_filled(self) -> None:
-        """Prefix caching: blocks filled by the completed step's prefill chunks become findable
-        (requests aborted while it ran are skipped: their blocks are already free)."""
-        batch = self._batch
+        """Prefix caching: blocks filled by the completed step's prefill chunks are queued for
+        registration (requests aborted while it ran are skipped: their blocks are free)."""
+        batch, bs, defer = self._batch, self.block_size, self.prefix_cache.defer
         for req in self._inflight_filled:
             if req.rid in batch and batch.requests[req.rid] is req:
-                self.prefix_cache.register_computed(req)
+                defer(req, min(req.num_computed_tokens // bs, len(req.block_ids)))
         self._inflight_filled = []
 
     def _output_batch(
