@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk in the mixed steps")
     p.add_argument("--out", type=Path, default=Path("results/scheduler_bench.json"))
     p.add_argument(
-        "--prefix-caching", default="on", help="on | off | on,off (interleaved comparison)"
+        "--prefix-caching", default="on", help="on | off | on,off | off,on (interleaved, in order)"
     )
     p.add_argument("--repeats", type=int, default=3, help="rounds of on,off when comparing")
     return p.parse_args(argv)
@@ -153,10 +153,11 @@ def _run(n: int, args: argparse.Namespace, scenario: str, caching: bool) -> dict
 
 
 def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, object]:
-    """Interleaved rounds of caching on, off: the median of each mode's round medians."""
+    """Interleaved rounds of the modes in `--prefix-caching` order: the median of each mode's
+    round medians."""
     rounds: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(args.repeats):
-        for mode in ("on", "off"):
+        for mode in args.prefix_caching.split(","):
             rounds[mode].append(_run(n, args, scenario, mode == "on")["step_us_median"])
     on, off = statistics.median(rounds["on"]), statistics.median(rounds["off"])
     print(f"N={n:5d} {scenario:6s} caching on/off step median {on:.1f}/{off:.1f} us = "
