@@ -27,6 +27,7 @@ from typing import Any, Optional
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from services.scheduler.output_routing import split_by_frontend
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
 from services.scheduler.stats import StepRecord
 from services.scheduler.summary import EngineSummary
@@ -417,37 +418,19 @@ class SchedulerServer:
                 self.sched.abort_request(rid, "frontend_gone")
 
     def _emit(self, batch: OutputBatch) -> None:
-        """Send each frontend its own part of one step's outputs; finished rids leave
-        `owners`. Called after the next plan has left (off the result -> plan path)."""
-        owners = self._owners
-        groups: dict[bytes, tuple[list[str], list[int], list[RequestOutput]]] = {}
-        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
-            owner = owners.get(rid)
-            if owner is None:
-                continue  # its frontend is gone
-            group = groups.get(owner)
-            if group is None:
-                group = groups[owner] = ([], [], [])
-            group[0].append(rid)
-            group[1].append(token)
-        for out in batch.finished:
-            owner = owners.pop(out.rid, None)
-            if owner is None:
-                continue
-            groups.setdefault(owner, ([], [], []))[2].append(out)
-            self.log.info(
-                "request_finished",
-                rid=out.rid,
-                finish_reason=out.finish_reason,
-                num_output_tokens=out.num_output_tokens,
-                error_code=out.error_code,
-            )
-        for ident, (rids, token_ids, finished) in groups.items():
-            logprobs = batch.logprobs
-            if logprobs:
-                logprobs = {rid: logprobs[rid] for rid in rids if rid in logprobs}
-            part = OutputBatch(batch.step_id, rids, token_ids, logprobs, finished)
+        """Send each frontend its own part of one step's outputs (services/scheduler/
+        output_routing.py). Called after the next plan has left."""
+        for ident, part in split_by_frontend(batch, self._owners, self._log_finished).items():
             self._send_frontend(ident, part)
+
+    def _log_finished(self, out: RequestOutput) -> None:
+        self.log.info(
+            "request_finished",
+            rid=out.rid,
+            finish_reason=out.finish_reason,
+            num_output_tokens=out.num_output_tokens,
+            error_code=out.error_code,
+        )
 
     def _emit_finals(self, finals: list[RequestOutput]) -> None:
         """Outputs outside a step (abort, worker lost): each frontend gets its final ones."""
