@@ -8,6 +8,7 @@ conveyor stats                    the frontend's and the engine's counters (JSON
 conveyor top                      a live view of running engines (q quits)
 conveyor logs --rid ID            one request's journey across the services
 conveyor model prepare [MODEL]    convert the model once into the cache
+conveyor keys generate DIR        CURVE key pairs for the client protocol (docs/protocol.md)
 conveyor bench ... / conveyor sim ...   the benchmark harness and the simulator
 """
 
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("model", nargs="?", default=env_str("MODEL"),
                       help="'smollm2' (default), a .gguf file or an HF folder")  # fmt: skip
     prep.set_defaults(func=_model_prepare)
+    keys = sub.add_parser("keys", help="CURVE keys of the client protocol")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    gen = keys_sub.add_parser(
+        "generate", help="a server key pair, one client key pair, authorized_clients/"
+    )
+    gen.add_argument("dir", type=Path, help="where the key files go (created)")
+    gen.set_defaults(func=_keys_generate)
     for name in PASSTHROUGH:
         sub.add_parser(name, help=f"`conveyor {name} --help` for its own flags", add_help=False)
     return parser
@@ -76,6 +84,25 @@ def _build_cpu_kernels() -> None:
     if error is not None:
         print(f"warning: the C++ CPU kernels did not build (torch fallback): {error}",
               file=sys.stderr)  # fmt: skip
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from shared.curve import client_secret_path, generate_keys, server_public_path
+
+    try:
+        written = generate_keys(args.dir)
+    except FileExistsError as exc:
+        print(f"conveyor keys: {exc}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    print(
+        f"start the engine with --curve-keys {args.dir}; clients use "
+        f"--server-key {server_public_path(args.dir)} --client-key "
+        f"{client_secret_path(args.dir)}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,0 +1,153 @@
+"""ZeroMQ CURVE for the client protocol: key files, the server side, the client side.
+
+A key directory (`conveyor keys generate DIR`) holds, in zmq.auth's certificate format (Z85 text):
+
+    DIR/server.key                 the server's public key  (give it to clients)
+    DIR/server.key_secret          the server's key pair    (the tokenizer only)
+    DIR/client.key                 a client's public key
+    DIR/client.key_secret          that client's key pair   (give it to that client)
+    DIR/authorized_clients/*.key   the public keys the server accepts (one file per client)
+
+A CURVE server socket encrypts every connection and asks a ZAP handler (a ThreadAuthenticator
+running in the socket's context) whether the client's public key is allowed; a refused client
+never completes its handshake, so it can send nothing and gets nothing back. Adding a client is
+copying its public `.key` file into `authorized_clients/` and restarting the server.
+
+Only pyzmq here: services and the command line build on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+SERVER_NAME = "server"
+CLIENT_NAME = "client"
+AUTHORIZED_DIR = "authorized_clients"
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+
+
+def server_public_path(keys_dir: Path) -> Path:
+    return keys_dir / f"{SERVER_NAME}{PUBLIC_SUFFIX}"
+
+
+def server_secret_path(keys_dir: Path) -> Path:
+    return keys_dir / f"{SERVER_NAME}{SECRET_SUFFIX}"
+
+
+def client_secret_path(keys_dir: Path) -> Path:
+    return keys_dir / f"{CLIENT_NAME}{SECRET_SUFFIX}"
+
+
+def generate_keys(keys_dir: Path) -> list[Path]:
+    """Create a server key pair, one client key pair and `authorized_clients/` allowing that
+    client; returns the files written. Raises FileExistsError rather than replace keys that
+    clients may already hold."""
+    keys_dir = Path(keys_dir)
+    existing = [
+        p for p in (server_secret_path(keys_dir), client_secret_path(keys_dir)) if p.exists()
+    ]
+    if existing:
+        raise FileExistsError(f"{existing[0]} exists; refusing to replace keys")
+    authorized = keys_dir / AUTHORIZED_DIR
+    authorized.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name in (SERVER_NAME, CLIENT_NAME):
+        public, secret = zmq.auth.create_certificates(keys_dir, name)
+        Path(secret).chmod(0o600)  # a secret key readable by others is no secret
+        written += [Path(public), Path(secret)]
+    client_public = keys_dir / f"{CLIENT_NAME}{PUBLIC_SUFFIX}"
+    allowed = authorized / client_public.name
+    allowed.write_bytes(client_public.read_bytes())
+    written.append(allowed)
+    return written
+
+
+def load_public_key(path: Path) -> bytes:
+    """The Z85 public key of a `.key` (or `.key_secret`) file; ValueError when unreadable."""
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read a CURVE key from {path}: {exc}") from None
+    return public
+
+
+def load_key_pair(path: Path) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys of a `.key_secret` file; ValueError when it has no secret."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read a CURVE key from {path}: {exc}") from None
+    if secret is None:
+        raise ValueError(f"{path} holds no secret key (use the .key_secret file)")
+    return public, secret
+
+
+def load_allowed_keys(keys_dir: Path) -> set[bytes]:
+    """The public keys in `keys_dir/authorized_clients`; ValueError when there are none (a
+    server nobody may reach is a configuration mistake, not a secure default)."""
+    authorized = Path(keys_dir) / AUTHORIZED_DIR
+    if not authorized.is_dir():
+        raise ValueError(f"{authorized} is not a directory")
+    allowed = set(zmq.auth.load_certificates(authorized))
+    if not allowed:
+        raise ValueError(f"no client public keys (*{PUBLIC_SUFFIX}) in {authorized}")
+    return allowed
+
+
+class _AllowedKeys:
+    """ZAP credentials provider: a client is admitted iff its public key is listed. Called on
+    the authenticator's thread, once per connection handshake."""
+
+    def __init__(self, allowed: set[bytes], log: Any) -> None:
+        self._allowed = frozenset(allowed)
+        self._log = log
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """`key`: the client's public key, Z85 (as pyzmq hands it over)."""
+        if key in self._allowed:
+            return True
+        self._log.warning("curve_client_refused", client_key=key.decode("ascii", "replace"))
+        return False
+
+
+def make_curve_server(sock: zmq.Socket, keys_dir: Path, log: Any) -> ThreadAuthenticator:
+    """Make `sock` (before bind) a CURVE server with the key pair in `keys_dir` that admits
+    only the clients in `keys_dir/authorized_clients`. Returns the running authenticator:
+    stop it after closing the socket. Raises ValueError on missing or bad key files."""
+    keys_dir = Path(keys_dir)
+    public, secret = load_key_pair(server_secret_path(keys_dir))
+    allowed = load_allowed_keys(keys_dir)
+    auth = ThreadAuthenticator(sock.context)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys(allowed, log))
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    log.info("curve_on", server_key=public.decode("ascii"), num_allowed_clients=len(allowed))
+    return auth
+
+
+def make_curve_client(sock: zmq.Socket, server_key: Path, client_key: Path) -> None:
+    """Make `sock` (before connect) a CURVE client: `server_key` is the server's public key
+    file, `client_key` this client's `.key_secret` file. Raises ValueError on bad files."""
+    server_public = load_public_key(Path(server_key))
+    public, secret = load_key_pair(Path(client_key))
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+
+
+def check_client_keys(server_key: Optional[Path], client_key: Optional[Path]) -> None:
+    """Both or neither: a client with only one of them cannot do a CURVE handshake. Also loads
+    both files, so a bad path fails when the client is built, not at its first request."""
+    if (server_key is None) != (client_key is None):
+        raise ValueError("server_key and client_key go together (both, or neither)")
+    if server_key is not None and client_key is not None:
+        load_public_key(Path(server_key))
+        load_key_pair(Path(client_key))
