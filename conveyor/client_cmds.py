@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from shared.addresses import default_frontend_address
+from shared.curve import add_client_key_flags
 
 EXIT_ENGINE_ERROR = 1
 
@@ -35,6 +36,19 @@ def _add_address(p: argparse.ArgumentParser) -> None:
                    help="the frontend (default: what `conveyor up` starts)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds without a word from the engine before giving up")  # fmt: skip
+    add_client_key_flags(p)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """The command's Client; bad key files end the command with exit code 2."""
+    from shared.client import Client
+
+    try:
+        return Client(args.address, timeout=args.timeout, server_key=args.server_key,
+                      client_key=args.client_key)  # fmt: skip
+    except ValueError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 16) -> None:
@@ -60,10 +74,10 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from shared.client import Client, EngineError
+    from shared.client import EngineError
 
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        with _client(args) as client:
             stream = client.stream(args.prompt, priority=args.priority, **_params(args))
             for chunk in stream:
                 sys.stdout.write(chunk.text)
@@ -78,13 +92,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from shared.client import Client, EngineError
+    from shared.client import EngineError
 
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print("chat: an empty line or Ctrl-D ends it", file=sys.stderr)
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args) as client:
         while True:
             try:
                 line = input("you> ").strip()
@@ -109,10 +123,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from shared.client import Client, EngineError
+    from shared.client import EngineError
 
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        with _client(args) as client:
             print(json.dumps(client.stats(), indent=2, sort_keys=True))
     except EngineError as exc:
         print(f"conveyor: {exc.code}: {exc.message}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """`python -m conveyor.healthcheck KIND ADDRESS`: exit 0 when that service is healthy.
 
 Container healthchecks (docker-compose.yml) call it; it needs only pyzmq and msgpack.
-    frontend ADDR   the tokenizer answers `health` with ready=true (worker handshake done)
+    frontend ADDR   the tokenizer answers `health` with ready=true (worker handshake done);
+                    with CURVE, the key files come from CONVEYOR_SERVER_KEY / CONVEYOR_CLIENT_KEY
     scheduler ADDR  the scheduler answers a StatsQuery on its frontend socket
     http URL        the gateway answers GET URL with 200
 """
@@ -16,6 +17,7 @@ from typing import Optional
 import zmq
 
 from conveyor.launcher import probe_health
+from shared.env import env_path
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import StatsQuery, StatsReply
 
@@ -56,7 +58,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     kind, target = args
     if kind == "frontend":
-        ok = probe_health(target, timeout=TIMEOUT_S)
+        keys = (env_path("SERVER_KEY"), env_path("CLIENT_KEY"))
+        ok = probe_health(target, TIMEOUT_S, *keys)
     elif kind == "scheduler":
         ok = scheduler_answers(target)
     else:

@@ -28,6 +28,7 @@ import zmq
 
 from conveyor.procs import ServiceProcess, stop_in_order
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
+from shared.curve import client_secret_path, make_curve_client, server_public_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FRONTEND = DEFAULT_FRONTEND_ADDR  # kept for callers of the launcher API
@@ -61,6 +62,9 @@ class StackSettings:
     echo_steps: bool = False  # also echo the scheduler's per-step lines (always in the file)
     drain_timeout_s: float = 10.0  # SIGTERM grace for in-flight requests
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
+    # `conveyor keys generate` folder: CURVE on the frontend; the gateway and the launcher's own
+    # probes connect with its client key pair (which must be in authorized_clients/)
+    curve_keys: Optional[Path] = None
 
     def __post_init__(self) -> None:
         if self.worker not in WORKER_KINDS:
@@ -88,6 +92,11 @@ class LocalStack:
         self.http_url = (
             f"http://{settings.http_host}:{settings.http_port}" if self.with_gateway else None
         )
+        keys = settings.curve_keys
+        # (server public key file, client key pair file) for clients of this stack, or Nones
+        self.client_keys: tuple[Optional[Path], Optional[Path]] = (
+            (server_public_path(keys), client_secret_path(keys)) if keys else (None, None)
+        )
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -107,13 +116,17 @@ class LocalStack:
         self._spawn("tokenizer", "services.tokenizer", {
             "frontend_addr": self.frontend_address, "scheduler_addr": sched_addr,
             "frontend_id": f"fe-{uuid.uuid4().hex[:8]}", **self._model_flag(),
-            "drain_timeout": str(s.drain_timeout_s), **s.tokenizer_flags,
+            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.tokenizer_flags,
         })  # fmt: skip
         if self.with_gateway:
             self._spawn("gateway", "services.gateway", self._gateway_flags())
         elif s.gateway:
             self._note("gateway: services.gateway is not installed; HTTP API not started")
         return self
+
+    def _curve_flags(self) -> dict[str, str]:
+        keys = self.settings.curve_keys
+        return {"curve_keys": str(keys)} if keys else {}
 
     def _model_flag(self) -> dict[str, str]:
         return {"model": self.settings.model} if self.settings.model else {}
@@ -138,6 +151,9 @@ class LocalStack:
             flags["api_key"] = s.api_key
         if s.served_model_name:
             flags["served_model_name"] = s.served_model_name
+        server_key, client_key = self.client_keys
+        if server_key is not None and client_key is not None:
+            flags.update(server_key=str(server_key), client_key=str(client_key))
         return {**flags, **s.gateway_flags}
 
     def _spawn(self, name: str, module: str, flags: dict[str, str]) -> None:
@@ -153,6 +169,8 @@ class LocalStack:
     def _env(self, name: str) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("CONVEYOR_LOG_FILE", None)  # the launcher writes logs/<service>.log itself
+        for var in ("CURVE_KEYS", "SERVER_KEY", "CLIENT_KEY"):  # CURVE only as the stack says
+            env.pop("CONVEYOR_" + var, None)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         env["TOKENIZERS_PARALLELISM"] = "false"
@@ -173,7 +191,7 @@ class LocalStack:
         """One look (about a second): the frontend says ready (worker handshake done) and the
         gateway, if any, listens. Raises StackError when a service has exited."""
         self._raise_if_dead()
-        if not probe_health(self.frontend_address, timeout=1.0):
+        if not probe_health(self.frontend_address, 1.0, *self.client_keys):
             return False
         s = self.settings
         return self.http_url is None or _port_open(s.http_host, s.http_port)
@@ -251,12 +269,20 @@ class LocalStack:
         self.stop()
 
 
-def probe_health(address: str, timeout: float = 1.0) -> bool:
-    """Ask the frontend `health` (docs/protocol.md) over a fresh DEALER: True when ready."""
+def probe_health(
+    address: str,
+    timeout: float = 1.0,
+    server_key: Optional[Path] = None,
+    client_key: Optional[Path] = None,
+) -> bool:
+    """Ask the frontend `health` (docs/protocol.md) over a fresh DEALER: True when ready.
+    `server_key` / `client_key`: CURVE key files for a frontend started with --curve-keys."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        if server_key is not None and client_key is not None:
+            make_curve_client(sock, server_key, client_key)
         sock.connect(address)
         sock.send(msgpack.packb({"type": "health", "v": 1, "id": "launcher"}))
         deadline = time.monotonic() + timeout

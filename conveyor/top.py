@@ -19,6 +19,7 @@ import time
 import tty
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from rich import box
@@ -28,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shared.addresses import default_frontend_address
+from shared.curve import add_client_key_flags
 
 QUIT_KEYS = ("q", "Q")
 
@@ -48,11 +50,19 @@ class EngineView:
 class EngineSampler:
     """Polls one engine; keeps the previous counters to turn them into rates."""
 
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float,
+        server_key: Optional[Path] = None,
+        client_key: Optional[Path] = None,
+    ) -> None:
+        """`server_key` / `client_key`: CURVE key files (shared/curve.py), both or neither."""
         from shared.client import Client
 
         self.address = address
-        self._client = Client(address, timeout=timeout, connect_timeout=min(timeout, 1.0))
+        self._client = Client(address, timeout=timeout, connect_timeout=min(timeout, 1.0),
+                              server_key=server_key, client_key=client_key)  # fmt: skip
         self._previous: Optional[tuple[float, dict[str, float]]] = None
 
     def sample(self) -> EngineView:
@@ -175,6 +185,7 @@ def add_top_command(sub: Any) -> None:
                    help="seconds to wait for one engine's stats reply")  # fmt: skip
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    add_client_key_flags(p)
     p.set_defaults(func=cmd_top)
 
 
@@ -183,7 +194,13 @@ def cmd_top(args: argparse.Namespace) -> int:
         print("conveyor: --interval and --timeout must be > 0", file=sys.stderr)
         return 2
     addresses = args.address or [default_frontend_address()]
-    samplers = [EngineSampler(a, args.timeout) for a in addresses]
+    try:
+        samplers = [
+            EngineSampler(a, args.timeout, args.server_key, args.client_key) for a in addresses
+        ]
+    except ValueError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
     console = Console()
     try:
         if args.once:

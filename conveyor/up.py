@@ -21,9 +21,14 @@ from conveyor.console import ConsoleEcho
 from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
+from shared.addresses import (
+    DEFAULT_HTTP_HOST,
+    DEFAULT_HTTP_PORT,
+    default_frontend_address,
+    is_local_address,
+)
 from shared.config_flags import add_config_flags
-from shared.env import add_log_format_flag, env_str
+from shared.env import add_log_format_flag, env_path, env_str
 from shared.logging import resolve_log_format
 
 # Engine flags of `up`: every field of the services' config dataclasses, generated (the
@@ -66,6 +71,9 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--http-host", default=DEFAULT_HTTP_HOST)
     a.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
     a.add_argument("--api-key", default=env_str("API_KEY"))
+    a.add_argument("--curve-keys", type=Path, default=env_path("CURVE_KEYS"),
+                   help="CURVE on the frontend: the folder of `conveyor keys generate` "
+                   "(CONVEYOR_CURVE_KEYS)")  # fmt: skip
     a.add_argument("--served-model-name")
     a.add_argument("--log-dir", type=Path, default=Path(env_str("LOG_DIR", "logs") or "logs"))
     a.add_argument("--drain-timeout", type=float, default=10.0,
@@ -118,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         echo=None if args.quiet else ConsoleEcho(sys.stdout, _log_format(args.log_format)),
         echo_steps=args.show_steps,
         drain_timeout_s=args.drain_timeout,
+        curve_keys=args.curve_keys,
     )
 
 
@@ -136,6 +145,11 @@ def cmd_demo(args: argparse.Namespace, demo: bool = True) -> int:
     except ValueError as exc:
         print(f"conveyor: {exc}", file=sys.stderr, flush=True)
         return 2
+    if settings.curve_keys is None and not is_local_address(settings.frontend_address):
+        print(f"conveyor: WARNING: the frontend {settings.frontend_address} is reachable from "
+              "other machines and anyone who reaches it can use the engine: start with "
+              "--curve-keys DIR (`conveyor keys generate DIR`), see docs/protocol.md",
+              file=sys.stderr, flush=True)  # fmt: skip
     return run_stack(
         settings, args.ready_timeout, demo_prompt=args.prompt if demo else None,
         restart=args.restart,
@@ -162,7 +176,9 @@ def run_stack(
             return 0 if stop.is_set() else 2
         if demo_prompt is not None:  # in a thread, so Ctrl-C is not held up by the answer
             asking = threading.Thread(
-                target=_answer, args=(settings, stack.frontend_address, demo_prompt), daemon=True
+                target=_answer,
+                args=(settings, stack.frontend_address, demo_prompt, stack.client_keys),
+                daemon=True,
             )
             asking.start()
             while asking.is_alive() and not stop.wait(0.2):
@@ -237,12 +253,15 @@ def _say(settings: StackSettings, text: str) -> None:
         print(text, flush=True)
 
 
-def _answer(settings: StackSettings, address: str, prompt: str) -> None:
+def _answer(
+    settings: StackSettings, address: str, prompt: str, keys: tuple[Optional[Path], ...]
+) -> None:
     """Ask the sample question and print the whole answer as one block (log lines from the
     services would otherwise interleave with a streamed answer)."""
     from shared.client import Client, EngineError
 
-    with Client(address, timeout=300.0) as client:
+    server_key, client_key = keys
+    with Client(address, timeout=300.0, server_key=server_key, client_key=client_key) as client:
         try:
             done = client.generate(messages=[{"role": "user", "content": prompt}],
                                    max_tokens=64, temperature=0.0)  # fmt: skip

@@ -18,3 +18,13 @@ DEFAULT_HTTP_PORT = 8000
 def default_frontend_address() -> str:
     """Where clients look for an engine: CONVEYOR_FRONTEND_ADDR, else what `conveyor up` binds."""
     return env_str("FRONTEND_ADDR", DEFAULT_FRONTEND_ADDR) or DEFAULT_FRONTEND_ADDR
+
+
+def is_local_address(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback host: only this machine can connect.
+    `*`, 0.0.0.0, interface names and other hosts are reachable from elsewhere."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")

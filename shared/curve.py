@@ -25,6 +25,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from shared.env import env_path
+
 SERVER_NAME = "server"
 CLIENT_NAME = "client"
 AUTHORIZED_DIR = "authorized_clients"
@@ -116,21 +118,45 @@ class _AllowedKeys:
         return False
 
 
-def make_curve_server(sock: zmq.Socket, keys_dir: Path, log: Any) -> ThreadAuthenticator:
-    """Make `sock` (before bind) a CURVE server with the key pair in `keys_dir` that admits
-    only the clients in `keys_dir/authorized_clients`. Returns the running authenticator:
-    stop it after closing the socket. Raises ValueError on missing or bad key files."""
-    keys_dir = Path(keys_dir)
-    public, secret = load_key_pair(server_secret_path(keys_dir))
-    allowed = load_allowed_keys(keys_dir)
-    auth = ThreadAuthenticator(sock.context)
+def check_server_keys(keys_dir: Path) -> None:
+    """Load the server's key pair and allowed clients once, so that a bad `--curve-keys` is a
+    start-up error with a clear message. Raises ValueError."""
+    load_key_pair(server_secret_path(Path(keys_dir)))
+    load_allowed_keys(Path(keys_dir))
+
+
+def start_authenticator(
+    context: zmq.Context, keys_dir: Optional[Path], log: Any
+) -> Optional[ThreadAuthenticator]:
+    """The ZAP handler of `context` admitting only `keys_dir/authorized_clients`, started; None
+    when `keys_dir` is None (no CURVE). Refused handshakes are logged (`curve_client_refused`).
+    One per context, started before its CURVE server sockets bind, stopped after they close
+    (`stop_authenticator`). Raises ValueError on missing or bad key files."""
+    if keys_dir is None:
+        return None
+    allowed = load_allowed_keys(Path(keys_dir))
+    auth = ThreadAuthenticator(context)
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys(allowed, log))
+    return auth
+
+
+def stop_authenticator(auth: Optional[ThreadAuthenticator]) -> None:
+    if auth is not None:
+        auth.stop()
+
+
+def make_curve_server(sock: zmq.Socket, keys_dir: Optional[Path], log: Any) -> None:
+    """Make `sock` (before bind) a CURVE server with the key pair in `keys_dir`; nothing when
+    `keys_dir` is None. Its context needs a running authenticator (`start_authenticator`), else
+    every client is admitted. Raises ValueError on missing or bad key files."""
+    if keys_dir is None:
+        return
+    public, secret = load_key_pair(server_secret_path(Path(keys_dir)))
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_server = True
-    log.info("curve_on", server_key=public.decode("ascii"), num_allowed_clients=len(allowed))
-    return auth
+    log.info("curve_on", server_key=public.decode("ascii"))
 
 
 def make_curve_client(sock: zmq.Socket, server_key: Path, client_key: Path) -> None:
@@ -151,3 +177,20 @@ def check_client_keys(server_key: Optional[Path], client_key: Optional[Path]) ->
     if server_key is not None and client_key is not None:
         load_public_key(Path(server_key))
         load_key_pair(Path(client_key))
+
+
+def add_client_key_flags(parser: Any) -> None:
+    """`--server-key` / `--client-key` (CONVEYOR_SERVER_KEY / CONVEYOR_CLIENT_KEY) on a
+    client's parser: every client of the protocol (commands, gateway) takes the same two."""
+    parser.add_argument(
+        "--server-key",
+        type=Path,
+        default=env_path("SERVER_KEY"),
+        help="CURVE: the frontend's public key file (DIR/server.key) (CONVEYOR_SERVER_KEY)",
+    )
+    parser.add_argument(
+        "--client-key",
+        type=Path,
+        default=env_path("CLIENT_KEY"),
+        help="CURVE: this client's key pair file (DIR/client.key_secret) (CONVEYOR_CLIENT_KEY)",
+    )

@@ -38,6 +38,10 @@ KNOWN: dict[str, str] = {
     "FRONTEND_TIMEOUT": "scheduler: seconds of frontend silence before its requests are aborted",
     "SUMMARY_INTERVAL": "scheduler: seconds between engine_summary log lines (default 5, 0 off)",
     "DRAIN_TIMEOUT": "SIGTERM grace period (s) for in-flight requests before stopping",
+    "CURVE_KEYS": "tokenizer/gateway/up: folder of `conveyor keys generate` (CURVE on the client "
+    "protocol)",
+    "SERVER_KEY": "clients/gateway: the CURVE server public key file (DIR/server.key)",
+    "CLIENT_KEY": "clients/gateway: the CURVE client key pair file (DIR/client.key_secret)",
     "RANK": "worker: this process's rank (0 answers with results)",
     "READY_FILE": "worker: a file created once the worker said ready (container healthcheck)",
     # Every SchedulerConfig / WorkerConfig field is also CONVEYOR_<FIELD> (shared/config_flags.py)

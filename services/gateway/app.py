@@ -61,6 +61,8 @@ class Gateway:
             timeout=config.engine_timeout_s,
             max_frame_bytes=config.max_frame_bytes,
             routing_id=f"gateway-{uuid.uuid4().hex}".encode(),  # exempt from the frontend's cap
+            server_key=config.server_key,
+            client_key=config.client_key,
         )
         self._per_client: Counter[str] = Counter()  # client key -> engine requests in flight
         self.registry = CollectorRegistry()

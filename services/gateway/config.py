@@ -9,6 +9,7 @@ from typing import Optional
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 from shared.console_format import LOG_FORMATS
+from shared.curve import add_client_key_flags, check_client_keys
 from shared.env import add_log_format_flag, env_float, env_int, env_str
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
@@ -39,6 +40,9 @@ class GatewayConfig:
     log_level: str = "info"
     log_file: Optional[Path] = None
     log_format: str = "auto"  # stdout: console | json | auto (files are always JSON)
+    # CURVE to the frontend (shared/curve.py): its public key file and this gateway's key pair
+    server_key: Optional[Path] = None
+    client_key: Optional[Path] = None
 
     def __post_init__(self) -> None:
         if not self.engine_addr:
@@ -150,8 +154,10 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
     p.add_argument(
         "--log-file", default=env_str("LOG_FILE"), help="also log there [CONVEYOR_LOG_FILE]"
     )
+    add_client_key_flags(p)
     a = p.parse_args(argv)
     try:
+        check_client_keys(a.server_key, a.client_key)
         return GatewayConfig(
             engine_addr=a.engine_addr,
             http_host=a.http_host,
@@ -168,6 +174,8 @@ def parse_args(argv: Optional[list[str]] = None) -> GatewayConfig:
             log_level=a.log_level,
             log_file=Path(a.log_file) if a.log_file else None,
             log_format=a.log_format,
+            server_key=a.server_key,
+            client_key=a.client_key,
         )
     except ValueError as exc:
         p.error(str(exc))

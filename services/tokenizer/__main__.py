@@ -18,6 +18,7 @@ import zmq
 from services.tokenizer.config import build_parser, config_from_args
 from services.tokenizer.server import FrontendServer
 from services.tokenizer.text_codec import load_text_codec
+from shared.curve import start_authenticator, stop_authenticator
 from shared.logging import configure_logging
 from shared.model_files import prepare_model
 
@@ -38,7 +39,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as exc:
         log.error("model_failed", error=str(exc))
         return 2
-    server = FrontendServer(config, codec, log)
+    context = zmq.Context.instance()
+    server = FrontendServer(config, codec, log, context)
 
     def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
@@ -46,12 +48,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # The ZAP handler admitting only authorized_clients (none without --curve-keys): it runs
+    # in this context for as long as the client socket is open.
+    auth = start_authenticator(context, config.curve_keys, log)
     try:
         server.open()
     except zmq.ZMQError as exc:
         log.error("bind_failed", address=config.frontend_address, error=exc.strerror)
         return 2
-    return server.run()
+    else:
+        return server.run()
+    finally:
+        stop_authenticator(auth)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_SCHEDULER_ADDR
-from shared.env import add_log_flags, env_float, env_int, env_str
+from shared.curve import check_server_keys
+from shared.env import add_log_flags, env_float, env_int, env_path, env_str
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_HARD_CAP_BYTES = 64 << 20
@@ -33,6 +35,7 @@ class FrontendConfig:
     # routing id is not authenticated: the exemption is advisory (docs/protocol.md).
     max_requests_per_connection: int = 1024
     cap_exempt_prefix: str = "gateway-"
+    curve_keys: Optional[Path] = None  # `conveyor keys generate` folder: CURVE on the clients
 
     def __post_init__(self) -> None:
         if not self.frontend_address or not self.scheduler_address:
@@ -112,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests one connection may have in flight, past it overloaded; 0: no cap "
         "(CONVEYOR_MAX_REQUESTS_PER_CONNECTION)",
     )
+    p.add_argument(
+        "--curve-keys",
+        type=Path,
+        default=env_path("CURVE_KEYS"),
+        help="CURVE on the client socket: the folder of `conveyor keys generate` (server key "
+        "pair + authorized_clients/); without it clients are not authenticated "
+        "(CONVEYOR_CURVE_KEYS)",
+    )
     add_log_flags(p)
     return p
 
@@ -119,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     """Raises ValueError on an invalid combination."""
     frontend_id = args.frontend_id or f"fe-{uuid.uuid4().hex[:8]}"
+    if args.curve_keys is not None:
+        check_server_keys(args.curve_keys)
     return FrontendConfig(
         frontend_address=args.frontend_addr,
         scheduler_address=args.scheduler_addr,
@@ -129,4 +142,5 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         drain_timeout_s=args.drain_timeout,
         scheduler_timeout_s=args.scheduler_timeout,
         max_requests_per_connection=args.max_requests_per_connection,
+        curve_keys=args.curve_keys,
     )

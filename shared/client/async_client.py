@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import zmq
 import zmq.asyncio
@@ -33,9 +34,13 @@ class AsyncClient:
         context: Optional[zmq.asyncio.Context] = None,
         connect_timeout: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        server_key: Optional[Union[str, Path]] = None,
+        client_key: Optional[Union[str, Path]] = None,
         routing_id: Optional[bytes] = None,
     ) -> None:
-        self._core = ClientCore(address, timeout, connect_timeout, max_frame_bytes)
+        self._core = ClientCore(
+            address, timeout, connect_timeout, max_frame_bytes, server_key, client_key
+        )
         self.routing_id = routing_id  # the connection's ZeroMQ identity; None: random
         self.address = address
         self.timeout = timeout
@@ -170,6 +175,7 @@ class AsyncClient:
             if self.routing_id is not None:
                 self._sock.setsockopt(zmq.IDENTITY, self.routing_id)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)  # as in Client: queue nothing unconnected
+            self._core.secure(self._sock)
             self._sock.connect(self.address)
             self._reader = asyncio.create_task(self._read())
         if not await self._sock.poll(int(self.connect_timeout * 1000), zmq.POLLOUT):

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from pathlib import Path
 from typing import Any, Optional, Union
+
+import zmq
 
 from shared.client.types import (
     Chunk,
@@ -29,6 +32,7 @@ from shared.client.types import (
     generate_frame,
     request_fields,
 )
+from shared.curve import check_client_keys, make_curve_client
 from shared.protocol.client_channel import (
     DEFAULT_MAX_FRAME_BYTES,
     decode_reply,
@@ -44,7 +48,9 @@ ABORT_KINDS = ("aborted",)
 
 class ClientCore:
     """Frames out, replies in, per request id. `timeout` / `connect_timeout` are the client's
-    settings (validated here; the transports apply them)."""
+    settings (validated here; the transports apply them). `server_key` (the server's public
+    `.key` file) and `client_key` (this client's `.key_secret` file) switch CURVE on: both or
+    neither, loaded here so that a bad path fails when the client is built."""
 
     def __init__(
         self,
@@ -52,9 +58,14 @@ class ClientCore:
         timeout: float,
         connect_timeout: float,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        server_key: Optional[Union[str, Path]] = None,
+        client_key: Optional[Union[str, Path]] = None,
     ) -> None:
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeout and connect_timeout must be > 0")
+        self.server_key = Path(server_key) if server_key is not None else None
+        self.client_key = Path(client_key) if client_key is not None else None
+        check_client_keys(self.server_key, self.client_key)
         # Larger requests are refused here, never sent: a frame over the frontend's hard cap
         # would drop this whole connection with every request on it (docs/protocol.md).
         self.max_frame_bytes = max_frame_bytes
@@ -63,6 +74,13 @@ class ClientCore:
         self.connect_timeout = min(connect_timeout, timeout)
         self._boxes: dict[str, deque[dict[str, Any]]] = {}  # ids being waited for
         self._abandoned: set[str] = set()  # given up: drop their replies until `aborted`
+
+    def secure(self, sock: zmq.Socket) -> None:
+        """Called by a transport on its new socket, before connect: CURVE when keys were given.
+        A server that refuses the key never completes the handshake, so the socket never
+        becomes writable and requests fail with `connect_error` (engine_unreachable)."""
+        if self.server_key is not None and self.client_key is not None:
+            make_curve_client(sock, self.server_key, self.client_key)
 
     # ---- frames out (each opens the box its replies go to) ------------------------------------
 

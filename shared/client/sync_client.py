@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import zmq
 
@@ -28,7 +29,8 @@ class Client:
     (`engine_unreachable`). The frontend sends heartbeats while a request is in flight, so a
     long generation or a long queue does not hit it. `connect_timeout`: how long a request
     waits for a connection to the frontend before the same error (never longer than
-    `timeout`)."""
+    `timeout`). `server_key` / `client_key`: the server's public `.key` file and this client's
+    `.key_secret` file, for a frontend started with `--curve-keys` (docs/protocol.md)."""
 
     def __init__(
         self,
@@ -37,8 +39,12 @@ class Client:
         context: Optional[zmq.Context] = None,
         connect_timeout: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        server_key: Optional[Union[str, Path]] = None,
+        client_key: Optional[Union[str, Path]] = None,
     ) -> None:
-        self._core = ClientCore(address, timeout, connect_timeout, max_frame_bytes)
+        self._core = ClientCore(
+            address, timeout, connect_timeout, max_frame_bytes, server_key, client_key
+        )
         self.address = address
         self.timeout = timeout
         self.connect_timeout = self._core.connect_timeout
@@ -47,6 +53,7 @@ class Client:
         # Queue nothing while not connected: a request to an absent frontend fails at once
         # (after connect_timeout) instead of waiting in a queue for the full timeout.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._core.secure(self._sock)
         self._sock.connect(address)
         self._closed = False
 

@@ -1,0 +1,235 @@
+"""CURVE on the client protocol (issue 14, shared/curve.py), on a real stack: tokenizer with
+`--curve-keys` made by `conveyor keys generate`, scheduler, SIMULATED worker, HTTP gateway
+connecting with the generated client key pair; real processes and sockets.
+
+* The keys `conveyor keys generate` writes load, and it refuses to overwrite them.
+* With the keys: generate and stream (blocking and asyncio clients), and HTTP through the gateway.
+* Without keys, with a key pair not in authorized_clients/, or expecting another server key: no
+  reply at all (the handshake never completes); the unknown key is logged by the tokenizer.
+Rough runtime: 15-25 s on the shared machine (one stack start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+import msgpack
+import pytest
+import zmq
+import zmq.auth
+
+from conveyor.launcher import LocalStack, StackSettings, gateway_available
+from shared.addresses import is_local_address
+from shared.client import AsyncClient, Client, EngineError
+from shared.curve import (
+    AUTHORIZED_DIR,
+    client_secret_path,
+    load_key_pair,
+    load_public_key,
+    make_curve_client,
+    server_public_path,
+)
+from tests.bounds import SLOW_HOST_MARGIN_S
+from tests.e2e.stack_tools import ROOT, free_port
+
+pytestmark = pytest.mark.e2e
+
+# A refused client gets nothing, ever; we watch this long (an admitted one answers in ms).
+SILENCE_S = 2.0
+PROMPT = "The conveyor belt carries parcels"
+
+
+def _keys_generate(keys_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "keys", "generate", str(keys_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    keys = tmp_path_factory.mktemp("keys") / "engine"
+    done = _keys_generate(keys)
+    assert done.returncode == 0, done.stderr
+    return keys
+
+
+@pytest.fixture(scope="module")
+def stack(keys_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    settings = StackSettings(
+        worker="sim",
+        frontend_address=f"tcp://127.0.0.1:{free_port()}",
+        gateway=gateway_available(),
+        http_port=free_port(),
+        log_dir=tmp_path_factory.mktemp("logs"),
+        drain_timeout_s=5.0,
+        curve_keys=keys_dir,
+    )
+    st = LocalStack(settings).start()
+    try:
+        st.wait_ready(timeout=180)  # its health probes themselves go through CURVE
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A well-formed client key pair that is not in authorized_clients/."""
+    folder = tmp_path_factory.mktemp("stranger")
+    _, secret = zmq.auth.create_certificates(folder, "stranger")
+    return Path(secret)
+
+
+def _health_reply(
+    address: str, wait_s: float, server_key: Optional[Path], client_key: Optional[Path]
+) -> Optional[dict]:
+    """A raw DEALER (CURVE when keys are given) sends `health`; its reply, or None if nothing
+    arrives within `wait_s`."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if server_key is not None and client_key is not None:
+            make_curve_client(sock, server_key, client_key)
+        sock.connect(address)
+        sock.send(msgpack.packb({"type": "health", "v": 1, "id": "curve-test"}))
+        if not sock.poll(int(wait_s * 1000)):
+            return None
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close()
+
+
+# ---- the key files ----------------------------------------------------------------------------
+
+
+def test_keys_generate_writes_loadable_keys_and_never_overwrites(keys_dir: Path) -> None:
+    server_public, server_secret = load_key_pair(keys_dir / "server.key_secret")
+    assert load_public_key(server_public_path(keys_dir)) == server_public
+    client_public, _ = load_key_pair(client_secret_path(keys_dir))
+    allowed = zmq.auth.load_certificates(keys_dir / AUTHORIZED_DIR)
+    assert set(allowed) == {client_public}
+    assert len(server_public) == len(server_secret) == 40  # Z85 of 32 bytes
+    assert (keys_dir / "server.key_secret").stat().st_mode & 0o077 == 0  # secret: owner only
+    before = (keys_dir / "server.key_secret").read_bytes()
+    again = _keys_generate(keys_dir)
+    assert again.returncode == 1 and "refusing" in again.stderr
+    assert (keys_dir / "server.key_secret").read_bytes() == before
+
+
+def test_client_refuses_half_a_key_pair(keys_dir: Path) -> None:
+    with pytest.raises(ValueError, match="both"):
+        Client("tcp://127.0.0.1:1", server_key=server_public_path(keys_dir))
+    with pytest.raises(ValueError, match="no secret"):  # a public key where the pair belongs
+        Client(
+            "tcp://127.0.0.1:1",
+            server_key=server_public_path(keys_dir),
+            client_key=server_public_path(keys_dir),
+        )
+
+
+# ---- with the keys: everything works ----------------------------------------------------------
+
+
+def test_with_keys_generate_and_stream(stack: LocalStack, keys_dir: Path) -> None:
+    keys = {"server_key": server_public_path(keys_dir), "client_key": client_secret_path(keys_dir)}
+    with Client(stack.frontend_address, timeout=30.0, **keys) as c:
+        done = c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+        streamed = c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, stream=True)
+        assert c.stats()["engine"]["num_live_requests"] == 0
+    assert len(done.token_ids) == 8
+    assert streamed.token_ids == done.token_ids
+
+    async def through_async() -> list[int]:
+        async with AsyncClient(stack.frontend_address, timeout=30.0, **keys) as ac:
+            out = await ac.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+        return out.token_ids
+
+    assert asyncio.run(through_async()) == done.token_ids
+
+
+def test_gateway_reaches_the_curve_frontend(stack: LocalStack) -> None:
+    if stack.http_url is None:
+        pytest.fail("services.gateway is part of this repository and must start")
+    with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"{stack.http_url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30 + SLOW_HOST_MARGIN_S) as r:
+        answer = json.load(r)
+    assert answer["usage"]["completion_tokens"] == 4
+
+
+# ---- without the right keys: nothing ----------------------------------------------------------
+
+
+def test_right_keys_answer_within_the_silence_bound(stack: LocalStack, keys_dir: Path) -> None:
+    """The control of the tests below: the same probe with the keys gets its reply."""
+    reply = _health_reply(
+        stack.frontend_address,
+        SILENCE_S + SLOW_HOST_MARGIN_S,
+        server_public_path(keys_dir),
+        client_secret_path(keys_dir),
+    )
+    assert reply is not None and reply["type"] == "health" and reply["ready"] is True
+
+
+def test_client_without_keys_gets_nothing(stack: LocalStack) -> None:
+    assert _health_reply(stack.frontend_address, SILENCE_S, None, None) is None
+    with Client(stack.frontend_address, timeout=SILENCE_S, connect_timeout=SILENCE_S) as c:
+        with pytest.raises(EngineError) as err:
+            c.generate(PROMPT, max_tokens=4)
+    assert err.value.code == "engine_unreachable"
+
+
+def test_unknown_client_key_refused_and_logged(
+    stack: LocalStack, keys_dir: Path, stranger: Path
+) -> None:
+    server_key = server_public_path(keys_dir)
+    assert _health_reply(stack.frontend_address, SILENCE_S, server_key, stranger) is None
+    with Client(
+        stack.frontend_address,
+        timeout=SILENCE_S,
+        connect_timeout=SILENCE_S,
+        server_key=server_key,
+        client_key=stranger,
+    ) as c:
+        with pytest.raises(EngineError) as err:
+            c.generate(PROMPT, max_tokens=4)
+    assert err.value.code == "engine_unreachable"
+    stranger_public = load_public_key(stranger).decode()
+    log = stack.log_dir / "tokenizer.log"
+    deadline = time.monotonic() + SLOW_HOST_MARGIN_S
+    while stranger_public not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    refused = [json.loads(line) for line in log.read_text().splitlines() if stranger_public in line]
+    assert refused and refused[0]["event"] == "curve_client_refused", refused
+
+
+def test_client_expecting_another_server_key_gets_nothing(
+    stack: LocalStack, keys_dir: Path, stranger: Path
+) -> None:
+    """An impostor server (or a client with the wrong server.key): no handshake either way."""
+    wrong_server = stranger.with_suffix(".key")  # some other public key
+    reply = _health_reply(
+        stack.frontend_address, SILENCE_S, wrong_server, client_secret_path(keys_dir)
+    )
+    assert reply is None
+
+
+def test_local_addresses() -> None:
+    """What `conveyor up` warns about when it runs without keys."""
+    for local in ("tcp://127.0.0.1:5557", "tcp://localhost:1", "tcp://[::1]:5", "ipc:///tmp/x"):
+        assert is_local_address(local), local
+    for exposed in ("tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.0.0.3:1", "tcp://eth0:1"):
+        assert not is_local_address(exposed), exposed
