@@ -62,8 +62,8 @@ class StackSettings:
     echo_steps: bool = False  # also echo the scheduler's per-step lines (always in the file)
     drain_timeout_s: float = 10.0  # SIGTERM grace for in-flight requests
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
-    # `conveyor keys generate` folder: CURVE on the frontend; the gateway and the launcher's own
-    # probes connect with its client key pair (which must be in authorized_clients/)
+    # `conveyor keys generate` folder: CURVE on the frontend and the scheduler <-> worker link;
+    # the gateway and the launcher's own probes connect with its client key pair
     curve_keys: Optional[Path] = None
 
     def __post_init__(self) -> None:
@@ -110,7 +110,7 @@ class LocalStack:
         s = self.settings
         self._spawn("scheduler", "services.scheduler", {
             "scheduler_addr": sched_addr, "worker_addr": worker_addr,
-            "drain_timeout": str(s.drain_timeout_s), **s.scheduler_flags,
+            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.scheduler_flags,
         })  # fmt: skip
         self._spawn("worker", *self._worker_command(worker_addr))
         self._spawn("tokenizer", "services.tokenizer", {
@@ -139,9 +139,9 @@ class LocalStack:
                 flags["sim_device"] = s.sim_device
             if s.sim_model:
                 flags["sim_model"] = s.sim_model
-            return "services.simworker", {**flags, **s.worker_flags}
+            return "services.simworker", {**flags, **self._curve_flags(), **s.worker_flags}
         return "services.worker", {"worker_addr": worker_addr, **self._model_flag(),
-                                   **s.worker_flags}  # fmt: skip
+                                   **self._curve_flags(), **s.worker_flags}  # fmt: skip
 
     def _gateway_flags(self) -> dict[str, str]:
         s = self.settings

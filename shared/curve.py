@@ -7,6 +7,8 @@ A key directory (`conveyor keys generate DIR`) holds, in zmq.auth's certificate 
     DIR/client.key                 a client's public key
     DIR/client.key_secret          that client's key pair   (give it to that client)
     DIR/authorized_clients/*.key   the public keys the server accepts (one file per client)
+    DIR/worker.key(_secret)        the worker ranks' key pair (scheduler <-> worker socket)
+    DIR/authorized_workers/*.key   the public keys the scheduler's worker socket accepts
 
 A CURVE server socket encrypts every connection and asks a ZAP handler (a ThreadAuthenticator
 running in the socket's context) whether the client's public key is allowed; a refused client
@@ -29,7 +31,9 @@ from shared.env import env_path
 
 SERVER_NAME = "server"
 CLIENT_NAME = "client"
+WORKER_NAME = "worker"
 AUTHORIZED_DIR = "authorized_clients"
+AUTHORIZED_WORKERS_DIR = "authorized_workers"  # separate: a client key cannot pose as a worker
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 
@@ -46,27 +50,32 @@ def client_secret_path(keys_dir: Path) -> Path:
     return keys_dir / f"{CLIENT_NAME}{SECRET_SUFFIX}"
 
 
+def worker_secret_path(keys_dir: Path) -> Path:
+    return keys_dir / f"{WORKER_NAME}{SECRET_SUFFIX}"
+
+
 def generate_keys(keys_dir: Path) -> list[Path]:
-    """Create a server key pair, one client key pair and `authorized_clients/` allowing that
-    client; returns the files written. Raises FileExistsError rather than replace keys that
-    clients may already hold."""
+    """Create a server key pair, one client and one worker key pair, and `authorized_clients/`
+    / `authorized_workers/` allowing them; returns the files written. Raises FileExistsError
+    rather than replace keys that clients may already hold."""
     keys_dir = Path(keys_dir)
-    existing = [
-        p for p in (server_secret_path(keys_dir), client_secret_path(keys_dir)) if p.exists()
-    ]
+    names = ((SERVER_NAME, None), (CLIENT_NAME, AUTHORIZED_DIR),
+             (WORKER_NAME, AUTHORIZED_WORKERS_DIR))  # fmt: skip
+    existing = [keys_dir / f"{n}{SECRET_SUFFIX}" for n, _ in names]
+    existing = [p for p in existing if p.exists()]
     if existing:
         raise FileExistsError(f"{existing[0]} exists; refusing to replace keys")
-    authorized = keys_dir / AUTHORIZED_DIR
-    authorized.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for name in (SERVER_NAME, CLIENT_NAME):
+    for name, authorized in names:
+        keys_dir.mkdir(parents=True, exist_ok=True)
         public, secret = zmq.auth.create_certificates(keys_dir, name)
         Path(secret).chmod(0o600)  # a secret key readable by others is no secret
         written += [Path(public), Path(secret)]
-    client_public = keys_dir / f"{CLIENT_NAME}{PUBLIC_SUFFIX}"
-    allowed = authorized / client_public.name
-    allowed.write_bytes(client_public.read_bytes())
-    written.append(allowed)
+        if authorized is not None:
+            (keys_dir / authorized).mkdir(exist_ok=True)
+            allowed = keys_dir / authorized / Path(public).name
+            allowed.write_bytes(Path(public).read_bytes())
+            written.append(allowed)
     return written
 
 
@@ -90,15 +99,15 @@ def load_key_pair(path: Path) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def load_allowed_keys(keys_dir: Path) -> set[bytes]:
-    """The public keys in `keys_dir/authorized_clients`; ValueError when there are none (a
-    server nobody may reach is a configuration mistake, not a secure default)."""
-    authorized = Path(keys_dir) / AUTHORIZED_DIR
+def load_allowed_keys(keys_dir: Path, folder: str = AUTHORIZED_DIR) -> set[bytes]:
+    """The public keys in `keys_dir/folder`; ValueError when there are none (a server nobody
+    may reach is a configuration mistake, not a secure default)."""
+    authorized = Path(keys_dir) / folder
     if not authorized.is_dir():
         raise ValueError(f"{authorized} is not a directory")
     allowed = set(zmq.auth.load_certificates(authorized))
     if not allowed:
-        raise ValueError(f"no client public keys (*{PUBLIC_SUFFIX}) in {authorized}")
+        raise ValueError(f"no public keys (*{PUBLIC_SUFFIX}) in {authorized}")
     return allowed
 
 
@@ -118,23 +127,23 @@ class _AllowedKeys:
         return False
 
 
-def check_server_keys(keys_dir: Path) -> None:
-    """Load the server's key pair and allowed clients once, so that a bad `--curve-keys` is a
-    start-up error with a clear message. Raises ValueError."""
+def check_server_keys(keys_dir: Path, folder: str = AUTHORIZED_DIR) -> None:
+    """Load the server's key pair and allowed peers (`folder`) once, so that a bad
+    `--curve-keys` is a start-up error with a clear message. Raises ValueError."""
     load_key_pair(server_secret_path(Path(keys_dir)))
-    load_allowed_keys(Path(keys_dir))
+    load_allowed_keys(Path(keys_dir), folder)
 
 
 def start_authenticator(
-    context: zmq.Context, keys_dir: Optional[Path], log: Any
+    context: zmq.Context, keys_dir: Optional[Path], log: Any, folder: str = AUTHORIZED_DIR
 ) -> Optional[ThreadAuthenticator]:
-    """The ZAP handler of `context` admitting only `keys_dir/authorized_clients`, started; None
-    when `keys_dir` is None (no CURVE). Refused handshakes are logged (`curve_client_refused`).
-    One per context, started before its CURVE server sockets bind, stopped after they close
-    (`stop_authenticator`). Raises ValueError on missing or bad key files."""
+    """The ZAP handler of `context` admitting only the public keys in `keys_dir/folder`,
+    started; None when `keys_dir` is None (no CURVE). Refused handshakes are logged
+    (`curve_client_refused`). One per context, started before its CURVE server sockets bind,
+    stopped after they close (`stop_authenticator`). Raises ValueError on bad key files."""
     if keys_dir is None:
         return None
-    allowed = load_allowed_keys(Path(keys_dir))
+    allowed = load_allowed_keys(Path(keys_dir), folder)
     auth = ThreadAuthenticator(context)
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys(allowed, log))
@@ -194,3 +203,21 @@ def add_client_key_flags(parser: Any) -> None:
         default=env_path("CLIENT_KEY"),
         help="CURVE: this client's key pair file (DIR/client.key_secret) (CONVEYOR_CLIENT_KEY)",
     )
+
+
+def add_worker_key_flag(parser: Any) -> None:
+    """`--curve-keys DIR` (CONVEYOR_CURVE_KEYS) of a worker process (real or simulated)."""
+    parser.add_argument(
+        "--curve-keys",
+        type=Path,
+        default=env_path("CURVE_KEYS"),
+        help="CURVE to the scheduler: the folder of `conveyor keys generate` (server.key and "
+        "worker.key_secret) (CONVEYOR_CURVE_KEYS)",
+    )
+
+
+def check_worker_keys(keys_dir: Optional[Path]) -> None:
+    """Load a worker's key files once at start-up (ValueError with the reason)."""
+    if keys_dir is not None:
+        load_public_key(server_public_path(Path(keys_dir)))
+        load_key_pair(worker_secret_path(Path(keys_dir)))

@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from shared.curve import make_curve_client, server_public_path, worker_secret_path
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
@@ -46,6 +47,36 @@ class StepRunner(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+# What the scheduler's worker-socket monitor watches. A peer whose handshake fails (with CURVE: a
+# refused key; without: garbage) gets a HANDSHAKE_FAILED_* event and then, from the same I/O
+# thread, its DISCONNECTED: that disconnect is no lost worker. Any other disconnect is.
+HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+WORKER_LINK_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
+
+
+class LinkEvents:
+    """The scheduler's reading of its worker-socket monitor (events of WORKER_LINK_EVENTS, in
+    order): `counts_as_lost` is True for a disconnect that is not a failed handshake's."""
+
+    def __init__(self) -> None:
+        self._num_failed = 0  # handshakes failed whose disconnect has not been seen yet
+
+    def counts_as_lost(self, event: int) -> bool:
+        if event & HANDSHAKE_FAILED_EVENTS:
+            self._num_failed += 1
+            return False
+        if event != zmq.EVENT_DISCONNECTED:
+            return False
+        if self._num_failed:
+            self._num_failed -= 1
+            return False
+        return True
+
+
 def worker_identity(rank: int) -> bytes:
     """Routing identity of a rank's socket (the scheduler addresses plans with it)."""
     return f"worker-{rank}".encode()
@@ -68,15 +99,24 @@ def serve_worker(
     ready_file: Optional[Path] = None,
     max_frame_bytes: Optional[int] = None,
     context: Optional[zmq.Context] = None,
+    curve_keys: Optional[Path] = None,
 ) -> int:
     """Serve plans from the scheduler at `plan_address` until WorkerShutdown or `stop` is set.
 
     Called once per worker process, after the runner has loaded the model and sized its KV
     pool. Returns the process exit code (0 on an orderly shutdown). `ready_file`, when given,
-    is created after WorkerReady is sent (container healthchecks look at it).
+    is created after WorkerReady is sent (container healthchecks look at it). `curve_keys`: a
+    `conveyor keys generate` folder; the connection is CURVE with its worker key pair (raises
+    ValueError on bad key files).
     """
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    if curve_keys is not None:
+        try:
+            make_curve_client(sock, server_public_path(curve_keys), worker_secret_path(curve_keys))
+        except ValueError:
+            sock.close()
+            raise
     sock.setsockopt(zmq.IDENTITY, worker_identity(rank))
     sock.setsockopt(zmq.LINGER, 1000)
     set_heartbeat(sock)

@@ -1,6 +1,7 @@
 """`python -m services.scheduler`: the scheduler process (flags, else CONVEYOR_* variables).
 
-Never imports torch: this process keeps to one thread so the worker has the cores.
+Never imports torch: this process keeps to one thread so the worker has the cores (plus, with
+--curve-keys, the ZAP authenticator's thread, idle but for worker handshakes).
 """
 
 from __future__ import annotations
@@ -9,15 +10,24 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Optional
+
+import zmq
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server import SchedulerServer, ServerConfig
 from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
-from shared.env import add_log_flags, env_float, env_int, env_str
+from shared.curve import (
+    AUTHORIZED_WORKERS_DIR,
+    check_server_keys,
+    start_authenticator,
+    stop_authenticator,
+)
+from shared.env import add_log_flags, env_float, env_int, env_path, env_str
 from shared.logging import configure_logging
 from shared.prefix_hash import cache_namespace
 from shared.protocol.worker_channel import WorkerReady
@@ -75,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("REQUEUE_TIMEOUT", 30.0),
         help="seconds requeued requests wait for a worker before worker_failed",
     )
+    p.add_argument(
+        "--curve-keys",
+        type=Path,
+        default=env_path("CURVE_KEYS"),
+        help="CURVE on the worker socket: the folder of `conveyor keys generate`; only "
+        "authorized_workers/ may connect (CONVEYOR_CURVE_KEYS)",
+    )
     add_log_flags(p)
     add_config_flags(p, SchedulerConfig)
     return p
@@ -95,7 +112,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             summary_interval_s=args.summary_interval,
             max_retries=args.max_retries,
             requeue_timeout_s=args.requeue_timeout,
+            curve_keys=args.curve_keys,
         )
+        if args.curve_keys is not None:
+            check_server_keys(args.curve_keys, AUTHORIZED_WORKERS_DIR)
     except ValueError as exc:
         parser.error(str(exc))
     log = configure_logging("scheduler", args.log_level, args.log_file, log_format=args.log_format)
@@ -112,7 +132,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             cache_namespace=cache_namespace(ready.model_name, ready.dtype),
         )
 
-    server = SchedulerServer(server_config, make_scheduler, log)
+    # The ZAP handler admitting only authorized_workers/ (none without --curve-keys), in the
+    # context the server's sockets use, running before they bind.
+    auth = start_authenticator(zmq.Context.instance(), args.curve_keys, log, AUTHORIZED_WORKERS_DIR)
+    try:
+        server = SchedulerServer(server_config, make_scheduler, log, zmq.Context.instance())
+    except BaseException:
+        stop_authenticator(auth)
+        raise
 
     def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
         log.info("signal", signum=signum)
@@ -120,7 +147,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return server.run()
+    try:
+        return server.run()
+    finally:
+        stop_authenticator(auth)
 
 
 if __name__ == "__main__":

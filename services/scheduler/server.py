@@ -14,8 +14,7 @@ Sockets (both bound here):
 
 Loop: schedule -> send plan -> poll (frontends keep flowing while the plan runs) -> result ->
 update -> send the next plan -> emit this step's outputs (so the worker is already busy while
-outputs are encoded). One plan is in flight at a time. SIGTERM drains (see `request_drain`).
-"""
+outputs are encoded). One plan is in flight at a time. SIGTERM drains (see `request_drain`)."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from services.scheduler.output_routing import split_by_frontend
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
 from services.scheduler.stats import StepRecord
 from services.scheduler.summary import EngineSummary
+from shared.curve import make_curve_server
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
     AbortRequest,
@@ -57,7 +57,7 @@ from shared.protocol.worker_channel import (
     WorkerShutdown,
 )
 from shared.transport import guarded, one_turn
-from shared.worker_server import set_heartbeat, worker_identity
+from shared.worker_server import WORKER_LINK_EVENTS, LinkEvents, set_heartbeat, worker_identity
 
 HOUSEKEEPING_S = 0.5  # longest poll: frontend liveness and drain checks run at least this often
 MIN_POLL_S = 0.002  # floor for the core's timers, so a zero timeout never spins
@@ -98,6 +98,7 @@ class SchedulerServer:
         self._frontends: dict[bytes, float] = {}  # identity -> last heard (monotonic)
         self._in_flight: Optional[_InFlight] = None
         self._worker_lost_at: Optional[float] = None  # monotonic; None while workers are up
+        self._link = LinkEvents()  # a refused peer's disconnect is no worker lost
         self._last_result_at: Optional[float] = None
         self._last_step_id = 0
         self._num_steps = 0
@@ -121,7 +122,8 @@ class SchedulerServer:
         self.wk.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.wk.setsockopt(zmq.LINGER, 500)
         set_heartbeat(self.wk)
-        self.wk_monitor = self.wk.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        make_curve_server(self.wk, cfg.curve_keys, self.log)  # ZAP: see __main__
+        self.wk_monitor = self.wk.get_monitor_socket(WORKER_LINK_EVENTS)
         self.wk.bind(cfg.worker_address)
         self.poller = zmq.Poller()
         for sock in (self.wk, self.wk_monitor, self.fe):
@@ -306,7 +308,7 @@ class SchedulerServer:
     def _on_monitor(self) -> None:
         while self.wk_monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self.wk_monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED and self._ranks:
+            if self._link.counts_as_lost(event["event"]) and self._ranks:
                 self._on_worker_lost("worker connection lost")
             elif event["event"] == zmq.EVENT_ACCEPTED:
                 self.log.info("worker_connected")

@@ -19,6 +19,7 @@ from services.simworker.config import WEIGHT_DTYPE_BYTES, SimConfig
 from services.simworker.profiles import DEVICES, MODELS
 from services.simworker.runner import SimRunner
 from shared.addresses import DEFAULT_WORKER_ADDR
+from shared.curve import add_worker_key_flag, check_worker_keys
 from shared.env import add_log_flags, env_int, env_path, env_str
 from shared.logging import configure_logging
 from shared.worker_server import serve_worker
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     proc.add_argument("--rank", type=int, default=env_int("RANK", 0))
     proc.add_argument("--ready-file", type=Path, default=env_path("READY_FILE"))
     proc.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", None))
+    add_worker_key_flag(proc)
     add_log_flags(proc)
     return p  # fmt: skip
 
@@ -95,6 +97,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.rank < 0:
         parser.error("--rank must be >= 0")
+    try:
+        check_worker_keys(args.curve_keys)
+    except ValueError as exc:
+        parser.error(str(exc))
     log = configure_logging("simworker", args.log_level, args.log_file, log_format=args.log_format)
     log = log.bind(rank=args.rank, simulated=True)
     stop = threading.Event()
@@ -113,6 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         stop=stop,
         ready_file=args.ready_file,
         max_frame_bytes=args.max_frame_bytes,
+        curve_keys=args.curve_keys,
     )
 
 

@@ -14,6 +14,7 @@ from services.worker.config import WorkerConfig
 from services.worker.server import run_worker
 from shared.addresses import DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
+from shared.curve import add_worker_key_flag, check_worker_keys
 from shared.env import add_log_flags, env_int, env_path, env_str
 
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Internal frames only; not CONVEYOR_MAX_FRAME_BYTES, which limits clients' frames.
     p.add_argument("--max-frame-bytes", type=int, default=None,
                    help="larger plans get a WorkerFailure (default: no limit)")  # fmt: skip
+    add_worker_key_flag(p)
     add_log_flags(p)
     add_config_flags(p, WorkerConfig)
     return p
@@ -47,13 +49,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = config_from_args(parser, args, WorkerConfig)
     if args.rank < 0:
         parser.error("--rank must be >= 0")
+    try:
+        check_worker_keys(args.curve_keys)
+    except ValueError as exc:
+        parser.error(str(exc))
     from shared.logging import configure_logging
 
     log = configure_logging(
         "worker", args.log_level, args.log_file, log_format=args.log_format
     ).bind(rank=args.rank)
     return run_worker(
-        config, args.worker_addr, args.rank, log, args.ready_file, args.max_frame_bytes
+        config,
+        args.worker_addr,
+        args.rank,
+        log,
+        args.ready_file,
+        args.max_frame_bytes,
+        args.curve_keys,
     )
 
 

@@ -25,6 +25,7 @@ def run_worker(
     log: Any,
     ready_file: Optional[Path] = None,
     max_frame_bytes: Optional[int] = None,
+    curve_keys: Optional[Path] = None,
 ) -> int:
     """Load the model, then serve plans until shutdown. Returns the process exit code."""
     stop = threading.Event()
@@ -54,4 +55,5 @@ def run_worker(
         stop=stop,
         ready_file=ready_file,
         max_frame_bytes=max_frame_bytes,
+        curve_keys=curve_keys,
     )

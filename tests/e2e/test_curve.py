@@ -6,6 +6,10 @@ connecting with the generated client key pair; real processes and sockets.
 * With the keys: generate and stream (blocking and asyncio clients), and HTTP through the gateway.
 * Without keys, with a key pair not in authorized_clients/, or expecting another server key: no
   reply at all (the handshake never completes); the unknown key is logged by the tokenizer.
+* The scheduler <-> worker link is CURVE too (authorized_workers/ only): peers posing as
+  worker-0 without the worker key pair (no keys, an unknown pair, a client's pair) send forged
+  WorkerReady / StepResult frames that never arrive: no `worker_lost`, tokens unchanged, the
+  refused keys logged by the scheduler.
 Rough runtime: 15-25 s on the shared machine (one stack start).
 """
 
@@ -31,12 +35,16 @@ from shared.addresses import is_local_address
 from shared.client import AsyncClient, Client, EngineError
 from shared.curve import (
     AUTHORIZED_DIR,
+    AUTHORIZED_WORKERS_DIR,
     client_secret_path,
     load_key_pair,
     load_public_key,
     make_curve_client,
     server_public_path,
+    worker_secret_path,
 )
+from shared.protocol.codec import encode
+from shared.protocol.worker_channel import StepResult, WorkerReady
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import ROOT, free_port
 
@@ -117,6 +125,9 @@ def test_keys_generate_writes_loadable_keys_and_never_overwrites(keys_dir: Path)
     client_public, _ = load_key_pair(client_secret_path(keys_dir))
     allowed = zmq.auth.load_certificates(keys_dir / AUTHORIZED_DIR)
     assert set(allowed) == {client_public}
+    worker_public, _ = load_key_pair(worker_secret_path(keys_dir))
+    assert set(zmq.auth.load_certificates(keys_dir / AUTHORIZED_WORKERS_DIR)) == {worker_public}
+    assert worker_public != client_public
     assert len(server_public) == len(server_secret) == 40  # Z85 of 32 bytes
     assert (keys_dir / "server.key_secret").stat().st_mode & 0o077 == 0  # secret: owner only
     before = (keys_dir / "server.key_secret").read_bytes()
@@ -225,6 +236,51 @@ def test_client_expecting_another_server_key_gets_nothing(
         stack.frontend_address, SILENCE_S, wrong_server, client_secret_path(keys_dir)
     )
     assert reply is None
+
+
+def _wait_logged(log: Path, needles: list[str]) -> None:
+    deadline = time.monotonic() + SLOW_HOST_MARGIN_S
+    while not all(n in log.read_text() for n in needles) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    missing = [n for n in needles if n not in log.read_text()]
+    assert not missing, f"not logged in {log.name}: {missing}"
+
+
+def test_worker_link_refuses_peers_without_the_worker_key(
+    stack: LocalStack, keys_dir: Path, stranger: Path
+) -> None:
+    keys = {"server_key": server_public_path(keys_dir), "client_key": client_secret_path(keys_dir)}
+    with Client(stack.frontend_address, timeout=30.0, **keys) as c:
+        want = c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids
+    forged_ready = WorkerReady(rank=0, num_blocks=1, block_size=16, max_model_len=32,
+                               model_name="forged", vocab_size=10, eos_token_ids=[0],
+                               dtype="float32", device="cpu")  # fmt: skip
+    # Delivered, this would end the engine's state: "rank 0 said ready again" -> worker_lost.
+    forged_result = StepResult(step_id=1, rids=["forged"], token_ids=[1])
+    address = f"ipc://{stack.run_dir}/worker.sock"
+    posers = []
+    for client_key in (None, stranger, client_secret_path(keys_dir)):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"worker-0")
+        if client_key is not None:
+            make_curve_client(sock, server_public_path(keys_dir), client_key)
+        sock.connect(address)
+        sock.send(encode(forged_ready))  # queued until a handshake that never completes
+        sock.send(encode(forged_result))
+        posers.append(sock)
+    try:
+        scheduler_log = stack.log_dir / "scheduler.log"
+        refused = [load_public_key(k).decode() for k in (stranger, client_secret_path(keys_dir))]
+        _wait_logged(scheduler_log, refused)
+    finally:
+        for sock in posers:
+            sock.close()
+    with Client(stack.frontend_address, timeout=30.0, **keys) as c:
+        assert c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids == want
+    text = scheduler_log.read_text()
+    for event in ("worker_lost", "unexpected_worker_message", "result_from_unknown_identity"):
+        assert f'"event":"{event}"' not in text, event
 
 
 def test_local_addresses() -> None:
