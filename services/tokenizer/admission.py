@@ -8,7 +8,7 @@ max_model_len), which the frontend learns from the scheduler's EngineReady.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from services.tokenizer.chat_template import ChatTemplateError
 from services.tokenizer.text_codec import TextCodec
@@ -58,3 +58,14 @@ def prompt_ids(
             f"> max_model_len {engine.max_model_len}",
         )
     return ids
+
+
+def over_connection_cap(num_in_flight: int, cap: int) -> Optional[Rejection]:
+    """`overloaded` once one connection has `cap` requests in flight (cap 0: no limit)."""
+    if cap and num_in_flight >= cap:
+        return Rejection(
+            ErrorCode.OVERLOADED,
+            f"this connection already has {cap} requests in flight (the per-connection "
+            "limit); wait for one to end or open another connection",
+        )
+    return None

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import zmq
 
-from services.tokenizer.admission import Rejection, prompt_ids
+from services.tokenizer.admission import Rejection, over_connection_cap, prompt_ids
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.engine_queries import RESET_PREFIX_CACHE, STATS, PendingQueries
 from services.tokenizer.latency_window import LatencyWindow
 from services.tokenizer.request_state import ClientRequest, Progress
 from services.tokenizer.stop_strings import StopStrings
@@ -38,8 +38,6 @@ from shared.protocol.engine_channel import (
     PrefixCacheReset,
     RequestRejected,
     RequestTimings,
-    ResetPrefixCache,
-    StatsQuery,
     StatsReply,
     SubmitRequest,
 )
@@ -48,14 +46,6 @@ from shared.transport import DisconnectWatch, guarded, one_turn
 
 # Receive turns are bounded (shared/transport.py): a backlog of output batches must not delay
 # the FrontendHello that keeps the scheduler from declaring this frontend gone.
-
-
-@dataclass(frozen=True, slots=True)
-class _StatsWait:
-    identity: bytes
-    client_id: Optional[str]
-    deadline: float
-    kind: str = "stats"  # or "reset_prefix_cache"
 
 
 class FrontendServer:
@@ -81,7 +71,7 @@ class FrontendServer:
         self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> rid
         self._num_per_conn: Counter[bytes] = Counter()  # identity -> requests in flight
         self._last_tx: dict[bytes, float] = {}  # identity -> last frame sent (heartbeats)
-        self._stats_waits: dict[str, _StatsWait] = {}
+        self._queries = PendingQueries(config.frontend_id, config.stats_timeout_s)
         self._engine: Optional[EngineReady] = None
         self._ever_ready = False
         self._not_ready_reason = "waiting_for_worker"
@@ -161,18 +151,12 @@ class FrontendServer:
 
     def _on_clients(self) -> None:
         for parts in one_turn(self._clients):
-            guarded(
-                self.log,
-                "client_message_failed",
-                self._on_client_message,
-                parts,
-                lambda _exc, parts=parts: self._reply_error(
-                    parts[0],
-                    ErrorCode.INTERNAL,
-                    "the frontend failed on this message (logged)",
-                    cc.peek_id(parts[-1]),
-                ),
-            )
+            guarded(self.log, "client_message_failed", self._on_client_message, parts,
+                    lambda _exc, parts=parts: self._internal_error(parts))  # fmt: skip
+
+    def _internal_error(self, parts: list[bytes]) -> None:
+        msg = "the frontend failed on this message (logged)"
+        self._reply_error(parts[0], ErrorCode.INTERNAL, msg, cc.peek_id(parts[-1]))
 
     def _on_client_message(self, parts: list[bytes]) -> None:
         """One client message: a DEALER's [identity, frame]. Called inside the boundary."""
@@ -202,7 +186,7 @@ class FrontendServer:
                 self.config.frontend_id,
             ))  # fmt: skip
         elif isinstance(cmd, cc.ResetPrefixCacheCommand):
-            self._on_stats(ident, cmd.id, "reset_prefix_cache")
+            self._on_stats(ident, cmd.id, RESET_PREFIX_CACHE)
         else:
             self._on_stats(ident, cmd.id)
 
@@ -247,14 +231,10 @@ class FrontendServer:
             return Rejection(ErrorCode.SHUTTING_DOWN, "the frontend is shutting down")
         if self._engine is None:
             return Rejection(ErrorCode.NOT_READY, f"the engine is not ready ({self._reason()})")
-        cap = self.config.max_requests_per_connection
-        exempt = ident.startswith(self.config.cap_exempt_prefix.encode())
-        if cap and not exempt and self._num_per_conn[ident] >= cap:
-            return Rejection(
-                ErrorCode.OVERLOADED,
-                f"this connection already has {cap} requests in flight (the per-connection "
-                "limit); wait for one to end or open another connection",
-            )
+        if not ident.startswith(self.config.cap_exempt_prefix.encode()):
+            cap = self.config.max_requests_per_connection
+            if (over := over_connection_cap(self._num_per_conn[ident], cap)) is not None:
+                return over
         return prompt_ids(cmd, self.codec, self._engine)
 
     def _on_abort(self, ident: bytes, client_id: str) -> None:
@@ -269,17 +249,13 @@ class FrontendServer:
             if not self._send_client(ident, frame):
                 return
 
-    def _on_stats(self, ident: bytes, client_id: Optional[str], kind: str = "stats") -> None:
-        """A query the scheduler answers (stats, reset_prefix_cache)."""
-        qid = f"{self.config.frontend_id}-{kind}-{self._next_seq}"
-        self._next_seq += 1
-        deadline = time.monotonic() + self.config.stats_timeout_s
-        self._stats_waits[qid] = _StatsWait(ident, client_id, deadline, kind)
-        query = StatsQuery(qid) if kind == "stats" else ResetPrefixCache(qid)
-        self._send_scheduler(encode(query))  # unanswered: the time-out replies
+    def _on_stats(self, ident: bytes, client_id: Optional[str], kind: str = STATS) -> None:
+        """A query the scheduler answers (engine_queries.py); unanswered, the time-out replies."""
+        query = self._queries.open(ident, client_id, kind, time.monotonic())
+        self._send_scheduler(encode(query))
 
     def _answer_reset(self, qid: str, num_blocks_dropped: Optional[int]) -> None:
-        wait = self._stats_waits.pop(qid, None)
+        wait = self._queries.take(qid)
         if wait is None:
             return
         if num_blocks_dropped is None:
@@ -290,7 +266,7 @@ class FrontendServer:
         self._send_client(wait.identity, reply)
 
     def _answer_stats(self, qid: str, engine: Optional[dict[str, float]]) -> None:
-        wait = self._stats_waits.pop(qid, None)
+        wait = self._queries.take(qid)
         if wait is None:
             return
         connections = {state.identity for state in self._requests.values()}
@@ -484,10 +460,8 @@ class FrontendServer:
                 )
             self._not_ready_reason = "scheduler_unreachable"
         self._heartbeat_clients(now)
-        for qid, wait in list(self._stats_waits.items()):
-            if now > wait.deadline:
-                answer = self._answer_stats if wait.kind == "stats" else self._answer_reset
-                answer(qid, None)
+        for qid, kind in self._queries.expired(now):
+            (self._answer_stats if kind == STATS else self._answer_reset)(qid, None)
         self._drain_step(now)
 
     def _heartbeat_clients(self, now: float) -> None:
