@@ -109,6 +109,17 @@ def add_log_flags(parser: Any) -> None:
     add_log_format_flag(parser)
 
 
+def add_drain_flag(parser: Any, default_s: float = 30.0) -> None:
+    """`--drain-timeout` (CONVEYOR_DRAIN_TIMEOUT): the SIGTERM grace period, seconds, that the
+    services which hold requests (scheduler, tokenizer) give in-flight requests."""
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=env_float("DRAIN_TIMEOUT", default_s),
+        help="SIGTERM grace period for in-flight requests, seconds (CONVEYOR_DRAIN_TIMEOUT)",
+    )
+
+
 def add_log_format_flag(parser: Any) -> None:
     """`--log-format console|json|auto` (CONVEYOR_LOG_FORMAT, default auto): what stdout gets;
     log files are JSON whatever it says."""

@@ -27,7 +27,7 @@ from shared.curve import (
     start_authenticator,
     stop_authenticator,
 )
-from shared.env import add_log_flags, env_float, env_int, env_path, env_str
+from shared.env import add_drain_flag, add_log_flags, env_float, env_int, env_path, env_str
 from shared.logging import configure_logging
 from shared.prefix_hash import cache_namespace
 from shared.protocol.worker_channel import WorkerReady
@@ -60,12 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_float("FRONTEND_TIMEOUT", 10.0),
         help="seconds of frontend silence before its requests are aborted",
     )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=env_float("DRAIN_TIMEOUT", 30.0),
-        help="SIGTERM grace period for in-flight requests (CONVEYOR_DRAIN_TIMEOUT)",
-    )
+    add_drain_flag(p)
     p.add_argument(
         "--summary-interval",
         type=float,

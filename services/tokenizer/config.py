@@ -10,7 +10,7 @@ from typing import Optional
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_SCHEDULER_ADDR
 from shared.curve import check_server_keys
-from shared.env import add_log_flags, env_float, env_int, env_path, env_str
+from shared.env import add_drain_flag, add_log_flags, env_float, env_int, env_path, env_str
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_HARD_CAP_BYTES = 64 << 20
@@ -95,12 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_int("HARD_CAP_BYTES", DEFAULT_HARD_CAP_BYTES),
         help="zmq.MAXMSGSIZE: larger frames drop the peer (CONVEYOR_HARD_CAP_BYTES)",
     )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=env_float("DRAIN_TIMEOUT", 30.0),
-        help="SIGTERM grace period in seconds (CONVEYOR_DRAIN_TIMEOUT)",
-    )
+    add_drain_flag(p)
     p.add_argument(
         "--scheduler-timeout",
         type=float,
