@@ -3,12 +3,13 @@
     connect (DEALER, identity "worker-<rank>") -> send WorkerReady
     loop: StepPlan -> runner.execute -> StepResult (rank 0 only), until WorkerShutdown
 
-Liveness: both ends of the worker socket enable ZeroMQ's own heartbeats (ZMTP PING/PONG,
-`HEARTBEAT_IVL` / `HEARTBEAT_TIMEOUT`). libzmq answers them on its I/O thread, which needs no
-GIL, so a worker busy in a long forward pass stays "alive", while a killed, crashed or stopped
-process drops its connection: at once when the process dies (the kernel closes the socket), or
-after `HEARTBEAT_TIMEOUT_MS` when it hangs as a whole. The scheduler watches its socket's monitor
-events for that disconnect (services/scheduler/server.py), so no heartbeat message is needed.
+Liveness: both ends of the worker socket enable ZeroMQ's own heartbeats (shared/transport.py
+`set_heartbeat`). libzmq answers them on its I/O thread, which needs no GIL, so a worker busy in
+a long forward pass stays "alive", while a killed, crashed or stopped process drops its
+connection: at once when the process dies (the kernel closes the socket), or after
+`HEARTBEAT_TIMEOUT_MS` when it hangs as a whole. The scheduler watches its socket's monitor
+events for that disconnect (services/scheduler/worker_link.py), so no heartbeat message is
+needed.
 
 A runner exception fails only the step: the worker answers `WorkerFailure` and keeps serving.
 """
@@ -32,10 +33,8 @@ from shared.protocol.worker_channel import (
     WorkerReady,
     WorkerShutdown,
 )
-from shared.transport import guarded
+from shared.transport import guarded, set_heartbeat
 
-HEARTBEAT_IVL_MS = 1000  # ping the peer every second...
-HEARTBEAT_TIMEOUT_MS = 3000  # ...and drop the connection after 3 s without any traffic
 POLL_MS = 500  # how often the loop looks at its stop event while idle
 
 
@@ -47,46 +46,9 @@ class StepRunner(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
-# What the scheduler's worker-socket monitor watches. A peer whose handshake fails (with CURVE: a
-# refused key; without: garbage) gets a HANDSHAKE_FAILED_* event and then, from the same I/O
-# thread, its DISCONNECTED: that disconnect is no lost worker. Any other disconnect is.
-HANDSHAKE_FAILED_EVENTS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-WORKER_LINK_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
-
-
-class LinkEvents:
-    """The scheduler's reading of its worker-socket monitor (events of WORKER_LINK_EVENTS, in
-    order): `counts_as_lost` is True for a disconnect that is not a failed handshake's."""
-
-    def __init__(self) -> None:
-        self._num_failed = 0  # handshakes failed whose disconnect has not been seen yet
-
-    def counts_as_lost(self, event: int) -> bool:
-        if event & HANDSHAKE_FAILED_EVENTS:
-            self._num_failed += 1
-            return False
-        if event != zmq.EVENT_DISCONNECTED:
-            return False
-        if self._num_failed:
-            self._num_failed -= 1
-            return False
-        return True
-
-
 def worker_identity(rank: int) -> bytes:
     """Routing identity of a rank's socket (the scheduler addresses plans with it)."""
     return f"worker-{rank}".encode()
-
-
-def set_heartbeat(sock: zmq.Socket) -> None:
-    """Enable ZMTP heartbeats on a worker-channel socket (both ends call this)."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
 
 
 def serve_worker(

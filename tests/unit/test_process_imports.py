@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "module",
     ["services.scheduler.__main__", "services.scheduler.server", "shared.worker_server",
-     "services.worker.__main__", "conveyor.cli", "conveyor.launcher", "conveyor.healthcheck"],
+     "shared.transport", "services.worker.__main__", "conveyor.cli", "conveyor.launcher",
+     "conveyor.healthcheck"],
 )  # fmt: skip
 def test_module_does_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -1,4 +1,4 @@
-"""LinkEvents (shared/worker_server.py): how the scheduler reads its worker-socket monitor. A
+"""LinkEvents (shared/transport.py): how the scheduler reads its worker-socket monitor. A
 disconnect right after a failed handshake (a refused CURVE key, garbage) is no lost worker;
 every other disconnect is. The e2e side: tests/e2e/test_curve.py (refused peers) and
 tests/e2e/test_engine_faults.py (a killed worker)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import zmq
 
-from shared.worker_server import LinkEvents
+from shared.transport import LinkEvents
 
 
 def test_a_refused_peer_is_not_a_lost_worker_but_a_real_disconnect_is() -> None:
