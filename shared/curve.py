@@ -1,4 +1,4 @@
-"""ZeroMQ CURVE for the client protocol: key files, the server side, the client side.
+"""ZeroMQ CURVE for every TCP link: key files, the server side, the client side.
 
 A key directory (`conveyor keys generate DIR`) holds, in zmq.auth's certificate format (Z85 text):
 
@@ -9,6 +9,12 @@ A key directory (`conveyor keys generate DIR`) holds, in zmq.auth's certificate 
     DIR/authorized_clients/*.key   the public keys the server accepts (one file per client)
     DIR/worker.key(_secret)        the worker ranks' key pair (scheduler <-> worker socket)
     DIR/authorized_workers/*.key   the public keys the scheduler's worker socket accepts
+    DIR/frontend.key(_secret)      the tokenizers' key pair (tokenizer -> scheduler socket)
+    DIR/authorized_frontends/*.key the public keys the scheduler's frontend socket accepts
+
+The scheduler serves two CURVE sockets from one context and one ZAP handler: each socket names
+its ZAP domain (`WORKERS_DOMAIN`, `FRONTENDS_DOMAIN`) and each domain admits its own folder, so a
+worker key cannot pose as a frontend nor a frontend key as a worker.
 
 A CURVE server socket encrypts every connection and asks a ZAP handler (a ThreadAuthenticator
 running in the socket's context) whether the client's public key is allowed; a refused client
@@ -32,8 +38,13 @@ from shared.env import env_path
 SERVER_NAME = "server"
 CLIENT_NAME = "client"
 WORKER_NAME = "worker"
+FRONTEND_NAME = "frontend"
 AUTHORIZED_DIR = "authorized_clients"
 AUTHORIZED_WORKERS_DIR = "authorized_workers"  # separate: a client key cannot pose as a worker
+AUTHORIZED_FRONTENDS_DIR = "authorized_frontends"
+ANY_DOMAIN = "*"  # sockets that name no ZAP domain (the tokenizer's client socket)
+WORKERS_DOMAIN = "workers"  # the scheduler's worker socket
+FRONTENDS_DOMAIN = "frontends"  # the scheduler's frontend socket
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 
@@ -54,13 +65,18 @@ def worker_secret_path(keys_dir: Path) -> Path:
     return keys_dir / f"{WORKER_NAME}{SECRET_SUFFIX}"
 
 
+def frontend_secret_path(keys_dir: Path) -> Path:
+    return keys_dir / f"{FRONTEND_NAME}{SECRET_SUFFIX}"
+
+
 def generate_keys(keys_dir: Path) -> list[Path]:
-    """Create a server key pair, one client and one worker key pair, and `authorized_clients/`
-    / `authorized_workers/` allowing them; returns the files written. Raises FileExistsError
+    """Create a server key pair, one client, one worker and one frontend key pair, and the
+    `authorized_*/` folders allowing them; returns the files written. Raises FileExistsError
     rather than replace keys that clients may already hold."""
     keys_dir = Path(keys_dir)
     names = ((SERVER_NAME, None), (CLIENT_NAME, AUTHORIZED_DIR),
-             (WORKER_NAME, AUTHORIZED_WORKERS_DIR))  # fmt: skip
+             (WORKER_NAME, AUTHORIZED_WORKERS_DIR),
+             (FRONTEND_NAME, AUTHORIZED_FRONTENDS_DIR))  # fmt: skip
     existing = [keys_dir / f"{n}{SECRET_SUFFIX}" for n, _ in names]
     existing = [p for p in existing if p.exists()]
     if existing:
@@ -135,18 +151,27 @@ def check_server_keys(keys_dir: Path, folder: str = AUTHORIZED_DIR) -> None:
 
 
 def start_authenticator(
-    context: zmq.Context, keys_dir: Optional[Path], log: Any, folder: str = AUTHORIZED_DIR
+    context: zmq.Context,
+    keys_dir: Optional[Path],
+    log: Any,
+    folder: str = AUTHORIZED_DIR,
+    domains: Optional[dict[str, str]] = None,
 ) -> Optional[ThreadAuthenticator]:
-    """The ZAP handler of `context` admitting only the public keys in `keys_dir/folder`,
-    started; None when `keys_dir` is None (no CURVE). Refused handshakes are logged
-    (`curve_client_refused`). One per context, started before its CURVE server sockets bind,
-    stopped after they close (`stop_authenticator`). Raises ValueError on bad key files."""
+    """The ZAP handler of `context`, started; None when `keys_dir` is None (no CURVE). Sockets
+    without a ZAP domain admit only the public keys in `keys_dir/folder`; with `domains`
+    ({ZAP domain: folder}) each named domain admits its own folder instead (and unnamed
+    sockets none). Refused handshakes are logged (`curve_client_refused`). One per context,
+    started before its CURVE server sockets bind, stopped after they close
+    (`stop_authenticator`). Raises ValueError on bad key files."""
     if keys_dir is None:
         return None
-    allowed = load_allowed_keys(Path(keys_dir), folder)
+    folders = domains if domains is not None else {ANY_DOMAIN: folder}
+    providers = {d: _AllowedKeys(load_allowed_keys(Path(keys_dir), f), log)
+                 for d, f in folders.items()}  # fmt: skip
     auth = ThreadAuthenticator(context)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AllowedKeys(allowed, log))
+    for domain, provider in providers.items():
+        auth.configure_curve_callback(domain=domain, credentials_provider=provider)
     return auth
 
 
@@ -155,13 +180,18 @@ def stop_authenticator(auth: Optional[ThreadAuthenticator]) -> None:
         auth.stop()
 
 
-def make_curve_server(sock: zmq.Socket, keys_dir: Optional[Path], log: Any) -> None:
+def make_curve_server(
+    sock: zmq.Socket, keys_dir: Optional[Path], log: Any, zap_domain: Optional[str] = None
+) -> None:
     """Make `sock` (before bind) a CURVE server with the key pair in `keys_dir`; nothing when
     `keys_dir` is None. Its context needs a running authenticator (`start_authenticator`), else
-    every client is admitted. Raises ValueError on missing or bad key files."""
+    every client is admitted; `zap_domain` picks which of its folders admits peers. Raises
+    ValueError on missing or bad key files."""
     if keys_dir is None:
         return
     public, secret = load_key_pair(server_secret_path(Path(keys_dir)))
+    if zap_domain is not None:
+        sock.zap_domain = zap_domain.encode()
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_server = True
@@ -176,6 +206,15 @@ def make_curve_client(sock: zmq.Socket, server_key: Path, client_key: Path) -> N
     sock.curve_serverkey = server_public
     sock.curve_publickey = public
     sock.curve_secretkey = secret
+
+
+def make_frontend_curve_client(sock: zmq.Socket, keys_dir: Optional[Path]) -> None:
+    """A tokenizer's scheduler socket (before connect): CURVE with the frontend key pair of
+    `keys_dir` (the scheduler admits `authorized_frontends/`); nothing when `keys_dir` is None.
+    Raises ValueError on bad key files."""
+    if keys_dir is not None:
+        keys = Path(keys_dir)
+        make_curve_client(sock, server_public_path(keys), frontend_secret_path(keys))
 
 
 def check_client_keys(server_key: Optional[Path], client_key: Optional[Path]) -> None:
@@ -221,3 +260,17 @@ def check_worker_keys(keys_dir: Optional[Path]) -> None:
     if keys_dir is not None:
         load_public_key(server_public_path(Path(keys_dir)))
         load_key_pair(worker_secret_path(Path(keys_dir)))
+
+
+def check_frontend_keys(keys_dir: Optional[Path]) -> None:
+    """Load a tokenizer's key files for its scheduler link once at start-up (ValueError with
+    the reason; a folder made before the frontend pair existed says how to fix it)."""
+    if keys_dir is None:
+        return
+    load_public_key(server_public_path(Path(keys_dir)))
+    if not frontend_secret_path(Path(keys_dir)).exists():
+        raise ValueError(
+            f"{frontend_secret_path(Path(keys_dir))} is missing: the tokenizer -> scheduler link "
+            "needs the frontend key pair (make a new folder with `conveyor keys generate`)"
+        )
+    load_key_pair(frontend_secret_path(Path(keys_dir)))

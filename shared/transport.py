@@ -205,11 +205,13 @@ def router_socket(
     heartbeat: bool = False,
     max_msg_bytes: Optional[int] = None,
     send_hwm: Optional[int] = None,
+    zap_domain: Optional[str] = None,
 ) -> zmq.Socket:
     """A ROUTER for a service to bind, set up: undeliverable replies raise (the peer is gone),
     a bounded linger, optional frame cap / send high-water mark / ZMTP heartbeats. With
     `curve_keys` it is a CURVE server with that folder's key pair; its context needs a running
-    authenticator (shared/curve.py `start_authenticator`), else every peer is admitted. Create a
+    authenticator (shared/curve.py `start_authenticator`), else every peer is admitted;
+    `zap_domain` picks the authenticator's folder of admitted keys for this socket. Create a
     monitor (if any) before binding, so no event is missed. Raises ValueError on bad key files
     (the socket is closed)."""
     sock = ctx.socket(zmq.ROUTER)
@@ -222,7 +224,7 @@ def router_socket(
     if heartbeat:
         set_heartbeat(sock)
     try:
-        make_curve_server(sock, curve_keys, log)
+        make_curve_server(sock, curve_keys, log, zap_domain)
     except ValueError:
         sock.close(0)
         raise

@@ -1,7 +1,7 @@
 """`python -m services.scheduler`: the scheduler process (flags, else CONVEYOR_* variables).
 
 Never imports torch: this process keeps to one thread so the worker has the cores (plus, with
---curve-keys, the ZAP authenticator's thread, idle but for worker handshakes).
+--curve-keys, the ZAP authenticator's thread, idle but for worker and frontend handshakes).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from services.scheduler.server import SchedulerServer, ServerConfig
 from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import (
+    AUTHORIZED_FRONTENDS_DIR,
     AUTHORIZED_WORKERS_DIR,
+    FRONTENDS_DOMAIN,
+    WORKERS_DOMAIN,
     check_server_keys,
     start_authenticator,
     stop_authenticator,
@@ -31,6 +34,9 @@ from shared.env import add_drain_flag, add_log_flags, env_float, env_int, env_pa
 from shared.logging import configure_logging
 from shared.prefix_hash import cache_namespace
 from shared.protocol.worker_channel import WorkerReady
+
+# Which public keys each socket's ZAP domain admits (services/scheduler/*_link.py name them).
+KEY_FOLDERS = {WORKERS_DOMAIN: AUTHORIZED_WORKERS_DIR, FRONTENDS_DOMAIN: AUTHORIZED_FRONTENDS_DIR}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-keys",
         type=Path,
         default=env_path("CURVE_KEYS"),
-        help="CURVE on the worker socket: the folder of `conveyor keys generate`; only "
-        "authorized_workers/ may connect (CONVEYOR_CURVE_KEYS)",
+        help="CURVE on both sockets: the folder of `conveyor keys generate`; only "
+        "authorized_workers/ may connect as workers, authorized_frontends/ as frontends "
+        "(CONVEYOR_CURVE_KEYS)",
     )
     add_log_flags(p)
     add_config_flags(p, SchedulerConfig)
@@ -110,7 +117,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             curve_keys=args.curve_keys,
         )
         if args.curve_keys is not None:
-            check_server_keys(args.curve_keys, AUTHORIZED_WORKERS_DIR)
+            for folder in KEY_FOLDERS.values():
+                check_server_keys(args.curve_keys, folder)
     except ValueError as exc:
         parser.error(str(exc))
     log = configure_logging("scheduler", args.log_level, args.log_file, log_format=args.log_format)
@@ -127,9 +135,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             cache_namespace=cache_namespace(ready.model_name, ready.dtype),
         )
 
-    # The ZAP handler admitting only authorized_workers/ (none without --curve-keys), in the
-    # context the server's sockets use, running before they bind.
-    auth = start_authenticator(zmq.Context.instance(), args.curve_keys, log, AUTHORIZED_WORKERS_DIR)
+    # The ZAP handler (none without --curve-keys) admitting authorized_workers/ on the worker
+    # socket and authorized_frontends/ on the frontend socket, in the context the server's
+    # sockets use, running before they bind.
+    auth = start_authenticator(zmq.Context.instance(), args.curve_keys, log, domains=KEY_FOLDERS)
     try:
         server = SchedulerServer(server_config, make_scheduler, log, zmq.Context.instance())
     except BaseException:

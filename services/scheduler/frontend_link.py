@@ -4,7 +4,8 @@ frontend owns each live request, and where each output goes.
 Socket: ROUTER, bound. Each frontend's DEALER identity keys its replies; `owners` maps every
 live rid to the identity that submitted it, so tokens never go to another frontend. A frontend
 is alive while it talks (FrontendHello every second); silent for `frontend_timeout_s`, gone from
-the socket (ROUTER_MANDATORY) or saying FrontendBye, its requests are aborted.
+the socket (ROUTER_MANDATORY) or saying FrontendBye, its requests are aborted. With `curve_keys`
+the socket is a CURVE server admitting only `authorized_frontends/` (ZAP domain "frontends").
 
 The link admits nothing on its own: whether the engine takes a request, and the core itself,
 come from the loop (`FrontendHost`, services/scheduler/server.py).
@@ -20,6 +21,7 @@ import zmq
 
 from services.scheduler.output_routing import split_by_frontend
 from services.scheduler.server_config import SchedulerCore, ServerConfig
+from shared.curve import FRONTENDS_DOMAIN
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
     AbortRequest,
@@ -66,6 +68,7 @@ class FrontendLink:
         self.sock = router_socket(
             ctx, log, max_msg_bytes=config.hard_max_frame_bytes,
             send_hwm=0,  # local frontends: never drop an output batch
+            curve_keys=config.curve_keys, zap_domain=FRONTENDS_DOMAIN,
         )  # fmt: skip
         self.sock.bind(config.frontend_address)
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {

@@ -55,7 +55,8 @@ class ServerConfig:
     summary_interval_s: float = 5.0  # an engine_summary log line this often while busy; 0: off
     max_retries: int = 3  # restarts by recompute per request after worker losses
     requeue_timeout_s: float = 30.0  # requeued requests wait this long for a worker
-    # `conveyor keys generate` folder: CURVE on the worker socket (authorized_workers/ only)
+    # `conveyor keys generate` folder: CURVE on the worker socket (authorized_workers/ only) and
+    # the frontend socket (authorized_frontends/ only)
     curve_keys: Optional[Path] = None
 
     def __post_init__(self) -> None:

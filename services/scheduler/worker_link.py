@@ -23,6 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.server_config import ServerConfig
+from shared.curve import WORKERS_DOMAIN
 from shared.protocol.codec import DecodeError, decode
 from shared.protocol.worker_channel import StepResult, WorkerFailure, WorkerReady
 from shared.transport import PEER_LINK_EVENTS, LinkEvents, guarded, one_turn, router_socket
@@ -46,7 +47,9 @@ class WorkerLink:
         self.log = log
         self.ranks: dict[int, WorkerReady] = {}
         self._events = LinkEvents()  # a refused peer's disconnect is no worker lost
-        self.sock = router_socket(ctx, log, curve_keys=config.curve_keys, heartbeat=True)
+        self.sock = router_socket(
+            ctx, log, curve_keys=config.curve_keys, heartbeat=True, zap_domain=WORKERS_DOMAIN
+        )
         self.monitor = self.sock.get_monitor_socket(PEER_LINK_EVENTS)  # before bind: no event lost
         self.sock.bind(config.worker_address)
         self._handlers: dict[type, Callable[[Any, float], None]] = {

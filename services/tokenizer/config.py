@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_SCHEDULER_ADDR
-from shared.curve import check_server_keys
+from shared.curve import check_frontend_keys, check_server_keys
 from shared.env import add_drain_flag, add_log_flags, env_float, env_int, env_path, env_str
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
@@ -35,7 +35,7 @@ class FrontendConfig:
     # routing id is not authenticated: the exemption is advisory (docs/protocol.md).
     max_requests_per_connection: int = 1024
     cap_exempt_prefix: str = "gateway-"
-    curve_keys: Optional[Path] = None  # `conveyor keys generate` folder: CURVE on the clients
+    curve_keys: Optional[Path] = None  # `conveyor keys generate`: CURVE on both sockets
 
     def __post_init__(self) -> None:
         if not self.frontend_address or not self.scheduler_address:
@@ -114,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-keys",
         type=Path,
         default=env_path("CURVE_KEYS"),
-        help="CURVE on the client socket: the folder of `conveyor keys generate` (server key "
-        "pair + authorized_clients/); without it clients are not authenticated "
-        "(CONVEYOR_CURVE_KEYS)",
+        help="CURVE on the client socket (server key pair + authorized_clients/) and to the "
+        "scheduler (frontend.key_secret): the folder of `conveyor keys generate`; without it "
+        "clients are not authenticated (CONVEYOR_CURVE_KEYS)",
     )
     add_log_flags(p)
     return p
@@ -127,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     frontend_id = args.frontend_id or f"fe-{uuid.uuid4().hex[:8]}"
     if args.curve_keys is not None:
         check_server_keys(args.curve_keys)
+        check_frontend_keys(args.curve_keys)  # and CURVE to the scheduler
     return FrontendConfig(
         frontend_address=args.frontend_addr,
         scheduler_address=args.scheduler_addr,

@@ -24,7 +24,7 @@ from services.tokenizer.latency_window import LatencyWindow
 from services.tokenizer.request_state import ClientRequest, Progress
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
-from shared.curve import make_curve_server
+from shared.curve import make_curve_server, make_frontend_curve_client
 from shared.protocol import client_channel as cc
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
@@ -94,6 +94,7 @@ class FrontendServer:
         clients.setsockopt(zmq.SNDHWM, self.config.send_hwm)
         clients.setsockopt(zmq.LINGER, 500)
         make_curve_server(clients, self.config.curve_keys, self.log)  # ZAP: see __main__
+        make_frontend_curve_client(sched, self.config.curve_keys)  # authorized_frontends/
         sched.setsockopt(zmq.IDENTITY, self.config.frontend_id.encode())
         sched.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a scheduler not there
         sched.setsockopt(zmq.LINGER, 1000)

@@ -10,6 +10,9 @@ connecting with the generated client key pair; real processes and sockets.
   worker-0 without the worker key pair (no keys, an unknown pair, a client's pair) send forged
   WorkerReady / StepResult frames that never arrive: no `worker_lost`, tokens unchanged, the
   refused keys logged by the scheduler.
+* So is the tokenizer -> scheduler link (authorized_frontends/ only): a forged frontend without
+  the frontend key pair (no keys, an unknown pair, a client's or the worker's pair) gets no
+  answer to a StatsQuery; with the frontend pair (the healthcheck's way in) it is answered.
 Rough runtime: 15-25 s on the shared machine (one stack start).
 """
 
@@ -30,13 +33,16 @@ import pytest
 import zmq
 import zmq.auth
 
+from conveyor.healthcheck import scheduler_answers
 from conveyor.launcher import LocalStack, StackSettings, gateway_available
 from shared.addresses import is_local_address
 from shared.client import AsyncClient, Client, EngineError
 from shared.curve import (
     AUTHORIZED_DIR,
+    AUTHORIZED_FRONTENDS_DIR,
     AUTHORIZED_WORKERS_DIR,
     client_secret_path,
+    frontend_secret_path,
     load_key_pair,
     load_public_key,
     make_curve_client,
@@ -44,6 +50,7 @@ from shared.curve import (
     worker_secret_path,
 )
 from shared.protocol.codec import encode
+from shared.protocol.engine_channel import StatsQuery
 from shared.protocol.worker_channel import StepResult, WorkerReady
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import ROOT, free_port
@@ -128,6 +135,10 @@ def test_keys_generate_writes_loadable_keys_and_never_overwrites(keys_dir: Path)
     worker_public, _ = load_key_pair(worker_secret_path(keys_dir))
     assert set(zmq.auth.load_certificates(keys_dir / AUTHORIZED_WORKERS_DIR)) == {worker_public}
     assert worker_public != client_public
+    frontend_public, _ = load_key_pair(frontend_secret_path(keys_dir))
+    allowed_frontends = set(zmq.auth.load_certificates(keys_dir / AUTHORIZED_FRONTENDS_DIR))
+    assert allowed_frontends == {frontend_public}
+    assert frontend_public not in (worker_public, client_public)
     assert len(server_public) == len(server_secret) == 40  # Z85 of 32 bytes
     assert (keys_dir / "server.key_secret").stat().st_mode & 0o077 == 0  # secret: owner only
     before = (keys_dir / "server.key_secret").read_bytes()
@@ -281,6 +292,32 @@ def test_worker_link_refuses_peers_without_the_worker_key(
     text = scheduler_log.read_text()
     for event in ("worker_lost", "unexpected_worker_message", "result_from_unknown_identity"):
         assert f'"event":"{event}"' not in text, event
+
+
+def test_frontend_link_refuses_peers_without_the_frontend_key(
+    stack: LocalStack, keys_dir: Path, stranger: Path
+) -> None:
+    address = f"ipc://{stack.run_dir}/scheduler.sock"
+    assert scheduler_answers(address, timeout=30.0, curve_keys=keys_dir)  # the frontend pair
+    poser_keys = (stranger, client_secret_path(keys_dir), worker_secret_path(keys_dir))
+    posers = []
+    for client_key in (None, *poser_keys):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if client_key is not None:
+            make_curve_client(sock, server_public_path(keys_dir), client_key)
+        sock.connect(address)
+        sock.send(encode(StatsQuery(query_id="forged")))  # queued: the handshake never ends
+        posers.append(sock)
+    try:
+        scheduler_log = stack.log_dir / "scheduler.log"
+        _wait_logged(scheduler_log, [load_public_key(k).decode() for k in poser_keys])
+        for sock in posers:
+            assert not sock.poll(int(SILENCE_S * 1000)), "a forged frontend got an answer"
+    finally:
+        for sock in posers:
+            sock.close()
+    assert scheduler_answers(address, timeout=30.0, curve_keys=keys_dir)  # still serving
 
 
 def test_local_addresses() -> None:
