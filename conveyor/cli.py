@@ -8,7 +8,7 @@ conveyor stats                    the frontend's and the engine's counters (JSON
 conveyor top                      a live view of running engines (q quits)
 conveyor logs --rid ID            one request's journey across the services
 conveyor model prepare [MODEL]    convert the model once into the cache
-conveyor keys generate DIR        CURVE key pairs for the client protocol (docs/protocol.md)
+conveyor keys generate DIR        CURVE key pairs for every ZeroMQ link (docs/protocol.md)
 conveyor bench ... / conveyor sim ...   the benchmark harness and the simulator
 """
 
@@ -51,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="CURVE keys of the client protocol")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     gen = keys_sub.add_parser(
-        "generate", help="a server key pair, one client key pair, authorized_clients/"
+        "generate", help="a server key pair, client/worker/frontend key pairs, authorized_*/"
     )
     gen.add_argument("dir", type=Path, help="where the key files go (created)")
+    gen.add_argument("--keep-existing", action="store_true",
+                     help="a folder that already has keys is kept as it is (exit 0)")  # fmt: skip
     gen.set_defaults(func=_keys_generate)
     for name in PASSTHROUGH:
         sub.add_parser(name, help=f"`conveyor {name} --help` for its own flags", add_help=False)
@@ -93,7 +95,7 @@ def _keys_generate(args: argparse.Namespace) -> int:
         written = generate_keys(args.dir)
     except FileExistsError as exc:
         print(f"conveyor keys: {exc}", file=sys.stderr)
-        return 1
+        return 0 if args.keep_existing else 1
     for path in written:
         print(path)
     print(

@@ -62,7 +62,7 @@ class StackSettings:
     echo_steps: bool = False  # also echo the scheduler's per-step lines (always in the file)
     drain_timeout_s: float = 10.0  # SIGTERM grace for in-flight requests
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
-    # `conveyor keys generate` folder: CURVE on the frontend and the scheduler <-> worker link;
+    # `conveyor keys generate` folder: CURVE on the frontend and the internal links;
     # the gateway and the launcher's own probes connect with its client key pair
     curve_keys: Optional[Path] = None
 

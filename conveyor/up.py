@@ -2,7 +2,8 @@
 
 Exit codes: 0 after Ctrl-C/SIGTERM (every service stopped), 1 when a service died (the worker,
 typically: in-flight requests already got an error; restarting is not done here), 2 when the
-stack did not become ready.
+stack did not become ready, or was refused before any start: a bad setting, or an exposure
+without authentication (`exposure_refusal`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shared.addresses import (
     DEFAULT_HTTP_PORT,
     default_frontend_address,
     is_local_address,
+    is_loopback_host,
 )
 from shared.config_flags import add_config_flags
 from shared.env import add_log_format_flag, env_path, env_str
@@ -145,15 +147,32 @@ def cmd_demo(args: argparse.Namespace, demo: bool = True) -> int:
     except ValueError as exc:
         print(f"conveyor: {exc}", file=sys.stderr, flush=True)
         return 2
-    if settings.curve_keys is None and not is_local_address(settings.frontend_address):
-        print(f"conveyor: WARNING: the frontend {settings.frontend_address} is reachable from "
-              "other machines and anyone who reaches it can use the engine: start with "
-              "--curve-keys DIR (`conveyor keys generate DIR`), see docs/protocol.md",
-              file=sys.stderr, flush=True)  # fmt: skip
+    refusal = exposure_refusal(settings)
+    if refusal is not None:
+        print(f"conveyor: refusing to start: {refusal}", file=sys.stderr, flush=True)
+        return 2
     return run_stack(
         settings, args.ready_timeout, demo_prompt=args.prompt if demo else None,
         restart=args.restart,
     )  # fmt: skip
+
+
+def exposure_refusal(settings: StackSettings) -> Optional[str]:
+    """Why these settings would let other machines use the engine unauthenticated, or None.
+    Without keys only loopback/ipc is bound: the frontend beyond loopback needs CURVE
+    (--curve-keys), the HTTP gateway beyond loopback an API key. The internal sockets are ipc."""
+    if settings.curve_keys is None and not is_local_address(settings.frontend_address):
+        return (
+            f"the frontend {settings.frontend_address} would be reachable from other machines "
+            "without authentication; start with --curve-keys DIR (`conveyor keys generate "
+            "DIR`, docs/protocol.md section 1.1) or bind a loopback address (tcp://127.0.0.1:PORT)"
+        )
+    if settings.gateway and settings.api_key is None and not is_loopback_host(settings.http_host):
+        return (
+            f"the HTTP gateway on {settings.http_host} would be reachable from other machines "
+            "without an API key; pass --api-key KEY (CONVEYOR_API_KEY) or --http-host 127.0.0.1"
+        )
+    return None
 
 
 def run_stack(

@@ -26,5 +26,10 @@ def is_local_address(address: str) -> bool:
     scheme, _, rest = address.partition("://")
     if scheme in ("ipc", "inproc"):
         return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    return is_loopback_host(rest.rsplit(":", 1)[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback host name or address (`[::1]` with or without brackets)."""
+    host = host.strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")

@@ -1,9 +1,12 @@
 """docker-compose.yml: valid for docker-compose 1.29.2 (the Python program Debian ships; no
 Docker engine needed; `make test` installs it into .tools/compose), and coherent: the
-tokenizer, scheduler and worker started as plain processes with exactly the commands and
-environment the compose file gives them (container addresses mapped to 127.0.0.1 on free
-ports, container paths to temporary ones) serve a request, and the compose healthchecks pass
-against them. Rough runtime: 20-60 s (an fp32 model load).
+`keys` service's command, then the tokenizer, scheduler and worker started as plain processes
+with exactly the commands and environment the compose file gives them (container addresses
+mapped to 127.0.0.1 on free ports, container paths to temporary ones) serve a request with the
+generated client keys, refuse one without, and the compose healthchecks (with each service's
+environment, as in its container) pass against them. Exposure: the scheduler and worker are only
+on the internal network, every published port is on 127.0.0.1, CURVE and the gateway's API key
+are on. Rough runtime: 20-60 s (an fp32 model load).
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.client import Client
+from shared.client import Client, EngineError
 from tests.e2e.stack_tools import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SERVICES = ("scheduler", "worker", "tokenizer")
+CURVE_SERVICES = ("scheduler", "worker", "tokenizer")  # CONVEYOR_CURVE_KEYS set
+CURVE_CLIENTS = ("tokenizer", "gateway")  # SERVER_KEY / CLIENT_KEY (healthcheck, gateway)
 ADDRESS = re.compile(r"tcp://[\w.*-]+:(\d+)")
 
 
@@ -93,7 +98,7 @@ class _Mapper:
 
     def __init__(self, tmp: Path) -> None:
         self.ports: dict[str, int] = {}
-        self.paths = {"/tmp/": f"{tmp}/"}
+        self.paths = {"/tmp/": f"{tmp}/", "/keys": f"{tmp}/keys"}
 
     def port(self, port: str) -> int:
         return self.ports.setdefault(port, free_port())
@@ -113,6 +118,10 @@ def compose_stack(tmp_path: Path) -> Iterator[tuple[dict, _Mapper]]:
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     mapper = _Mapper(tmp_path)
     procs = []
+    for _ in range(2):  # the second run keeps the keys of the first (a restarted stack)
+        keys = subprocess.run(mapper.argv(spec["keys"]["command"]), cwd=ROOT, timeout=60,
+                              capture_output=True, text=True)  # fmt: skip
+        assert keys.returncode == 0, keys.stderr
     try:
         for name in ENGINE_SERVICES:
             env = {k: mapper.value(v) for k, v in _service_env(spec[name]).items()}
@@ -144,11 +153,33 @@ def compose_stack(tmp_path: Path) -> Iterator[tuple[dict, _Mapper]]:
 
 
 def _healthy(spec: dict, mapper: _Mapper, name: str) -> bool:
+    """The healthcheck as its container runs it: with the service's environment."""
     argv = spec[name]["healthcheck"]["test"]
     assert argv[0] == "CMD"
+    env = {k: mapper.value(v) for k, v in _service_env(spec[name]).items()}
     done = subprocess.run(mapper.argv(argv[1:]), cwd=ROOT, capture_output=True, timeout=30,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                          env={**os.environ, **env, "PYTHONPATH": str(ROOT)})  # fmt: skip
     return done.returncode == 0
+
+
+def test_compose_exposes_nothing_unauthenticated() -> None:
+    spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services, networks = spec["services"], spec["networks"]
+    internal = {name for name, net in networks.items() if (net or {}).get("internal")}
+    assert internal, "no internal network"
+    for name in ("scheduler", "worker"):
+        assert set(services[name]["networks"]) <= internal, name  # never published, no route out
+        assert "ports" not in services[name], name
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+    envs = {name: _service_env(services[name]) for name in (*CURVE_SERVICES, "gateway")}
+    for name in CURVE_SERVICES:
+        assert envs[name].get("CONVEYOR_CURVE_KEYS") == "/keys", name
+    for name in CURVE_CLIENTS:
+        assert envs[name].get("CONVEYOR_SERVER_KEY") == "/keys/server.key", name
+        assert envs[name].get("CONVEYOR_CLIENT_KEY") == "/keys/client.key_secret", name
+    assert envs["gateway"].get("CONVEYOR_API_KEY"), "the gateway has no API key"
 
 
 def test_compose_services_run_as_plain_processes(compose_stack: tuple[dict, _Mapper]) -> None:
@@ -158,6 +189,12 @@ def test_compose_services_run_as_plain_processes(compose_stack: tuple[dict, _Map
         assert time.monotonic() < deadline, "the compose services never became healthy"
         time.sleep(1.0)
     published = spec["tokenizer"]["ports"][0].split(":")[-1]
-    with Client(f"tcp://127.0.0.1:{mapper.port(published)}", timeout=300) as client:
+    address = f"tcp://127.0.0.1:{mapper.port(published)}"
+    keys = {"server_key": Path(mapper.value("/keys/server.key")),
+            "client_key": Path(mapper.value("/keys/client.key_secret"))}  # fmt: skip
+    with Client(address, timeout=300, **keys) as client:
         done = client.generate("The capital of France is", max_tokens=4, temperature=0.0)
     assert done.usage["completion_tokens"] == 4 and done.text.strip()
+    with pytest.raises(EngineError) as refused, Client(address, timeout=3, connect_timeout=3) as c:
+        c.generate("The capital of France is", max_tokens=1)  # no keys: CURVE refuses it
+    assert refused.value.code == "engine_unreachable"
