@@ -65,6 +65,7 @@ class Scheduler(WorkerFaults):
         self._rules = BatchingRules.from_config(config)
         self._caching = config.enable_prefix_caching
         self._fresh_state(num_blocks)
+        self._reset_faults()  # bisection of failed steps (faults.py)
         self._live: dict[str, Request] = {}  # waiting + running, not finished
         self._inflight: Optional[dict[str, Request]] = None  # sampling requests of the plan
         self._inflight_step: Optional[int] = None
@@ -121,7 +122,7 @@ class Scheduler(WorkerFaults):
         if req is None:
             return None
         if req.status is RequestStatus.WAITING:
-            self._waiting.remove(req)
+            self._remove_waiting(req)  # the queue, or held aside by bisection (faults.py)
         else:
             self._batch.drop(req)
         self._mark_finished(req, "abort", self._clock())

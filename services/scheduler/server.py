@@ -7,7 +7,7 @@ Sockets (both bound here, each behind its link; shared set-up in shared/transpor
   every plan; rank 0 answers. When a worker is lost, frontends hear EngineNotReady, and every
   request the worker held restarts by recompute once a worker says WorkerReady again (up to
   `max_retries` times each; requeued requests wait at most `requeue_timeout_s`, then fail
-  `worker_failed`). A failed step fails only the requests in that step.
+  `worker_failed`). A failed step fails only the requests it can be pinned on (bisection).
 
 Loop: schedule -> send plan -> poll (frontends keep flowing while the plan runs) -> result ->
 update -> send the next plan -> emit this step's outputs (so the worker is already busy while
@@ -166,6 +166,7 @@ class SchedulerServer:
     def _maybe_send_plan(self, back_to_back: bool) -> None:
         if not self._workers_up() or self._in_flight is not None or self._stopped:
             return
+        self.sched.release_held_if_idle()
         plan = self.sched.schedule()
         if plan is None:
             return
@@ -205,6 +206,7 @@ class SchedulerServer:
         self.last_step_id = result.step_id
         self._num_steps += 1
         outputs = self.sched.update(result)
+        self.sched.step_completed(flight.plan.rids)  # no suspects of a failed step any more
         # The worker waits for the next plan: send it before logging and emitting outputs.
         self._maybe_send_plan(back_to_back=True)
         self._log_step(flight, result, received_at, len(outputs))
@@ -230,9 +232,10 @@ class SchedulerServer:
         self._summary.on_step(now - flight.sent_at)
 
     def on_step_failed(self, failure: WorkerFailure) -> None:
-        """Only the requests of the step in flight fail (the failure is pinned on them); a
-        failure naming another step is stale. A failure without a step id (the worker could
-        not read the plan) is pinned on the plan in flight, else only logged."""
+        """Only requests of the step in flight can fail, and only those the failure is pinned
+        on (bisection: services/scheduler/faults.py); the others recompute. A failure naming
+        another step is stale. A failure without a step id (the worker could not read the
+        plan) counts for the plan in flight, else is only logged."""
         self.log.error(
             "step_failed", step_id=failure.step_id, code=failure.code, message=failure.message
         )
@@ -243,7 +246,13 @@ class SchedulerServer:
         if self.sched is not None:
             rids = [*flight.plan.rids, *(seq.rid for seq in flight.plan.new_seqs)]
             message = f"the worker failed the step: {failure.message}"
-            finals = self.sched.fail_step(rids, ErrorCode.WORKER_FAILED, message)
+            finals = self.sched.bisect_failed_step(
+                rids, ErrorCode.WORKER_FAILED, message, flight.plan.released_rids
+            )
+            # the rest recompute: held aside or back at the head of the queue
+            failed = [out.rid for out in finals]
+            self.log.warning("step_failure_pinned", step_id=flight.plan.step_id,
+                             num_seqs=flight.plan.num_seqs, failed_rids=failed)  # fmt: skip
             self.frontends.emit_finals(finals)
 
     def on_worker_lost(self, reason: str) -> None:

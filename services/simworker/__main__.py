@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Optional
 
 from services.simworker.config import WEIGHT_DTYPE_BYTES, SimConfig
+from services.simworker.faults import FaultInjectingRunner
 from services.simworker.profiles import DEVICES, MODELS
 from services.simworker.runner import SimRunner
 from shared.addresses import DEFAULT_WORKER_ADDR
 from shared.curve import add_worker_key_flag, check_worker_keys
 from shared.env import add_log_flags, env_int, env_path, env_str
 from shared.logging import configure_logging
-from shared.worker_server import serve_worker
+from shared.worker_server import StepRunner, serve_worker
 
 EXIT_BAD_CONFIG = 2
 
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=200,
         help="decode steps per batch size between engine-gap log lines",
+    )
+    sim.add_argument(
+        "--sim-fail-token",
+        type=int,
+        default=None,
+        help="fault injection: steps holding a request whose prompt contains this token id "
+        "fail (services/simworker/faults.py)",
     )
     proc = p.add_argument_group("process (as the real worker's)")
     proc.add_argument(
@@ -107,10 +115,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        runner = SimRunner(config_from_args(args), log)
+        runner: StepRunner = SimRunner(config_from_args(args), log)
     except ValueError as exc:  # a bad flag value or a model that does not fit the device
         log.error("bad_worker_config", message=f"SIMULATED worker: {exc}")
         return EXIT_BAD_CONFIG
+    if args.sim_fail_token is not None:
+        runner = FaultInjectingRunner(runner, args.sim_fail_token, log)
     return serve_worker(
         runner,
         args.plan_addr,

@@ -1,9 +1,13 @@
 """Scheduler core after worker faults (issue 14): a lost worker's requests restart by recompute
 and produce exactly the tokens of an undisturbed run; past the retry limit they fail; a failed
-step fails only its own requests, never waiting ones, and the worker is told to drop them."""
+step fails only the requests it is pinned on (bisection), never waiting ones, and the worker is
+told to drop every request that ends."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from test_scheduler_support import CheckingWorker, Run, drive, make, submit
 
 from shared.protocol.errors import ErrorCode
@@ -97,3 +101,91 @@ def test_a_failed_step_fails_its_requests_only_and_releases_them() -> None:
     for rid in RIDS[2:]:
         assert run.final(rid).error_code is None and len(run.tokens(rid)) == 12
     assert not {"r0", "r1"} & set(worker.seqs)  # the worker dropped the failed ones
+
+
+class _FaultyWorker(CheckingWorker):
+    """A checking worker that fails every step holding one of `poisoned` (from `from_token`
+    generated tokens on), before touching its state, and drops releases of rids it does not
+    hold, as the real workers do (`pop(rid, None)`)."""
+
+    def __init__(self, poisoned: set[str], from_token: int = 0, **kw: int) -> None:
+        super().__init__(**kw)
+        self.poisoned = poisoned
+        self.from_token = from_token
+        self.num_failed = 0
+
+    def fails(self, plan) -> bool:  # type: ignore[no-untyped-def]
+        for rid in set(plan.rids) & self.poisoned:
+            seq = self.seqs.get(rid)
+            num_generated = 0 if seq is None else len(seq.token_ids) - seq.num_prompt_tokens
+            if num_generated >= self.from_token:
+                return True
+        return False
+
+    def run(self, sched, plan, run: Run) -> None:  # type: ignore[no-untyped-def]
+        """One plan through the worker, or its failure through bisection."""
+        if self.fails(plan):
+            self.num_failed += 1
+            run.add(sched.bisect_failed_step(plan.rids, ErrorCode.WORKER_FAILED, "boom",
+                                             plan.released_rids))  # fmt: skip
+            return
+        held = [r for r in dict.fromkeys(plan.released_rids) if r in self.seqs]
+        run.add(sched.update(self.execute(dataclasses.replace(plan, released_rids=held))))
+        sched.step_completed(plan.rids)
+
+
+def _drive_with_faults(sched, worker: _FaultyWorker, clock) -> Run:  # type: ignore[no-untyped-def]
+    run = Run()
+    for _ in range(2000):
+        sched.release_held_if_idle()
+        plan = sched.schedule()
+        sched.check_integrity()
+        if plan is None:
+            assert not sched.has_work(), "stuck: work left, nothing scheduled"
+            return run
+        clock.advance(0.01)
+        worker.run(sched, plan, run)
+        sched.check_integrity()
+    raise AssertionError("not done after 2000 steps")
+
+
+@pytest.mark.parametrize("from_token", [0, 5], ids=["at-prefill", "mid-decode"])
+@pytest.mark.parametrize("culprit", ["r0", "r3", "r5"])
+def test_bisection_fails_only_the_culprit(culprit: str, from_token: int) -> None:
+    want = _undisturbed()
+    sched, _, clock = make(max_num_seqs=4, max_num_batched_tokens=64)
+    worker = _FaultyWorker({culprit}, from_token, num_blocks=64, block_size=4)
+    _submit_all(sched)
+    run = _drive_with_faults(sched, worker, clock)
+    assert run.final(culprit).error_code == ErrorCode.WORKER_FAILED
+    for rid in RIDS:
+        if rid != culprit:  # the innocent recompute to exactly their undisturbed tokens
+            assert run.final(rid).error_code is None, rid
+            assert run.tokens(rid) == want.tokens(rid), rid
+    assert 1 <= worker.num_failed <= 6  # ~log2(4) + 1 failures, not one per step
+    assert sched.pool.num_used == 0 and sched.num_held == 0
+    assert sched.add_request(submit("late", 4, 2)) is None  # releases go out with a next plan
+    _drive_with_faults(sched, worker, clock)
+    assert culprit not in worker.seqs  # the worker dropped the failed request's state
+
+
+def test_bisection_ends_even_when_every_step_fails() -> None:
+    sched, _, clock = make(max_num_seqs=4, max_num_batched_tokens=64)
+    worker = _FaultyWorker(set(RIDS), num_blocks=64, block_size=4)
+    _submit_all(sched)
+    run = _drive_with_faults(sched, worker, clock)
+    assert all(run.final(rid).error_code == ErrorCode.WORKER_FAILED for rid in RIDS)
+    assert sched.pool.num_used == 0
+
+
+def test_a_held_request_can_be_aborted() -> None:
+    sched, _, _ = make(max_num_seqs=4, max_num_batched_tokens=64)
+    _submit_all(sched)
+    plan = sched.schedule()
+    assert plan is not None and len(plan.rids) == 4
+    assert sched.bisect_failed_step(plan.rids, ErrorCode.WORKER_FAILED, "boom", []) == []
+    held = [rid for rid in plan.rids if sched.is_held(sched._live[rid])]
+    assert len(held) == 2 and sched.num_held == 2
+    assert sched.abort_request(held[0]) is not None
+    assert sched.num_held == 1
+    sched.check_integrity()

@@ -1,0 +1,44 @@
+"""Fault injection for the SIMULATED worker (`--sim-fail-token ID`): every step that holds a
+sequence whose prompt contains token ID fails, as a real worker fails on an input that breaks
+it (a kernel fault, a NaN). Tests use it to check that such a failure is pinned on that request
+alone (services/scheduler/faults.py) and that the worker drops every request the scheduler ends.
+
+The step fails before the inner runner sees the plan, so the runner's state is as before it;
+the scheduler then sends the plan's releases again (dropping is idempotent in every runner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.protocol.worker_channel import StepPlan, StepResult, WorkerReady
+from shared.worker_server import StepRunner
+
+
+class SimulatedStepFault(RuntimeError):
+    """What a poisoned step raises (serve_worker answers it with WorkerFailure)."""
+
+
+class FaultInjectingRunner:
+    """Wraps a runner; remembers which live rids are poisoned (their prompt holds the token)."""
+
+    def __init__(self, inner: StepRunner, fail_token_id: int, log: Any) -> None:
+        self._inner = inner
+        self._token = fail_token_id
+        self._log = log
+        self._poisoned: set[str] = set()  # rids the scheduler has not released yet
+
+    def ready_message(self, rank: int = 0) -> WorkerReady:
+        return self._inner.ready_message(rank=rank)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Called once per plan: raises SimulatedStepFault when a poisoned rid is in it."""
+        self._poisoned.difference_update(plan.released_rids)
+        poisoned = {seq.rid for seq in plan.new_seqs
+                    if self._token in seq.token_ids[: seq.num_prompt_tokens]}  # fmt: skip
+        in_step = (self._poisoned | poisoned) & set(plan.rids)
+        if in_step:
+            self._poisoned |= poisoned
+            self._log.warning("simulated_step_fault", step_id=plan.step_id, rids=sorted(in_step))
+            raise SimulatedStepFault(f"simulated fault: token {self._token} in {sorted(in_step)}")
+        return self._inner.execute(plan)
