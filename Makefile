@@ -10,7 +10,7 @@ COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real
+.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real soak
 
 venv: $(STAMP)
 
@@ -56,6 +56,13 @@ fuzz: $(STAMP)
 # kill -9 of the REAL worker under 16 streams (docs/RELIABILITY.md; minutes: two model loads).
 faults-real: model
 	CONVEYOR_FAULTS_WORKER=model $(BIN)/python -m pytest -q -s tests/e2e/test_engine_faults.py -k worker_killed
+
+# Memory soak (docs/RELIABILITY.md section 5): 5 min with the worker's idle heap trim off, then
+# 10 min as shipped, back-to-back mixed bursts of 64 requests on the real worker; every
+# service's RSS over time in results/soak/ (rss.png, soak.json); fails when one grows past the
+# bound after warm-up. ~17 min; not part of `make test`. Run it alone on a shared machine.
+soak: model
+	$(BIN)/python bench/soak.py --duration 600 --compare-untrimmed 300 --out results/soak
 
 bench: model
 	$(BIN)/python -m conveyor bench --compare-batching --out results/bench

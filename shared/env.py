@@ -44,6 +44,8 @@ KNOWN: dict[str, str] = {
     "CLIENT_KEY": "clients/gateway: the CURVE client key pair file (DIR/client.key_secret)",
     "RANK": "worker: this process's rank (0 answers with results)",
     "READY_FILE": "worker: a file created once the worker said ready (container healthcheck)",
+    "HEAP_TRIM": "worker: give freed heap back to the OS when idle (default 1; 0 keeps glibc's "
+    "caches, as bench/soak.py --compare-untrimmed does)",
     # Every SchedulerConfig / WorkerConfig field is also CONVEYOR_<FIELD> (shared/config_flags.py)
     "MAX_NUM_SEQS": "scheduler: requests running at once",
     "MAX_NUM_BATCHED_TOKENS": "scheduler: token budget of one step",

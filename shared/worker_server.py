@@ -12,6 +12,7 @@ events for that disconnect (services/scheduler/worker_link.py), so no heartbeat 
 needed.
 
 A runner exception fails only the step: the worker answers `WorkerFailure` and keeps serving.
+Idle for `POLL_MS` after steps, the loop trims the heap (shared/heap.py): RSS stays bounded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from shared.curve import make_curve_client, server_public_path, worker_secret_path
+from shared.env import env_bool
+from shared.heap import trim_heap
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
@@ -62,6 +65,7 @@ def serve_worker(
     max_frame_bytes: Optional[int] = None,
     context: Optional[zmq.Context] = None,
     curve_keys: Optional[Path] = None,
+    trim_heap_when_idle: Optional[bool] = None,
 ) -> int:
     """Serve plans from the scheduler at `plan_address` until WorkerShutdown or `stop` is set.
 
@@ -69,8 +73,10 @@ def serve_worker(
     pool. Returns the process exit code (0 on an orderly shutdown). `ready_file`, when given,
     is created after WorkerReady is sent (container healthchecks look at it). `curve_keys`: a
     `conveyor keys generate` folder; the connection is CURVE with its worker key pair (raises
-    ValueError on bad key files).
+    ValueError on bad key files). `trim_heap_when_idle` (default CONVEYOR_HEAP_TRIM, on): see
+    shared/heap.py.
     """
+    trim = env_bool("HEAP_TRIM", True) if trim_heap_when_idle is None else trim_heap_when_idle
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     if curve_keys is not None:
@@ -88,7 +94,7 @@ def serve_worker(
     sock.connect(plan_address)
     greeter = _Greeter(runner, rank, plan_address, log, ready_file)
     try:
-        return _serve_loop(sock, monitor, greeter, runner, rank, log, stop, max_frame_bytes)
+        return _serve_loop(sock, monitor, greeter, runner, rank, log, stop, max_frame_bytes, trim)
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
@@ -137,13 +143,18 @@ def _serve_loop(
     log: Any,
     stop: Optional[threading.Event],
     max_frame_bytes: Optional[int],
+    trim: bool,
 ) -> int:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     num_steps = 0
+    trimmed_at = 0  # num_steps when the heap was last trimmed
     while stop is None or not stop.is_set():
         events = dict(poller.poll(POLL_MS))
+        if trim and not events and num_steps != trimmed_at:  # idle after steps: pages to the OS
+            trimmed_at = num_steps
+            trim_heap()
         if monitor in events:
             greeter.on_monitor(sock, monitor)
         if sock not in events:
