@@ -189,3 +189,15 @@ def test_a_held_request_can_be_aborted() -> None:
     assert sched.abort_request(held[0]) is not None
     assert sched.num_held == 1
     sched.check_integrity()
+
+
+def test_dynamic_batching_fails_the_whole_step() -> None:
+    """A dynamic batch cannot recompute part of itself: no bisection, as documented."""
+    sched, _, _ = make(max_num_seqs=4, max_num_batched_tokens=64, batching="dynamic",
+                       batch_size=4)  # fmt: skip
+    _submit_all(sched)
+    plan = sched.schedule()
+    assert plan is not None and len(plan.rids) == 4
+    outs = sched.bisect_failed_step(plan.rids, ErrorCode.WORKER_FAILED, "boom", [])
+    assert sorted(o.rid for o in outs) == sorted(plan.rids) and sched.num_held == 0
+    sched.check_integrity()
