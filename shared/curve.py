@@ -120,7 +120,9 @@ def load_allowed_keys(keys_dir: Path, folder: str = AUTHORIZED_DIR) -> set[bytes
     may reach is a configuration mistake, not a secure default)."""
     authorized = Path(keys_dir) / folder
     if not authorized.is_dir():
-        raise ValueError(f"{authorized} is not a directory")
+        raise ValueError(
+            f"{authorized} is not a directory (a folder made by `conveyor keys generate` has it)"
+        )
     allowed = set(zmq.auth.load_certificates(authorized))
     if not allowed:
         raise ValueError(f"no public keys (*{PUBLIC_SUFFIX}) in {authorized}")
