@@ -69,29 +69,34 @@ class BlockPool:
         free = self._free
         if num > len(free) + len(self._evictable):
             return None
-        if num == 1 and free:  # the common case: one decode crossed a block boundary
-            block = free.pop()
+        if num == 1:  # the common case: one decode crossed a block boundary
+            block = free.pop() if free else self._evict_oldest(1)[0]
             self._ref_counts[block] = 1
             return [block]
         num_plain = min(num, len(free))
         taken = free[len(free) - num_plain :]
         del free[len(free) - num_plain :]
         taken.reverse()
-        for _ in range(num - num_plain):
-            taken.append(self._evict_oldest())
+        if num > num_plain:
+            taken.extend(self._evict_oldest(num - num_plain))
+        refs = self._ref_counts
         for block in taken:
-            self._ref_counts[block] = 1
+            refs[block] = 1
         return taken
 
-    def _evict_oldest(self) -> int:
-        block = next(iter(self._evictable))
-        del self._evictable[block]
-        key = self._key_of[block]
-        assert key is not None  # only registered blocks are evictable
-        del self._by_key[key]
-        self._key_of[block] = None
-        self.num_evicted += 1
-        return block
+    def _evict_oldest(self, num: int) -> list[int]:
+        """Unregister the `num` least recently released cached blocks and return them. One
+        pass over the eviction list (each `next(iter())` of a dict whose front was deleted from
+        would skip the deleted entries again)."""
+        evictable, key_of, by_key = self._evictable, self._key_of, self._by_key
+        it = iter(evictable)
+        blocks = [next(it) for _ in range(num)]
+        for block in blocks:
+            del evictable[block]
+            del by_key[key_of[block]]  # type: ignore[arg-type]  # evictable blocks have keys
+            key_of[block] = None
+        self.num_evicted += num
+        return blocks
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; a block with no reference left becomes cached
@@ -149,6 +154,20 @@ class BlockPool:
         self._key_of[block] = key
         self._by_key[key] = block
         return True
+
+    def register_blocks(self, block_ids: Sequence[int], keys: Sequence[bytes], start: int,
+                        end: int) -> None:  # fmt: skip
+        """`register(block_ids[i], keys[i])` for i in [start, end), in one loop (the same rules:
+        a block or key registered already is skipped)."""
+        key_of, by_key, refs = self._key_of, self._by_key, self._ref_counts
+        for i in range(start, end):
+            block, key = block_ids[i], keys[i]
+            if key_of[block] is not None or key in by_key:
+                continue
+            if refs[block] <= 0:
+                raise ValueError(f"block {block} registered but not owned")
+            key_of[block] = key
+            by_key[key] = block
 
     def key_of(self, block: int) -> Optional[bytes]:
         return self._key_of[block]

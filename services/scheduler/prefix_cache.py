@@ -12,7 +12,8 @@ keyed by content (shared/prefix_hash.py). This module decides what is looked up 
   has completed. Blocks filled by prefill chunks are queued when the step's result arrives,
   blocks filled by decodes when the request's table next grows; `flush()` registers the queue
   after the next plan has left (the server calls `after_plan()` off the result -> plan path),
-  or earlier, at the first lookup that could find them (so no lookup misses a completed block).
+  or earlier, at a lookup whose first miss a queued block may hold (so no lookup misses a
+  completed block, and lookups that cannot hit, e.g. of prompts no one shares, flush nothing).
   A finishing or preempted request registers at once (its blocks are freed next). A failed
   step registers nothing, and a worker failure or (re)handshake replaces the pool, which
   empties the cache.
@@ -80,13 +81,32 @@ class PrefixCache:
         block keys once; later lookups (each schedule() while it waits) are dict reads."""
         if not self.enabled:
             return []
-        if self._pending:  # completed blocks not registered yet: a lookup must see them
-            self.flush()
         bs = self.block_size
         num_full = (len(req.token_ids) - 1) // bs
-        if len(req.block_keys) < num_full:
-            extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
-        return self.pool.find_prefix(req.block_keys, num_full)
+        keys = req.block_keys
+        if len(keys) < num_full:
+            extend_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
+        hits = self.pool.find_prefix(keys, num_full)
+        if (
+            len(hits) < num_full
+            and self._pending
+            and self._pending_holds(keys[len(hits)], len(hits))
+        ):
+            self.flush()  # a completed block not registered yet would extend the hit
+            hits = self.pool.find_prefix(keys, num_full)
+        return hits
+
+    def _pending_holds(self, key: bytes, depth: int) -> bool:
+        """Whether a queued registration may be the block `key` at table index `depth` (the
+        first miss of a lookup): only then must the queue be flushed on the result -> plan path
+        (with no shared prefix, never). True when unsure (keys of decode-filled blocks are
+        computed by `flush()`)."""
+        for req, _, num_full in self._pending:
+            if req.num_registered_blocks <= depth < num_full:
+                keys = req.block_keys
+                if depth >= len(keys) or keys[depth] == key:
+                    return True
+        return False
 
     def cached_len(self, req: Request) -> int:
         """Tokens of `req`'s prompt found cached now (the `lpm` policy's key)."""
@@ -147,9 +167,9 @@ class PrefixCache:
         if len(req.block_keys) < num_full:
             bs = self.block_size
             extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
-        register, blocks, keys = self.pool.register, req.block_ids, req.block_keys
-        for i in range(req.num_registered_blocks, num_full):
-            register(blocks[i], keys[i])
+        self.pool.register_blocks(
+            req.block_ids, req.block_keys, req.num_registered_blocks, num_full
+        )
         req.num_registered_blocks = num_full
 
     def reset(self) -> int:

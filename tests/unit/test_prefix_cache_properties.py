@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_scheduler_support import CheckingWorker, FakeClock, Run, token_for
@@ -96,6 +97,28 @@ def test_eviction_takes_plain_free_blocks_first_then_lru_deepest_first() -> None
     assert two == [first[1]] and pool.find_prefix(keys, 3) == first[:1]
 
 
+def test_register_blocks_skips_taken_keys_and_eviction_takes_the_oldest_in_one_go() -> None:
+    pool = BlockPool(6, block_size=1)
+    table = pool.allocate(4)
+    assert table is not None
+    keys = [block_key(None, [i], b"") for i in range(4)]
+    assert pool.register(table[1], keys[1])
+    other = pool.allocate(1)
+    assert other is not None and pool.register(other[0], keys[2])  # keys[2] is taken
+    pool.register_blocks(table, keys, 0, 4)
+    assert [pool.key_of(b) for b in table] == [keys[0], keys[1], None, keys[3]]
+    assert pool.find_prefix(keys, 4) == [table[0], table[1], other[0], table[3]]
+    with pytest.raises(ValueError, match="not owned"):
+        pool.register_blocks([5], [block_key(None, [9], b"")], 0, 1)  # block 5 is free
+    pool.free(table)  # released deepest first: table[3], then table[1], table[0] (cached)
+    pool.free(other)
+    taken = pool.allocate(4)  # one plain free block (table[2] and the last never-used one)...
+    assert taken is not None and taken[:2] == [table[2], 5]
+    assert taken[2:] == [table[3], table[1]]  # ...then the two oldest cached, oldest first
+    assert pool.num_evicted == 2 and pool.find_prefix(keys, 4) == [table[0]]
+    pool.check_integrity([taken], shared_ok=True)
+
+
 # ---- the scheduler ---------------------------------------------------------------------------
 
 
@@ -166,6 +189,7 @@ def _step_requests(
     block_size=st.sampled_from([1, 2, 4]),
     workload=st.lists(arrivals, min_size=2, max_size=12),
     reset_steps=st.sets(st.integers(0, 40), max_size=2),
+    after_plan=st.booleans(),
 )
 def test_shared_prefix_workloads_keep_every_invariant(
     config: SchedulerConfig,
@@ -173,7 +197,10 @@ def test_shared_prefix_workloads_keep_every_invariant(
     block_size: int,
     workload: list[Arrival],
     reset_steps: set[int],
+    after_plan: bool,
 ) -> None:
+    """`after_plan`: whether the registrations queued on the result -> plan path are flushed
+    after each plan, as the server does, or only by lookups that may need them."""
     clock = FakeClock()
     sched = Scheduler(config, num_blocks, block_size, 80, [], clock=clock, cache_namespace=b"m")
     worker = CheckingWorker(num_blocks, block_size, vocab_size=VOCAB)
@@ -187,6 +214,9 @@ def test_shared_prefix_workloads_keep_every_invariant(
         plan = sched.schedule()
         sched.check_integrity()
         if plan is not None:
+            if after_plan:
+                sched.after_plan()
+                sched.check_integrity()
             _step_requests(sched, workload, step, True, run)  # aborts while in flight
             run.add(sched.update(worker.execute(plan)))
             sched.check_integrity()
@@ -241,6 +271,38 @@ def test_hits_happen_and_count_in_the_step_log() -> None:
     stats = sched.stats()
     assert stats["prefix_cache_queries"] == 22 + 23 and stats["prefix_cache_hits"] == 20
     assert sched.reset_prefix_cache() == stats["prefix_cache_blocks"] > 0
+
+
+def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
+    """Blocks a completed step filled are queued for registration (flushed by `after_plan()`,
+    off the result -> plan path). A lookup that no queued block can extend (a prompt nobody
+    shares) leaves the queue alone; one that a queued block extends registers it first, so no
+    completed block is missed."""
+    clock = FakeClock()
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64)
+    sched = Scheduler(config, 32, 4, 128, [], clock=clock, cache_namespace=b"m")
+    worker = CheckingWorker(32, 4, vocab_size=VOCAB)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prefix = list(range(10, 30))  # 20 tokens: 5 full blocks
+    sched.add_request(SubmitRequest("a", prefix + [1, 2], sampling))
+    run = Run()
+    plan = sched.schedule()
+    assert plan is not None
+    run.add(sched.update(worker.execute(plan)))  # a's 5 full blocks completed: queued
+    assert sched.stats()["prefix_cache_blocks"] == 0
+    sched.add_request(SubmitRequest("c", list(range(40, 62)), sampling))  # shares nothing
+    plan = sched.schedule()
+    assert plan is not None and plan.start_positions[plan.rids.index("c")] == 0
+    assert sched.stats()["prefix_cache_blocks"] == 0  # that lookup flushed nothing
+    sched.after_plan()
+    assert sched.stats()["prefix_cache_blocks"] == 5
+    run.add(sched.update(worker.execute(plan)))  # c's 5 full blocks completed: queued
+    sched.add_request(SubmitRequest("d", list(range(40, 60)) + [7], sampling))  # c's prefix
+    plan = sched.schedule()
+    assert plan is not None
+    assert plan.start_positions[plan.rids.index("d")] == 20  # found the queued blocks
+    assert sched.stats()["prefix_cache_blocks"] == 10
+    sched.check_integrity()
 
 
 def test_caching_off_never_shares_and_counts_nothing() -> None:
