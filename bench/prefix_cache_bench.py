@@ -11,7 +11,12 @@ on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts
 * shared-prefix: `--num-prompts` requests at once, a `--prefix-len`-token shared prefix and
   `--suffix-len`-token distinct suffixes, `--output-len` tokens out (EOS ignored);
 * multi-turn: `--conversations` x `--num-turns` requests, each turn resending its history after
-  a `--system-len`-token system prompt, at most one request per conversation in flight;
+  a `--system-len`-token system prompt, at most one request per conversation in flight; the
+  replies in that history are drawn in advance (conveyor bench's multi-turn workload), so a turn
+  can reuse its previous turn's prompt but never its reply;
+* chat: the same conversations as a chat client holds them: all start at once, and each turn
+  resends the system prompt, the earlier user turns and the replies the engine actually gave,
+  plus a new `--turn-len`-token user message (a turn can reuse its whole history);
 * no-sharing: random distinct prompts (0% hits), to show what caching costs when it cannot help.
 
 Prints mean TTFT, output throughput, the engine's hit rate and the scheduler's median
@@ -26,10 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import socket
 import statistics
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +46,11 @@ import orjson
 
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import ConveyorBackend, SamplingChoice
-from conveyor.bench.metrics import compute_metrics
+from conveyor.bench.metrics import RequestTrace, compute_metrics
 from conveyor.bench.runner import run_workload
 from conveyor.bench.workloads import WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
-from shared.client import Client
+from shared.client import AsyncClient, Client, EngineError
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per user turn")
-    p.add_argument("--scenarios", default="shared-prefix,multi-turn,no-sharing")
+    p.add_argument("--scenarios", default="shared-prefix,multi-turn,chat,no-sharing")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("results/prefix_cache"))
     return p.parse_args(argv)
@@ -89,6 +96,18 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         ),
         "multi-turn": Scenario(
             "multi-turn",
+            WorkloadConfig(
+                name="multi-turn",
+                num_prompts=args.conversations * args.num_turns,
+                num_turns=args.num_turns,
+                input_len=args.turn_len,
+                output_len=args.output_len,
+                prefix_len=args.system_len,
+            ),
+            args.conversations,
+        ),
+        "chat": Scenario(  # the workload only sizes it: _chat() draws and sends the turns
+            "chat",
             WorkloadConfig(
                 name="multi-turn",
                 num_prompts=args.conversations * args.num_turns,
@@ -149,6 +168,57 @@ def _gaps_us(log_dir: Path) -> list[float]:
     return out
 
 
+async def _chat(address: str, cfg: WorkloadConfig, id_prefix: str) -> tuple[list[Any], float]:
+    """The chat scenario: `cfg.num_prompts / cfg.num_turns` conversations at once, each sending
+    its next turn when the previous reply has ended, with that reply (its actual token ids) in
+    the history. Returns the traces and the run's duration (s)."""
+    rng = random.Random(20261201)
+    vocab = (100, cfg.vocab_size - 1)  # plain tokens, as conveyor.bench.workloads draws them
+    system = [rng.randint(*vocab) for _ in range(cfg.prefix_len)]
+    num_convs = cfg.num_prompts // cfg.num_turns
+    traces: list[RequestTrace] = []
+    client = AsyncClient(address=address, timeout=600.0)
+
+    async def turn(index: int, prompt: list[int]) -> tuple[RequestTrace, list[int]]:
+        start_wall, start = time.time(), time.perf_counter()
+        times: list[float] = []
+        out: list[int] = []
+        rid = f"{id_prefix}-{index}"
+        stream = client.stream(
+            prompt_token_ids=prompt, request_id=rid, max_tokens=cfg.output_len,
+            temperature=0.0, ignore_eos=True,
+        )  # fmt: skip
+        try:
+            async for chunk in stream:
+                if chunk.token_ids:
+                    times.append(time.perf_counter())
+                    out.extend(chunk.token_ids)
+        except EngineError as exc:
+            return RequestTrace(index, len(prompt), False, error=str(exc), rid=rid), out
+        itls = tuple(b - a for a, b in zip(times, times[1:], strict=False))
+        trace = RequestTrace(index, len(prompt), bool(out), len(out), start_wall,
+                             times[0] - start if out else None, times[-1] - start if out else None,
+                             itls, "" if out else "no output", rid)  # fmt: skip
+        return trace, out
+
+    async def conversation(conv: int) -> None:
+        history = list(system)
+        for t in range(cfg.num_turns):
+            prompt = history + [rng.randint(*vocab) for _ in range(cfg.input_len)]
+            trace, reply = await turn(conv * cfg.num_turns + t, prompt)
+            traces.append(trace)
+            if not trace.success:
+                return
+            history = prompt + reply
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(conversation(c) for c in range(num_convs)))
+    finally:
+        await client.close()
+    return traces, time.perf_counter() - start
+
+
 def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
     """One cold run of a scenario on a running engine: metrics and the engine's hit rate."""
     with Client(address, timeout=600.0) as client:
@@ -168,8 +238,13 @@ def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
         finally:
             await backend.aclose()
 
-    outcome = asyncio.run(go())
-    metrics = compute_metrics(outcome.traces, outcome.duration_s)
+    if scenario.name == "chat":
+        prefix = f"pc-{uuid.uuid4().hex[:8]}"
+        traces, duration = asyncio.run(_chat(address, scenario.workload, prefix))
+    else:
+        outcome = asyncio.run(go())
+        traces, duration = outcome.traces, outcome.duration_s
+    metrics = compute_metrics(traces, duration)
     with Client(address, timeout=60.0) as client:
         after = client.stats()["engine"]
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]

@@ -13,10 +13,11 @@ other benchmarks run); the figures go in docs/PERFORMANCE.md. Writes JSON to --o
 
 Every prompt is distinct (no shared prefix: 0% prefix-cache hits), and sampled tokens differ
 per request, so prefix caching costs here what it costs a workload it cannot help.
-`--prefix-caching on,off` times each scenario with caching on and off, interleaved
-(`--repeats` rounds of on, off), and reports the median of each mode's per-round medians and
-their ratio. `after_plan` (the registrations the server runs off the result -> plan path, while
-the worker computes) is timed apart, as `after_plan_us_median`.
+`--prefix-caching on,off` times each scenario with caching on and off: in each of `--repeats`
+rounds one scheduler per mode, stepped alternately (paired steps see the same moments of a shared
+machine); it reports the median over rounds of the on/off ratio of median step times and of the
+median per-step ratio. `after_plan` (the registrations the server runs off the result -> plan
+path, while the worker computes) is timed apart, as `after_plan_us_median`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--prefix-caching", default="on", help="on | off | on,off | off,on (interleaved, in order)"
     )
     p.add_argument("--repeats", type=int, default=3, help="rounds of on,off when comparing")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: cProfile each mode's steps, print the top functions by own time",
+    )
     return p.parse_args(argv)
 
 
@@ -94,27 +100,37 @@ def _warm_up(n: int, args: argparse.Namespace, steps: int, caching: bool = True)
             return sched
 
 
-def _time_steps(sched: Scheduler, steps: int, new_prompt_len: int) -> dict[str, float]:
-    """Time the scheduler's part of one step, piece by piece, as the server runs it between a
-    result frame and the next plan frame: decode the result, update(), schedule(), encode the
-    plan. With `new_prompt_len`, a new prompt arrives as soon as the previous one is done (so
-    every step holds a prefill chunk)."""
-    parts: dict[str, list[float]] = {"decode": [], "update": [], "schedule": [], "encode": []}
-    after: list[float] = []
-    arrivals = 0
-    gc.collect()
-    plan = sched.schedule()
-    assert plan is not None
-    for _ in range(steps):
-        frame = encode(_answer(plan))  # the worker's side: not timed
+class _Stepper:
+    """Runs one scheduler step by step, timing its part of each step as the server runs it
+    between a result frame and the next plan frame: decode the result, update(), schedule(),
+    encode the plan. With `new_prompt_len`, a new prompt arrives as soon as the previous one is
+    done (so every step holds a prefill chunk)."""
+
+    def __init__(self, sched: Scheduler, new_prompt_len: int) -> None:
+        self.sched = sched
+        self.new_prompt_len = new_prompt_len
+        self.parts: dict[str, list[float]] = {"decode": [], "update": [], "schedule": [],
+                                              "encode": []}  # fmt: skip
+        self.after: list[float] = []
+        self.arrivals = 0
+        plan = sched.schedule()
+        assert plan is not None
+        self.plan = plan
+
+    def step(self) -> float:
+        """One step; its time (us), after_plan excluded."""
+        sched, parts = self.sched, self.parts
+        frame = encode(_answer(self.plan))  # the worker's side: not timed
         t0 = time.perf_counter()
         result = decode(frame)
         t1 = time.perf_counter()
         sched.update(result)
         t2 = time.perf_counter()
-        if new_prompt_len and (arrivals == 0 or not sched.is_live(f"new-{arrivals:05d}")):
-            arrivals += 1
-            sched.add_request(_submit(f"new-{arrivals:05d}", new_prompt_len, 1))
+        if self.new_prompt_len and (
+            self.arrivals == 0 or not sched.is_live(f"new-{self.arrivals:05d}")
+        ):
+            self.arrivals += 1
+            sched.add_request(_submit(f"new-{self.arrivals:05d}", self.new_prompt_len, 1))
         t3 = time.perf_counter()
         plan = sched.schedule()
         t4 = time.perf_counter()
@@ -122,20 +138,33 @@ def _time_steps(sched: Scheduler, steps: int, new_prompt_len: int) -> dict[str, 
         encode(plan)
         t5 = time.perf_counter()
         sched.after_plan()  # the server runs it while the worker computes: timed apart
-        after.append((time.perf_counter() - t5) * 1e6)
-        for name, a, b in (("decode", t0, t1), ("update", t1, t2), ("schedule", t3, t4)):
+        self.after.append((time.perf_counter() - t5) * 1e6)
+        self.plan = plan
+        for name, a, b in (("decode", t0, t1), ("update", t1, t2), ("schedule", t3, t4),
+                           ("encode", t4, t5)):  # fmt: skip
             parts[name].append((b - a) * 1e6)
-        parts["encode"].append((t5 - t4) * 1e6)
-    total = [sum(p) for p in zip(*parts.values(), strict=True)]
-    out = {f"{name}_us_median": statistics.median(v) for name, v in parts.items()}
-    out.update(
-        after_plan_us_median=statistics.median(after),
-        step_us_median=statistics.median(total),
-        step_us_min=min(total),  # the least disturbed step: best guess on a shared machine
-        step_us_p90=sorted(total)[int(0.9 * (len(total) - 1))],
-        step_us_max=max(total),
-    )
-    return out
+        return (t2 - t0 + t5 - t3) * 1e6
+
+    def summary(self) -> dict[str, float]:
+        total = [sum(p) for p in zip(*self.parts.values(), strict=True)]
+        out = {f"{name}_us_median": statistics.median(v) for name, v in self.parts.items()}
+        out.update(
+            after_plan_us_median=statistics.median(self.after),
+            step_us_median=statistics.median(total),
+            step_us_min=min(total),  # the least disturbed step: best guess on a shared machine
+            step_us_p90=sorted(total)[int(0.9 * (len(total) - 1))],
+            step_us_max=max(total),
+        )
+        return out
+
+
+def _time_steps(sched: Scheduler, steps: int, new_prompt_len: int) -> dict[str, float]:
+    """`steps` timed steps of one scheduler (see _Stepper)."""
+    gc.collect()
+    stepper = _Stepper(sched, new_prompt_len)
+    for _ in range(steps):
+        stepper.step()
+    return stepper.summary()
 
 
 def _run(n: int, args: argparse.Namespace, scenario: str, caching: bool) -> dict[str, float]:
@@ -153,21 +182,65 @@ def _run(n: int, args: argparse.Namespace, scenario: str, caching: bool) -> dict
 
 
 def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, object]:
-    """Interleaved rounds of the modes in `--prefix-caching` order: the median of each mode's
-    round medians."""
-    rounds: dict[str, list[float]] = {"on": [], "off": []}
+    """`--repeats` rounds; in each, one scheduler per mode (same requests), stepped
+    alternately (the first mode of a pair alternates too), so both see the same moments of a
+    shared machine. Per round: the ratio of the modes' median step times, and the median of
+    the per-step ratios (step i of one mode against step i of the other: the same work).
+    Reported: the median over rounds of each."""
+    modes = args.prefix_caching.split(",")
+    new_len = args.context if scenario == "mixed" else 0
+    rounds: dict[str, list[float]] = {m: [] for m in modes}
+    ratios: list[float] = []
+    paired: list[float] = []
     for _ in range(args.repeats):
-        for mode in args.prefix_caching.split(","):
-            rounds[mode].append(_run(n, args, scenario, mode == "on")["step_us_median"])
+        steppers = {m: _Stepper(_warm_up(n, args, args.steps, m == "on"), new_len) for m in modes}
+        gc.collect()
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(args.steps):
+            for m in modes if i % 2 == 0 else modes[::-1]:
+                times[m].append(steppers[m].step())
+        meds = {m: steppers[m].summary()["step_us_median"] for m in modes}
+        for m in modes:
+            rounds[m].append(meds[m])
+        ratios.append(meds["on"] / meds["off"])
+        paired.append(statistics.median(a / b for a, b in zip(times["on"], times["off"],
+                                                               strict=True)))  # fmt: skip
+        parts = {m: {k: round(v, 1) for k, v in steppers[m].summary().items()} for m in modes}
+        print(f"N={n:5d} {scenario:6s} round: on/off {meds['on']:.1f}/{meds['off']:.1f} us = "
+              f"{ratios[-1]:.3f}, paired {paired[-1]:.3f}; parts {parts}", flush=True)  # fmt: skip
+    ratio, pair = statistics.median(ratios), statistics.median(paired)
     on, off = statistics.median(rounds["on"]), statistics.median(rounds["off"])
-    print(f"N={n:5d} {scenario:6s} caching on/off step median {on:.1f}/{off:.1f} us = "
-          f"{on / off:.3f}", flush=True)  # fmt: skip
+    print(f"N={n:5d} {scenario:6s} caching on/off step median {on:.1f}/{off:.1f} us: ratio "
+          f"{ratio:.3f}, paired {pair:.3f} (median of {args.repeats} rounds)",
+          flush=True)  # fmt: skip
     return {"running": n, "scenario": scenario, "on_us": on, "off_us": off,
-            "ratio_on_off": on / off, "rounds": rounds}  # fmt: skip
+            "ratio_on_off": ratio, "paired_ratio_on_off": pair, "rounds": rounds,
+            "round_ratios": ratios, "round_paired_ratios": paired}  # fmt: skip
+
+
+def _profile(args: argparse.Namespace) -> None:
+    """cProfile the timed loop of each scenario and mode (where the on/off difference goes:
+    call counts are exact, times inflated by the profiler)."""
+    import cProfile
+    import pstats
+
+    for n in (int(x) for x in args.running.split(",")):
+        for scenario in ("decode", "mixed"):
+            for mode in args.prefix_caching.split(","):
+                sched = _warm_up(n, args, args.steps, mode == "on")
+                prof = cProfile.Profile()
+                prof.enable()
+                _time_steps(sched, args.steps, args.context if scenario == "mixed" else 0)
+                prof.disable()
+                print(f"==== N={n} {scenario} caching {mode}", flush=True)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.profile:
+        _profile(args)
+        return 0
     modes = args.prefix_caching.split(",")
     results: list[dict[str, object]] = []
     for n in (int(x) for x in args.running.split(",")):
