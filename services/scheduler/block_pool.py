@@ -38,6 +38,10 @@ class BlockPool:
         # ordered set: O(1) append, removal and pop of the oldest
         self._evictable: dict[int, None] = {}
         self.num_evicted = 0  # cached blocks reused for something else, since start
+        # since start: registered keys dropped (evictions and resets), and registrations; a
+        # caller that found a prefix cached knows it still is while num_dropped stays the same
+        self.num_dropped = 0
+        self.num_registrations = 0
 
     @property
     def num_free(self) -> int:
@@ -96,6 +100,7 @@ class BlockPool:
             del by_key[key_of[block]]  # type: ignore[arg-type]  # evictable blocks have keys
             key_of[block] = None
         self.num_evicted += num
+        self.num_dropped += num
         return blocks
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -128,6 +133,16 @@ class BlockPool:
             found.append(block)
         return found
 
+    def num_prefix(self, keys: Sequence[bytes], num_max: int, start: int = 0) -> int:
+        """len(find_prefix(keys, num_max)), given that keys[:start] are registered: only the
+        keys from `start` on are looked up."""
+        by_key = self._by_key
+        end = min(num_max, len(keys))
+        i = min(start, end)
+        while i < end and keys[i] in by_key:
+            i += 1
+        return i
+
     def num_reviving(self, block_ids: Iterable[int]) -> int:
         """How many of these registered blocks are cached (ref count 0): taking them uses up
         that many of `num_free`."""
@@ -153,6 +168,7 @@ class BlockPool:
             raise ValueError(f"block {block} registered but not owned")
         self._key_of[block] = key
         self._by_key[key] = block
+        self.num_registrations += 1
         return True
 
     def register_blocks(self, block_ids: Sequence[int], keys: Sequence[bytes], start: int,
@@ -168,6 +184,7 @@ class BlockPool:
                 raise ValueError(f"block {block} registered but not owned")
             key_of[block] = key
             by_key[key] = block
+            self.num_registrations += 1
 
     def key_of(self, block: int) -> Optional[bytes]:
         return self._key_of[block]
@@ -176,6 +193,7 @@ class BlockPool:
         """Forget every registered key (owned blocks stay owned but are no longer findable);
         cached blocks become free. Returns the number of keys dropped."""
         dropped = len(self._by_key)
+        self.num_dropped += dropped
         for block in self._by_key.values():
             self._key_of[block] = None
         self._by_key.clear()

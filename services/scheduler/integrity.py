@@ -4,6 +4,9 @@
   block owned, free or cached, ref counts equal owners, nothing both cached and owned-free;
 * a block is shared by several tables only with prefix caching on, and a table's registered
   blocks hold the content its request's keys claim (no request reads another prefix's KV);
+* the `lpm` policy's remembered cached lengths: while no cached block was dropped since, the
+  remembered prefix is still cached, and with no registration since either, it is exactly what
+  a fresh lookup finds;
 * only running requests hold blocks; running <= max_num_seqs; every live request is either
   waiting or running, exactly once.
 """
@@ -35,6 +38,7 @@ def check_scheduler(
         for i in range(req.num_registered_blocks):
             key = sched.pool.key_of(req.block_ids[i])
             assert key in (None, req.block_keys[i]), f"{req.rid}: block {i} holds other KV"
+    _check_lpm_memo(sched, waiting)
     assert len(batch) <= sched.config.max_num_seqs, "too many running"
     num_live = 0
     for req in live:
@@ -50,3 +54,17 @@ def check_scheduler(
     assert len(waiting) + sched.num_held + sum(not r.padding for r in running) == num_live, (
         "live requests are neither waiting nor running"
     )
+
+
+def _check_lpm_memo(sched: Scheduler, waiting: WaitingQueue) -> None:
+    dropped, registered = sched.prefix_cache.version()
+    for rid, ((was_dropped, was_registered), n) in waiting.known_cached_lens().items():
+        req = waiting.find(rid)
+        assert req is not None, f"lpm remembers {rid}, which does not wait"
+        if was_dropped != dropped:
+            continue  # stale: looked up afresh next time
+        num_full = (len(req.token_ids) - 1) // sched.block_size
+        found = sched.pool.num_prefix(req.block_keys, num_full) * sched.block_size
+        assert n <= found, f"{rid}: lpm remembers {n} cached tokens, {found} are"
+        if was_registered == registered:
+            assert n == found, f"{rid}: lpm remembers {n} cached tokens, {found} are"

@@ -4,8 +4,10 @@
 * `priority`: lower `priority` first, ties by arrival.
 * `short-first`: shortest prompt first (the seeds' "prefill_first").
 * `lpm`: longest cached prefix first (SGLang's name). The cached prefix of a waiting request
-  changes as the cache fills and evicts, so the order is computed afresh by `ordered()`:
-  O(waiting x prompt blocks) dictionary lookups.
+  changes as the cache fills and evicts, so the order is computed afresh by `ordered()`, from
+  each request's cached length as last found: while no cached block has been dropped since
+  (the cache's `version`), that prefix is still there and only its continuation is looked up,
+  so a step costs O(waiting) dictionary lookups, not O(waiting x prompt blocks).
 
 Aging, for every sorted policy: a request that has waited `max_wait` seconds goes before every
 un-aged one, oldest first, so no request waits much past `max_wait` because of the order (only
@@ -24,10 +26,23 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from typing import Optional
+from collections.abc import Iterable, Iterator
+from typing import Optional, Protocol
 
 from services.scheduler.request import Request
+
+
+class CachedPrefixes(Protocol):
+    """What `lpm` asks the prefix cache (services/scheduler/prefix_cache.py)."""
+
+    def version(self) -> tuple[int, int]:
+        """(cached blocks dropped, blocks registered), both counted since start."""
+        ...
+
+    def cached_len(self, req: Request, known_len: int = 0) -> int:
+        """Tokens of `req`'s prompt found cached now; `known_len` of them were found cached
+        earlier and none has been dropped since (only what follows is looked up)."""
+        ...
 
 
 def victim_key(policy: str, req: Request) -> tuple[int, int]:
@@ -77,14 +92,16 @@ class WaitingQueue:
         self,
         policy: str,
         max_wait: float,
-        cached_len: Optional[Callable[[Request], int]] = None,
+        cache: Optional[CachedPrefixes] = None,
     ) -> None:
-        """`cached_len`: a request's cached prefix length in tokens (needed by `lpm`)."""
-        if policy == "lpm" and cached_len is None:
-            raise ValueError("the lpm policy needs a cached_len function")
+        """`cache`: the prefix cache, whose cached prefix lengths `lpm` orders by."""
+        if policy == "lpm" and cache is None:
+            raise ValueError("the lpm policy needs the prefix cache")
         self.policy = policy
         self.max_wait = max_wait
-        self._cached_len = cached_len
+        self._cache = cache
+        # lpm: rid -> (cache version, cached len) when last found, for waiting requests
+        self._cached: dict[str, tuple[tuple[int, int], int]] = {}
         self._sorts = policy in ("priority", "short-first")  # keeps `_sorted` up to date
         self._head: deque[Request] = deque()  # preempted (fcfs, short-first), oldest first
         self._by_arrival: dict[str, Request] = {}  # everyone not in _head, in arrival order
@@ -118,6 +135,7 @@ class WaitingQueue:
         self._head.insert(i, req)
 
     def remove(self, req: Request) -> None:
+        self._cached.pop(req.rid, None)
         if self._by_arrival.pop(req.rid, None) is None:
             self._head.remove(req)
             return
@@ -125,6 +143,16 @@ class WaitingQueue:
             item = (self._key(req), req.seq_no, req)
             i = bisect.bisect_left(self._sorted, item[:2], key=lambda t: t[:2])
             del self._sorted[i]
+
+    def find(self, rid: str) -> Optional[Request]:
+        """The waiting request `rid`, if it waits (changes nothing)."""
+        req = self._by_arrival.get(rid)
+        return req if req is not None else next((r for r in self._head if r.rid == rid), None)
+
+    def known_cached_lens(self) -> dict[str, tuple[tuple[int, int], int]]:
+        """lpm's memo, rid -> (cache version, cached len) when last found (read-only: for
+        services/scheduler/integrity.py)."""
+        return self._cached
 
     def oldest_arrival(self) -> float | None:
         times = [self._head[0].arrival_time] if self._head else []  # head is in arrival order
@@ -158,9 +186,21 @@ class WaitingQueue:
 
     def _longest_prefix_first(self, aged: set[str]) -> list[Request]:
         """The un-aged requests, longest cached prefix first, ties by arrival."""
-        cached_len = self._cached_len
-        assert cached_len is not None  # checked in __init__
+        cache = self._cache
+        assert cache is not None  # checked in __init__
         rest = [r for r in self._by_arrival.values() if r.rid not in aged]
-        lengths = {r.rid: cached_len(r) for r in rest}
+        version = cache.version()
+        memo = self._cached
+        lengths: dict[str, int] = {}
+        for r in rest:
+            seen = memo.get(r.rid)
+            if seen is None or seen[0][0] != version[0]:  # new, or a cached block was dropped
+                n = cache.cached_len(r)
+            elif seen[0][1] != version[1]:  # blocks registered since: may extend it
+                n = cache.cached_len(r, seen[1])
+            else:
+                n = seen[1]
+            memo[r.rid] = (version, n)
+            lengths[r.rid] = n
         rest.sort(key=lambda r: (-lengths[r.rid], r.seq_no))
         return rest

@@ -108,9 +108,27 @@ class PrefixCache:
                     return True
         return False
 
-    def cached_len(self, req: Request) -> int:
-        """Tokens of `req`'s prompt found cached now (the `lpm` policy's key)."""
-        return len(self.lookup(req)) * self.block_size
+    def version(self) -> tuple[int, int]:
+        """(cached blocks dropped, blocks registered) since start: while the first stays the
+        same, every block found cached earlier is still cached (the `lpm` policy's memo)."""
+        return (self.pool.num_dropped, self.pool.num_registrations)
+
+    def cached_len(self, req: Request, known_len: int = 0) -> int:
+        """Tokens of `req`'s prompt found cached now (the `lpm` policy's key); the first
+        `known_len` are known to be (found earlier, nothing dropped since): only the blocks
+        after them are looked up. Changes nothing but, like `lookup`, may flush the queue."""
+        if not self.enabled:
+            return 0
+        bs = self.block_size
+        num_full = (len(req.token_ids) - 1) // bs
+        keys = req.block_keys
+        if len(keys) < num_full:
+            extend_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
+        depth = self.pool.num_prefix(keys, num_full, known_len // bs)
+        if depth < num_full and self._pending and self._pending_holds(keys[depth], depth):
+            self.flush()
+            depth = self.pool.num_prefix(keys, num_full, depth)
+        return depth * bs
 
     def attach(self, req: Request, hits: list[int], step: StepBuilder) -> None:
         """`req` (no blocks, nothing computed) starts with `hits` from `lookup()` in its table:

@@ -134,7 +134,7 @@ class Scheduler(WorkerFaults):
         config = self.config
         self.pool = BlockPool(num_blocks, self.block_size, config.watermark)
         self.prefix_cache = PrefixCache(self.pool, self._cache_namespace, self._caching)
-        self._waiting = WaitingQueue(config.policy, config.max_wait, self.prefix_cache.cached_len)
+        self._waiting = WaitingQueue(config.policy, config.max_wait, self.prefix_cache)
         requeue = self._waiting if self._rules.preempts_to_queue else None
         register = self.prefix_cache.register_computed if self._caching else None
         self._batch = RunningSet(self.pool, config.policy, requeue, register)

@@ -22,6 +22,9 @@ from test_scheduler_support import CheckingWorker, FakeClock, Run, token_for
 
 from services.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.policy import WaitingQueue
+from services.scheduler.prefix_cache import PrefixCache
+from services.scheduler.request import Request
 from shared.prefix_hash import block_key
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
@@ -303,6 +306,38 @@ def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     assert plan.start_positions[plan.rids.index("d")] == 20  # found the queued blocks
     assert sched.stats()["prefix_cache_blocks"] == 10
     sched.check_integrity()
+
+
+def _waiting(rid: str, seq_no: int, prompt: list[int]) -> Request:
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    return Request(rid, list(prompt), len(prompt), sampling, 0, seq_no, 0.0, 64, frozenset())
+
+
+def test_lpm_remembers_cached_lengths_until_the_cache_changes() -> None:
+    """lpm orders by cached prefix length; it remembers each request's length and looks up
+    only its continuation after registrations, all of it again after a cached block was
+    dropped (evicted)."""
+    pool = BlockPool(8, block_size=4)
+    cache = PrefixCache(pool, b"m", enabled=True)
+    queue = WaitingQueue("lpm", max_wait=10.0, cache=cache)
+    shared = list(range(10, 22))  # 3 full blocks
+    x = _waiting("x", 1, list(range(50, 63)))
+    y = _waiting("y", 2, shared + [1])
+    for req in (x, y):
+        cache.prepare(req)  # its block keys, as at arrival
+        queue.add(req)
+    assert list(queue.ordered(0.0)) == [x, y]  # nothing cached: arrival order
+    blocks = pool.allocate(3)
+    assert blocks is not None
+    pool.register_blocks(blocks, y.block_keys, 0, 2)  # y's first two blocks become cached
+    pool.free(blocks)
+    assert list(queue.ordered(0.0)) == [y, x]
+    assert queue.known_cached_lens()["y"][1] == 8
+    assert pool.allocate(8) is not None  # takes every block: both cached ones are evicted
+    assert list(queue.ordered(0.0)) == [x, y]
+    assert queue.known_cached_lens()["y"][1] == 0
+    queue.remove(y)
+    assert "y" not in queue.known_cached_lens()
 
 
 def test_caching_off_never_shares_and_counts_nothing() -> None:
