@@ -65,8 +65,13 @@ class StackSettings:
     # `conveyor keys generate` folder: CURVE on the frontend and the internal links;
     # the gateway and the launcher's own probes connect with its client key pair
     curve_keys: Optional[Path] = None
+    # engines (scheduler + worker each, own KV pool) behind the one frontend; with more than
+    # one their services are named scheduler-<i>, worker-<i> (and so are their log files)
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
         if self.worker not in WORKER_KINDS:
             raise ValueError(f"worker must be one of {', '.join(WORKER_KINDS)}")
         if not 0 < self.http_port < 65536:
@@ -80,11 +85,13 @@ def gateway_available() -> bool:
 
 
 class LocalStack:
-    """The services of one engine on this machine. Not thread-safe; one owner."""
+    """The services of one frontend and its engine(s) on this machine. Not thread-safe; one
+    owner."""
 
     def __init__(self, settings: StackSettings) -> None:
         self.settings = settings
         self.services: dict[str, ServiceProcess] = {}
+        self._engine_of: dict[str, Optional[int]] = {}  # service name -> its engine, if any
         self.run_dir: Optional[Path] = None
         self.frontend_address = settings.frontend_address
         self.log_dir = settings.log_dir.resolve()
@@ -105,24 +112,40 @@ class LocalStack:
         if self.services:
             raise StackError("already started")
         self.run_dir = Path(tempfile.mkdtemp(prefix="conveyor-"))
-        sched_addr = f"ipc://{self.run_dir}/scheduler.sock"
-        worker_addr = f"ipc://{self.run_dir}/worker.sock"
         s = self.settings
-        self._spawn("scheduler", "services.scheduler", {
-            "scheduler_addr": sched_addr, "worker_addr": worker_addr,
-            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.scheduler_flags,
-        })  # fmt: skip
-        self._spawn("worker", *self._worker_command(worker_addr))
-        self._spawn("tokenizer", "services.tokenizer", {
-            "frontend_addr": self.frontend_address, "scheduler_addr": sched_addr,
-            "frontend_id": f"fe-{uuid.uuid4().hex[:8]}", **self._model_flag(),
-            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.tokenizer_flags,
-        })  # fmt: skip
+        sched_addrs = [self._start_engine(i) for i in range(s.data_parallel_size)]
+        tokenizer_flags = {
+            "frontend_addr": self.frontend_address, "frontend_id": f"fe-{uuid.uuid4().hex[:8]}",
+            **self._model_flag(), "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(),
+            **s.tokenizer_flags,
+        }  # fmt: skip
+        self._spawn("tokenizer", "services.tokenizer", tokenizer_flags, repeated={
+            "scheduler_addr": sched_addrs})  # fmt: skip
         if self.with_gateway:
             self._spawn("gateway", "services.gateway", self._gateway_flags())
         elif s.gateway:
             self._note("gateway: services.gateway is not installed; HTTP API not started")
         return self
+
+    def engine_names(self, index: int) -> tuple[str, str]:
+        """The service names (and log file stems) of engine `index`: its scheduler, its worker."""
+        if self.settings.data_parallel_size == 1:
+            return "scheduler", "worker"
+        return f"scheduler-{index}", f"worker-{index}"
+
+    def _start_engine(self, index: int) -> str:
+        """Spawn engine `index` (a scheduler and its worker); returns the scheduler address."""
+        assert self.run_dir is not None
+        s = self.settings
+        sched_addr = f"ipc://{self.run_dir}/scheduler-{index}.sock"
+        worker_addr = f"ipc://{self.run_dir}/worker-{index}.sock"
+        scheduler, worker = self.engine_names(index)
+        self._spawn(scheduler, "services.scheduler", {
+            "scheduler_addr": sched_addr, "worker_addr": worker_addr,
+            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.scheduler_flags,
+        }, engine=index)  # fmt: skip
+        self._spawn(worker, *self._worker_command(worker_addr), engine=index)
+        return sched_addr
 
     def _curve_flags(self) -> dict[str, str]:
         keys = self.settings.curve_keys
@@ -156,17 +179,31 @@ class LocalStack:
             flags.update(server_key=str(server_key), client_key=str(client_key))
         return {**flags, **s.gateway_flags}
 
-    def _spawn(self, name: str, module: str, flags: dict[str, str]) -> None:
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        flags: dict[str, str],
+        engine: Optional[int] = None,
+        repeated: Optional[dict[str, list[str]]] = None,
+    ) -> None:
+        """Start `python -m module --flag value ...` (`repeated`: flags given once per value)
+        as service `name`; `engine`: the engine whose service it is (CONVEYOR_ENGINE)."""
         argv = [sys.executable, "-m", module]
         for key, value in flags.items():
             argv += ["--" + key.replace("_", "-"), value]
+        for key, values in (repeated or {}).items():
+            for value in values:
+                argv += ["--" + key.replace("_", "-"), value]
         hide = () if self.settings.echo_steps else (STEP_MARK,)
+        env = self._env(name, engine)
+        self._engine_of[name] = engine
         self.services[name] = ServiceProcess(
-            name, argv, self._env(name), self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
+            name, argv, env, self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
         )
         self._note(f"started {name} (pid {self.services[name].pid})")
 
-    def _env(self, name: str) -> dict[str, str]:
+    def _env(self, name: str, engine: Optional[int] = None) -> dict[str, str]:
         env = dict(os.environ)
         env.pop("CONVEYOR_LOG_FILE", None)  # the launcher writes logs/<service>.log itself
         for var in ("CURVE_KEYS", "SERVER_KEY", "CLIENT_KEY"):  # CURVE only as the stack says
@@ -175,8 +212,17 @@ class LocalStack:
         env["PYTHONUNBUFFERED"] = "1"
         env["TOKENIZERS_PARALLELISM"] = "false"
         env["CONVEYOR_LOG_FORMAT"] = "json"  # log files stay JSON; the echo renders consoles
-        if name != "worker":  # only the worker computes: the others leave it the cores
+        if not name.startswith("worker"):  # only workers compute: the others leave them cores
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env.pop("CONVEYOR_ENGINE", None)
+        if engine is not None:
+            env["CONVEYOR_ENGINE"] = str(engine)  # the `engine` field of its log lines
+            devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+            if self.settings.data_parallel_size > 1 and name.startswith("worker"):
+                # each engine its own GPU (ignored on CPU): the i-th of those visible
+                env["CUDA_VISIBLE_DEVICES"] = (
+                    devices[engine] if engine < len(devices) else str(engine)
+                )
         env.update(self.settings.env)
         return env
 
@@ -234,8 +280,9 @@ class LocalStack:
             raise StackError(f"{name} is still running")
         old.join_output(1.0)
         hide = () if self.settings.echo_steps else (STEP_MARK,)
+        env = self._env(name, self._engine_of.get(name))
         self.services[name] = ServiceProcess(
-            name, old.argv, self._env(name), self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
+            name, old.argv, env, self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
         )
         self._note(f"restarted {name} (pid {self.services[name].pid})")
 
@@ -246,10 +293,11 @@ class LocalStack:
 
     def stop(self) -> None:
         """Drain and stop: frontends and scheduler first, then the worker; nothing survives."""
+        svcs = self.services
         groups = [
-            [self.services[n] for n in ("gateway", "tokenizer") if n in self.services],
-            [self.services[n] for n in ("scheduler",) if n in self.services],
-            [self.services[n] for n in ("worker",) if n in self.services],
+            [svcs[n] for n in ("gateway", "tokenizer") if n in svcs],
+            [svc for n, svc in svcs.items() if n.startswith("scheduler")],
+            [svc for n, svc in svcs.items() if n.startswith("worker")],
         ]
         stop_in_order(groups, timeout_s=self.settings.drain_timeout_s + 5.0)
         self._note("stopped")

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from conveyor.console import ConsoleEcho
 from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
 from services.scheduler.config import SchedulerConfig
+from services.tokenizer.router import POLICIES as ROUTER_POLICIES
 from services.worker.config import WorkerConfig
 from shared.addresses import (
     DEFAULT_HTTP_HOST,
@@ -62,6 +63,12 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine summary")
     g.add_argument("--summary-interval", type=float,
                    help="seconds between engine_summary lines (default 5, 0: off)")  # fmt: skip
+    d = p.add_argument_group("data parallelism")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engines (scheduler + worker each, own KV pool; on CUDA the i-th "
+                   "visible GPU each) behind the one frontend")  # fmt: skip
+    d.add_argument("--router-policy", choices=("auto", *ROUTER_POLICIES),
+                   help="which engine gets a request (frontend default: auto)")  # fmt: skip
     w = p.add_argument_group("worker kind")
     w.add_argument("--worker", choices=WORKER_KINDS, default="model",
                    help="model: the real worker; sim: SIMULATED (services.simworker)")  # fmt: skip
@@ -111,6 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
     if args.max_retries is not None:
         scheduler_flags["max_retries"] = str(args.max_retries)
     worker_flags = engine_flags(args, WorkerConfig, WORKER_SKIP) if args.worker == "model" else {}
+    tokenizer_flags = {"router_policy": args.router_policy} if args.router_policy else {}
     return StackSettings(
         model=args.model,
         worker=args.worker,
@@ -119,6 +127,8 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         frontend_address=args.frontend_addr,
         scheduler_flags=scheduler_flags,
         worker_flags=worker_flags,
+        tokenizer_flags=tokenizer_flags,
+        data_parallel_size=args.data_parallel_size,
         gateway=not args.no_gateway,
         http_host=args.http_host,
         http_port=args.http_port,
@@ -248,7 +258,7 @@ def _serve(stack: LocalStack, stop: threading.Event, restart: bool) -> int:
         if dead is None:
             continue
         name, rc = dead
-        if restart and name in RESTARTABLE and rc != 0:
+        if restart and name.split("-")[0] in RESTARTABLE and rc != 0:  # scheduler-1 too
             delay = backoff.next_delay(name, time.monotonic())
             print(f"conveyor: {name} died (exit code {rc}); restarting it in {delay:g} s",
                   file=sys.stderr, flush=True)  # fmt: skip

@@ -22,6 +22,13 @@ KNOWN: dict[str, str] = {
     "LOG_FORMAT": "stdout logs: console | json | auto (default: console on a terminal, else JSON)",
     "FRONTEND_ADDR": "client-facing address of the tokenizer service",
     "SCHEDULER_ADDR": "scheduler address the tokenizer services connect to",
+    "SCHEDULER_ADDRS": "tokenizer: comma-separated scheduler addresses, one per engine (data "
+    "parallelism); beats SCHEDULER_ADDR",
+    "ROUTER_POLICY": "tokenizer: auto | round-robin | least-load | cache-aware (default auto)",
+    "ROUTER_BALANCE_ABS": "tokenizer: cache-aware overload margin, requests (default 16)",
+    "ROUTER_BALANCE_REL": "tokenizer: cache-aware overload factor (default 1.5)",
+    "ENGINE": "scheduler/worker: the engine's name, added as `engine` to every log line "
+    "(conveyor up sets it per engine)",
     "WORKER_ADDR": "scheduler <-> worker address",
     "MODEL": "model: 'smollm2' (default), a .gguf file or a Hugging Face folder",
     "HTTP_HOST": "address the HTTP gateway listens on (default 127.0.0.1)",
@@ -95,6 +102,12 @@ def env_bool(name: str, default: bool = False) -> bool:
     if raw.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{PREFIX}{name}={raw!r} is not a boolean")
+
+
+def env_list(name: str) -> list[str]:
+    """CONVEYOR_<name> as a comma-separated list (blanks dropped); [] when unset or empty."""
+    raw = env_str(name) or ""
+    return [item.strip() for item in raw.split(",") if item.strip()]
 
 
 def env_path(name: str) -> Optional[Path]:

@@ -1,6 +1,7 @@
 """Per-service structured logs: structlog records, JSON lines rendered with orjson.
 
-Every record carries `service` and `event`; request-related ones carry `rid`. Log files
+Every record carries `service` and `event`; request-related ones carry `rid`; the records of
+an engine's services (scheduler, worker) carry `engine` when CONVEYOR_ENGINE names it. Log files
 (`--log-file`, or `logs/<service>.log` under the local launcher) always get the JSON line; stdout
 gets it too, or with `--log-format console` (and `auto` on a terminal) a short human line
 (shared/console_format.py). Under `conveyor up` stdout is a pipe, so the services write JSON and
@@ -18,6 +19,7 @@ import orjson
 import structlog
 
 from shared.console_format import LOG_FORMATS, render
+from shared.env import env_str
 
 
 class _TeeWriter:
@@ -81,7 +83,11 @@ def configure_logging(
         logger_factory=lambda *args: writer,
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger().bind(service=service)
+    log = structlog.get_logger().bind(service=service)
+    # The services of one engine (scheduler, worker ranks) name it on every line, so that the
+    # logs of several engines (data parallelism) stay apart: `conveyor up` sets it per engine.
+    engine = env_str("ENGINE")
+    return log.bind(engine=engine) if engine else log
 
 
 def _keep_record(

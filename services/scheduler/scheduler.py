@@ -468,6 +468,7 @@ class Scheduler(WorkerFaults):
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_usage": self.pool.num_used / self.pool.num_blocks,
+            "prefix_caching": float(self.config.enable_prefix_caching),
         }
         out.update(self.counters.as_stats())
         out.update(self.prefix_cache.stats())

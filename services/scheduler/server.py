@@ -140,6 +140,7 @@ class SchedulerServer:
         if not self._workers_up():
             return EngineNotReady(reason="waiting for the worker")
         first = self.workers.first()
+        load = self.sched.stats() if self.sched is not None else {}  # the frontends route by it
         return EngineReady(
             model_name=first.model_name,
             max_model_len=first.max_model_len,
@@ -147,6 +148,10 @@ class SchedulerServer:
             eos_token_ids=list(first.eos_token_ids),
             num_blocks=min(r.num_blocks for r in self.workers.ranks.values()),
             block_size=first.block_size,
+            num_waiting=int(load.get("num_waiting", 0)),
+            num_running=int(load.get("num_running", 0)),
+            kv_usage=float(load.get("kv_usage", 0.0)),
+            prefix_caching=bool(load.get("prefix_caching", 1.0)),
         )
 
     def stats(self) -> dict[str, float]:

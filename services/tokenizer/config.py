@@ -8,9 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from services.tokenizer.router import POLICIES, RouterConfig
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_SCHEDULER_ADDR
 from shared.curve import check_frontend_keys, check_server_keys
-from shared.env import add_drain_flag, add_log_flags, env_float, env_int, env_path, env_str
+from shared.env import (
+    add_drain_flag,
+    add_log_flags,
+    env_float,
+    env_int,
+    env_list,
+    env_path,
+    env_str,
+)
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_HARD_CAP_BYTES = 64 << 20
@@ -19,7 +28,8 @@ DEFAULT_HARD_CAP_BYTES = 64 << 20
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
     frontend_address: str = DEFAULT_FRONTEND_ADDR  # ROUTER for clients (bound)
-    scheduler_address: str = DEFAULT_SCHEDULER_ADDR  # the scheduler's ROUTER (connected)
+    # the schedulers' ROUTERs (connected), one per engine; engine i is the i-th address
+    scheduler_addresses: tuple[str, ...] = (DEFAULT_SCHEDULER_ADDR,)
     frontend_id: str = field(default_factory=lambda: f"fe-{uuid.uuid4().hex[:8]}")  # in rids
     model: Optional[str] = None  # for shared.model_files.prepare_model
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # answered with frame_too_large above
@@ -36,10 +46,17 @@ class FrontendConfig:
     max_requests_per_connection: int = 1024
     cap_exempt_prefix: str = "gateway-"
     curve_keys: Optional[Path] = None  # `conveyor keys generate`: CURVE on both sockets
+    # which engine gets a request (services/tokenizer/router.py); "auto": cache-aware while
+    # the engines report prefix caching on, else least-load
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
-        if not self.frontend_address or not self.scheduler_address:
+        if not self.frontend_address or not self.scheduler_addresses:
             raise ValueError("frontend and scheduler addresses must be set")
+        if not all(self.scheduler_addresses):
+            raise ValueError("a scheduler address must not be empty")
+        if len(set(self.scheduler_addresses)) != len(self.scheduler_addresses):
+            raise ValueError("each scheduler address may be given once")
         if not self.frontend_id:
             raise ValueError("frontend_id must not be empty")
         if self.max_frame_bytes <= 0:
@@ -70,8 +87,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--scheduler-addr",
-        default=env_str("SCHEDULER_ADDR", DEFAULT_SCHEDULER_ADDR),
-        help="the scheduler's address (CONVEYOR_SCHEDULER_ADDR)",
+        action="append",
+        dest="scheduler_addrs",
+        help="a scheduler's address; repeat it for several engines (data parallelism): engine "
+        "i is the i-th (CONVEYOR_SCHEDULER_ADDRS, comma-separated, else CONVEYOR_SCHEDULER_ADDR)",
+    )
+    p.add_argument(
+        "--router-policy",
+        choices=("auto", *POLICIES),
+        default=env_str("ROUTER_POLICY", "auto"),
+        help="which engine gets a request: auto (cache-aware while the engines cache prefixes, "
+        "else least-load), round-robin, least-load, cache-aware (CONVEYOR_ROUTER_POLICY)",
+    )
+    p.add_argument(
+        "--router-balance-abs",
+        type=int,
+        default=env_int("ROUTER_BALANCE_ABS", 16),
+        help="cache-aware: a prefix's engine is overloaded (least-load decides) once it carries "
+        "this many requests more than the least loaded engine and --router-balance-rel times "
+        "as many (CONVEYOR_ROUTER_BALANCE_ABS)",
+    )
+    p.add_argument(
+        "--router-balance-rel",
+        type=float,
+        default=env_float("ROUTER_BALANCE_REL", 1.5),
+        help="cache-aware: see --router-balance-abs (CONVEYOR_ROUTER_BALANCE_REL)",
     )
     p.add_argument(
         "--frontend-id",
@@ -130,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         check_frontend_keys(args.curve_keys)  # and CURVE to the scheduler
     return FrontendConfig(
         frontend_address=args.frontend_addr,
-        scheduler_address=args.scheduler_addr,
+        scheduler_addresses=tuple(scheduler_addresses(args.scheduler_addrs)),
         frontend_id=frontend_id,
         model=args.model,
         max_frame_bytes=args.max_frame_bytes,
@@ -139,4 +179,16 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         scheduler_timeout_s=args.scheduler_timeout,
         max_requests_per_connection=args.max_requests_per_connection,
         curve_keys=args.curve_keys,
+        router=RouterConfig(args.router_policy, args.router_balance_abs, args.router_balance_rel),
     )
+
+
+def scheduler_addresses(flags: Optional[list[str]]) -> list[str]:
+    """The engines' scheduler addresses: the flags, else CONVEYOR_SCHEDULER_ADDRS, else
+    CONVEYOR_SCHEDULER_ADDR, else the default."""
+    if flags:
+        return flags
+    listed = env_list("SCHEDULER_ADDRS")
+    if listed:
+        return listed
+    return [env_str("SCHEDULER_ADDR", DEFAULT_SCHEDULER_ADDR) or DEFAULT_SCHEDULER_ADDR]

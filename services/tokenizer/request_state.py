@@ -22,7 +22,7 @@ from shared.protocol.client_channel import (
     done_reply,
     error_reply,
 )
-from shared.protocol.engine_channel import RequestOutput, RequestTimings
+from shared.protocol.engine_channel import RequestOutput, RequestTimings, SubmitRequest
 from shared.protocol.errors import ErrorCode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import TokenLogprobs
@@ -67,6 +67,8 @@ class ClientRequest:
     # prompt tokens the engine found in its prefix cache; known from the engine's final output
     # (0 when the frontend ends the request first: a stop string, an abort)
     num_cached_tokens: int = 0
+    engine: int = 0  # the engine it was sent to (index in the frontend's scheduler list)
+    submit: Optional[SubmitRequest] = None  # what was sent: resubmitted if that engine is lost
 
     def on_output(self, out: RequestOutput, now: float) -> Progress:
         """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
@@ -123,6 +125,10 @@ class ClientRequest:
     def abort(self, now: float) -> list[bytes]:
         """The client aborted: the `done` that ends the request (text so far, usage so far)."""
         return self._final_frames("abort", None, None, now)
+
+    def streamed_nothing(self) -> bool:
+        """True until the engine's first token arrived: the request may run elsewhere."""
+        return self.first_token_at is None
 
     def error(self, code: str, message: str) -> bytes:
         return error_reply(code, message, self.client_id)

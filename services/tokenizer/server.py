@@ -1,30 +1,44 @@
-"""The frontend's loop: clients (ROUTER) on one side, the scheduler (DEALER) on the other.
+"""The frontend's loop: clients (client_link.py) on one side, one or more engines
+(engine_link.py, one per scheduler address) on the other, a router (router.py) between.
 
-One thread, blocking on a zmq.Poller with a timeout (never busy-polling). Each turn: route the
-scheduler's outputs to their clients, serve client messages, then housekeeping (FrontendHello
-heartbeat, client heartbeats, scheduler liveness, stats time-outs, drain).
+One thread, blocking on a zmq.Poller with a timeout (never busy-polling). Each turn: route each
+engine's outputs to their clients, serve client messages, then housekeeping (FrontendHello
+heartbeats, client heartbeats, engine liveness, query time-outs, drain).
 
-Clients that vanish are found by ROUTER_MANDATORY: a reply or a heartbeat that cannot be routed
-fails, and every request of that connection is aborted in the scheduler.
+Each request runs on one engine, chosen when it arrives. An engine that is lost (its scheduler
+closed the connection, said EngineShutdown, or was silent for `scheduler_timeout_s`) leaves the
+rotation at once; its requests that have not streamed a token yet are resubmitted to another
+ready engine, the others end with `engine_unreachable` (docs/protocol.md). It rejoins when its
+scheduler answers a heartbeat with EngineReady again.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Optional
 
 import zmq
 
 from services.tokenizer.admission import Rejection, over_connection_cap, prompt_ids
+from services.tokenizer.client_link import ClientLink
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.engine_queries import RESET_PREFIX_CACHE, STATS, PendingQueries
+from services.tokenizer.engine_link import EngineLink
+from services.tokenizer.engine_queries import (
+    RESET_PREFIX_CACHE,
+    STATS,
+    PendingQueries,
+    PendingQuery,
+    reset_reply,
+    stats_reply,
+)
 from services.tokenizer.latency_window import LatencyWindow
 from services.tokenizer.request_state import ClientRequest, Progress
+from services.tokenizer.router import Router
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
-from shared.curve import make_curve_server, make_frontend_curve_client
 from shared.protocol import client_channel as cc
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
@@ -33,7 +47,6 @@ from shared.protocol.engine_channel import (
     EngineReady,
     EngineShutdown,
     FrontendBye,
-    FrontendHello,
     OutputBatch,
     PrefixCacheReset,
     RequestRejected,
@@ -42,10 +55,10 @@ from shared.protocol.engine_channel import (
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
-from shared.transport import DisconnectWatch, guarded, one_turn
+from shared.transport import guarded, one_turn
 
 # Receive turns are bounded (shared/transport.py): a backlog of output batches must not delay
-# the FrontendHello that keeps the scheduler from declaring this frontend gone.
+# the FrontendHello that keeps a scheduler from declaring this frontend gone.
 
 
 class FrontendServer:
@@ -64,57 +77,49 @@ class FrontendServer:
         self.codec = codec
         self.log = log
         ctx = context or zmq.Context.instance()
-        self._clients = ctx.socket(zmq.ROUTER)
-        self._sched = ctx.socket(zmq.DEALER)
+        self._clients = ClientLink(config, ctx, log, self._client_gone)
+        self._engines = [
+            EngineLink(i, addr, config.frontend_id, ctx, self._scheduler_gone, config.curve_keys)
+            for i, addr in enumerate(config.scheduler_addresses)
+        ]
+        self._router = Router(config.router, len(self._engines))
         self._opened = False
         self._requests: dict[str, ClientRequest] = {}  # rid -> state
         self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> rid
         self._num_per_conn: Counter[bytes] = Counter()  # identity -> requests in flight
-        self._last_tx: dict[bytes, float] = {}  # identity -> last frame sent (heartbeats)
         self._queries = PendingQueries(config.frontend_id, config.stats_timeout_s)
-        self._engine: Optional[EngineReady] = None
-        self._ever_ready = False
-        self._not_ready_reason = "waiting_for_worker"
-        self._last_engine_rx = time.monotonic()
-        self._last_hello = float("-inf")
         self._next_seq = 0
         self._num_requests_total = 0
-        self._num_errors_total = 0
+        self._num_resubmitted_total = 0
         self._latency = LatencyWindow()  # TTFT/TPOT of the last minute, for `stats`
         self._drain_requested = False
         self._draining_since: Optional[float] = None
         self._stopped = False
+        self._handlers: dict[type, Callable[[EngineLink, Any], None]] = {
+            OutputBatch: self._on_outputs,
+            RequestRejected: self._on_rejected,
+            EngineReady: self._on_ready,
+            EngineNotReady: self._on_not_ready,
+            EngineShutdown: self._on_shutdown,
+            StatsReply: lambda link, m: self._answer(m.query_id, link.index, m.stats),
+            PrefixCacheReset: lambda link, m: self._answer(
+                m.query_id, link.index, m.num_blocks_dropped
+            ),
+        }
 
     # ---- life cycle --------------------------------------------------------------------------
 
     def open(self) -> None:
-        clients, sched = self._clients, self._sched
-        clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable reply -> error: client gone
-        clients.setsockopt(zmq.MAXMSGSIZE, self.config.hard_cap_bytes)
-        clients.setsockopt(zmq.SNDHWM, self.config.send_hwm)
-        clients.setsockopt(zmq.LINGER, 500)
-        make_curve_server(clients, self.config.curve_keys, self.log)  # ZAP: see __main__
-        make_frontend_curve_client(sched, self.config.curve_keys)  # authorized_frontends/
-        sched.setsockopt(zmq.IDENTITY, self.config.frontend_id.encode())
-        sched.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a scheduler not there
-        sched.setsockopt(zmq.LINGER, 1000)
-        # A scheduler that dies closes the connection: its requests are lost at once (they
-        # would otherwise wait forever once a restarted scheduler keeps the link alive). A hung
-        # one is found by the silence time-out instead.
-        self._sched_watch = DisconnectWatch(sched, self._scheduler_gone)
-        try:
-            clients.bind(self.config.frontend_address)
-        except zmq.ZMQError:
-            clients.close(0)
-            self._sched_watch.close()
-            sched.close(0)
-            raise
-        sched.connect(self.config.scheduler_address)
+        self._clients.bind()
+        now = time.monotonic()
+        for link in self._engines:
+            link.connect(now)
         self._opened = True
         self.log.info(
             "frontend_listening",
             address=self.config.frontend_address,
-            scheduler=self.config.scheduler_address,
+            schedulers=list(self.config.scheduler_addresses),
+            router_policy=self.config.router.policy,
             frontend_id=self.config.frontend_id,
         )
 
@@ -125,53 +130,30 @@ class FrontendServer:
         """Serve until drained; returns the process exit code."""
         if not self._opened:
             self.open()
-        clients, sched = self._clients, self._sched
         poller = zmq.Poller()
-        poller.register(clients, zmq.POLLIN)
-        poller.register(sched, zmq.POLLIN)
-        poller.register(self._sched_watch.monitor, zmq.POLLIN)
+        poller.register(self._clients.socket, zmq.POLLIN)
+        for link in self._engines:
+            poller.register(link.socket, zmq.POLLIN)
+            poller.register(link.watch.monitor, zmq.POLLIN)
         tick_ms = int(self.config.heartbeat_s * 500)  # housekeeping at twice the heartbeat rate
         while not self._stopped:
             events = dict(poller.poll(tick_ms))
-            if sched in events:
-                self._on_scheduler()
-            if clients in events:
-                self._on_clients()
-            if self._sched_watch.monitor in events:
-                guarded(
-                    self.log, "monitor_event_failed", lambda _: self._sched_watch.on_events(), 0
-                )
+            for link in self._engines:
+                if link.socket in events:
+                    self._on_engine(link)
+            if self._clients.socket in events:
+                self._clients.serve_turn(self._on_command)
+            for link in self._engines:
+                if link.watch.monitor in events:
+                    link.on_monitor(self.log)
             self._housekeeping(time.monotonic())
-        clients.close()
-        self._sched_watch.close()
-        sched.close()
+        self._clients.close()
+        for link in self._engines:
+            link.close()
         self.log.info("frontend_stopped")
         return 0
 
     # ---- client side -------------------------------------------------------------------------
-
-    def _on_clients(self) -> None:
-        for parts in one_turn(self._clients):
-            guarded(self.log, "client_message_failed", self._on_client_message, parts,
-                    lambda _exc, parts=parts: self._internal_error(parts))  # fmt: skip
-
-    def _internal_error(self, parts: list[bytes]) -> None:
-        msg = "the frontend failed on this message (logged)"
-        self._reply_error(parts[0], ErrorCode.INTERNAL, msg, cc.peek_id(parts[-1]))
-
-    def _on_client_message(self, parts: list[bytes]) -> None:
-        """One client message: a DEALER's [identity, frame]. Called inside the boundary."""
-        ident = parts[0]
-        if len(parts) != 2:
-            msg = "send exactly one frame per message from a DEALER socket"
-            self._reply_error(ident, ErrorCode.MALFORMED_MESSAGE, msg, None)
-            return
-        try:
-            cmd = cc.decode_client_message(parts[1], self.config.max_frame_bytes)
-        except cc.ClientMessageError as exc:
-            self._reply_error(ident, exc.code, exc.message, exc.id)
-            return
-        self._on_command(ident, cmd)
 
     def _on_command(self, ident: bytes, cmd: cc.ClientCommand) -> None:
         if isinstance(cmd, cc.GenerateCommand):
@@ -179,23 +161,28 @@ class FrontendServer:
         elif isinstance(cmd, cc.AbortCommand):
             self._on_abort(ident, cmd.id)
         elif isinstance(cmd, cc.HealthCommand):
-            ready = self._ready()
-            engine = self._engine
-            self._send_client(ident, cc.health_reply(
-                cmd.id, ready, self._reason(), engine.model_name if engine else None,
-                engine.max_model_len if engine else None, engine.vocab_size if engine else None,
-                self.config.frontend_id,
-            ))  # fmt: skip
+            self._on_health(ident, cmd.id)
         elif isinstance(cmd, cc.ResetPrefixCacheCommand):
-            self._on_stats(ident, cmd.id, RESET_PREFIX_CACHE)
+            self._on_query(ident, cmd.id, RESET_PREFIX_CACHE)
         else:
-            self._on_stats(ident, cmd.id)
+            self._on_query(ident, cmd.id, STATS)
+
+    def _on_health(self, ident: bytes, client_id: Optional[str]) -> None:
+        engine = self._reference_engine()
+        loads = self._router.loads
+        engines = [link.health(loads[i].estimate(), loads[i].kv_usage)
+                   for i, link in enumerate(self._engines)]  # fmt: skip
+        self._clients.send(ident, cc.health_reply(
+            client_id, self._ready(), self._reason(), engine.model_name if engine else None,
+            engine.max_model_len if engine else None, engine.vocab_size if engine else None,
+            self.config.frontend_id, engines,
+        ))  # fmt: skip
 
     def _on_generate(self, ident: bytes, cmd: cc.GenerateCommand) -> None:
         now = time.monotonic()
         checked = self._admit(ident, cmd)
         if isinstance(checked, Rejection):
-            self._reply_error(ident, checked.code, checked.message, cmd.id)
+            self._clients.reply_error(ident, checked.code, checked.message, cmd.id)
             return
         rid = f"{self.config.frontend_id}-{self._next_seq}"
         self._next_seq += 1
@@ -209,11 +196,11 @@ class FrontendServer:
             detokenizer=IncrementalDetokenizer(self.codec.decode, checked),
             stops=StopStrings(cmd.stop),
             received_at=now,
+            submit=SubmitRequest(rid, checked, cmd.sampling, cmd.priority, time.time()),
         )
-        submit = SubmitRequest(rid, checked, cmd.sampling, cmd.priority, time.time())
-        if not self._send_scheduler(encode(submit)):
-            msg = "the scheduler is not connected"
-            self._reply_error(ident, ErrorCode.ENGINE_UNREACHABLE, msg, cmd.id)
+        if not self._submit(state, exclude=None):
+            msg = "no scheduler is connected"
+            self._clients.reply_error(ident, ErrorCode.ENGINE_UNREACHABLE, msg, cmd.id)
             return
         self._requests[rid] = state
         self._by_client[(ident, cmd.id)] = rid
@@ -222,7 +209,26 @@ class FrontendServer:
         self.log.info(
             "request_received", rid=rid, client_id=cmd.id, num_prompt_tokens=len(checked),
             max_tokens=cmd.sampling.max_tokens, stream=cmd.stream, num_stop=len(cmd.stop),
+            engine=self._engines[state.engine].name,
         )  # fmt: skip
+
+    def _submit(self, state: ClientRequest, exclude: Optional[int]) -> bool:
+        """Send the request to the engine the router picks among the ready ones (not
+        `exclude`); an engine whose send fails is skipped. False when none took it."""
+        assert state.submit is not None
+        ids = state.submit.prompt_token_ids
+        ready = [i for i, link in enumerate(self._engines) if link.ready and i != exclude]
+        frame = encode(state.submit)
+        while ready:
+            engine = self._router.choose(ids, ready)
+            if engine is None:
+                return False
+            if self._engines[engine].send(frame):
+                self._router.routed(engine, ids)
+                state.engine = engine
+                return True
+            ready.remove(engine)
+        return False
 
     def _admit(self, ident: bytes, cmd: cc.GenerateCommand) -> list[int] | Rejection:
         """Prompt ids, or the first reason (in the documented order) to refuse the request."""
@@ -230,79 +236,68 @@ class FrontendServer:
             return Rejection(ErrorCode.DUPLICATE_ID, f"id {cmd.id!r} is already in flight")
         if self._draining_since is not None or self._drain_requested:
             return Rejection(ErrorCode.SHUTTING_DOWN, "the frontend is shutting down")
-        if self._engine is None:
+        engine = self._reference_engine()
+        if engine is None:
             return Rejection(ErrorCode.NOT_READY, f"the engine is not ready ({self._reason()})")
         if not ident.startswith(self.config.cap_exempt_prefix.encode()):
             cap = self.config.max_requests_per_connection
             if (over := over_connection_cap(self._num_per_conn[ident], cap)) is not None:
                 return over
-        return prompt_ids(cmd, self.codec, self._engine)
+        return prompt_ids(cmd, self.codec, engine)
 
     def _on_abort(self, ident: bytes, client_id: str) -> None:
         rid = self._by_client.get((ident, client_id))
         if rid is None:
-            self._send_client(ident, cc.aborted_reply(client_id, False))
+            self._clients.send(ident, cc.aborted_reply(client_id, False))
             return
         state = self._forget(rid)
-        self._send_scheduler(encode(AbortRequest(rid, "abort")))
+        self._engines[state.engine].send(encode(AbortRequest(rid, "abort")))
         self.log.info("request_aborted", rid=rid, client_id=client_id, reason="client")
         for frame in [*state.abort(time.monotonic()), cc.aborted_reply(client_id, True)]:
-            if not self._send_client(ident, frame):
+            if not self._clients.send(ident, frame):
                 return
 
-    def _on_stats(self, ident: bytes, client_id: Optional[str], kind: str = STATS) -> None:
-        """A query the scheduler answers (engine_queries.py); unanswered, the time-out replies."""
-        query = self._queries.open(ident, client_id, kind, time.monotonic())
-        self._send_scheduler(encode(query))
+    def _on_query(self, ident: bytes, client_id: Optional[str], kind: str) -> None:
+        """A query every engine answers (engine_queries.py): sent to each connected one;
+        unanswered, the time-out replies with what came."""
+        msg = self._queries.message(kind)
+        frame = encode(msg)
+        asked = [link.index for link in self._engines if link.send(frame)]
+        query = self._queries.open(msg.query_id, ident, client_id, kind, time.monotonic(), asked)
+        if not asked:
+            self._reply_query(query)
 
-    def _answer_reset(self, qid: str, num_blocks_dropped: Optional[int]) -> None:
-        wait = self._queries.take(qid)
-        if wait is None:
-            return
-        if num_blocks_dropped is None:
-            msg = "the engine did not answer reset_prefix_cache in time"
-            self._reply_error(wait.identity, ErrorCode.ENGINE_UNREACHABLE, msg, wait.client_id)
-            return
-        reply = cc.reset_prefix_cache_reply(wait.client_id, num_blocks_dropped)
-        self._send_client(wait.identity, reply)
+    def _answer(self, qid: str, engine: int, value: Any) -> None:
+        query = self._queries.answer(qid, engine, value)
+        if query is not None:
+            self._reply_query(query)
 
-    def _answer_stats(self, qid: str, engine: Optional[dict[str, float]]) -> None:
-        wait = self._queries.take(qid)
-        if wait is None:
-            return
+    def _reply_query(self, query: PendingQuery) -> None:
+        names = [link.name for link in self._engines]
+        if query.kind == RESET_PREFIX_CACHE:
+            reply = reset_reply(query, names)
+        else:
+            reply = stats_reply(query, names, self._ready(), self._frontend_stats())
+        self._clients.send(query.identity, reply)
+
+    def _frontend_stats(self) -> dict[str, float]:
         connections = {state.identity for state in self._requests.values()}
-        frontend = {
+        return {
             "requests_in_flight": float(len(self._requests)),
             "connections": float(len(connections)),
             "requests_total": float(self._num_requests_total),
-            "errors_total": float(self._num_errors_total),
+            "errors_total": float(self._clients.num_errors_total),
+            "requests_resubmitted_total": float(self._num_resubmitted_total),
+            "num_engines": float(len(self._engines)),
+            "num_engines_ready": float(sum(link.ready is not None for link in self._engines)),
             **self._latency.percentiles(time.monotonic()),
         }
-        reply = cc.stats_reply(wait.client_id, self._ready(), frontend, engine)
-        self._send_client(wait.identity, reply)
-
-    def _reply_error(self, ident: bytes, code: str, message: str, client_id: Optional[str]) -> None:
-        self._num_errors_total += 1
-        self.log.info("client_error", code=code, client_id=client_id, message=message)
-        self._send_client(ident, cc.error_reply(code, message, client_id))
-
-    def _send_client(self, ident: bytes, frame: bytes) -> bool:
-        """False (and the client's requests aborted) when the client is gone."""
-        sock = self._clients
-        try:
-            sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: disconnected; EAGAIN: not reading at all
-            self._client_gone(ident, exc.strerror)
-            return False
-        self._last_tx[ident] = time.monotonic()
-        return True
 
     def _client_gone(self, ident: bytes, reason: str) -> None:
-        self._last_tx.pop(ident, None)
         rids = [rid for (owner, _), rid in self._by_client.items() if owner == ident]
         for rid in rids:
-            self._forget(rid)
-            self._send_scheduler(encode(AbortRequest(rid, "client_gone")))
+            state = self._forget(rid)
+            self._engines[state.engine].send(encode(AbortRequest(rid, "client_gone")))
             self.log.info("request_aborted", rid=rid, reason="client_gone", detail=reason)
 
     def _forget(self, rid: str) -> ClientRequest:
@@ -311,79 +306,81 @@ class FrontendServer:
         self._num_per_conn[state.identity] -= 1
         if self._num_per_conn[state.identity] <= 0:
             del self._num_per_conn[state.identity]
+        self._router.request_done(state.engine)
         return state
 
-    # ---- scheduler side ----------------------------------------------------------------------
+    # ---- engine side -------------------------------------------------------------------------
 
-    def _on_scheduler(self) -> None:
-        for parts in one_turn(self._sched):
-            guarded(self.log, "scheduler_message_failed", self._on_scheduler_frame, parts[-1])
+    def _on_engine(self, link: EngineLink) -> None:
+        for parts in one_turn(link.socket):
+            guarded(self.log, "scheduler_message_failed",
+                    lambda frame: self._on_engine_frame(link, frame), parts[-1])  # fmt: skip
 
-    def _on_scheduler_frame(self, frame: bytes) -> None:
+    def _on_engine_frame(self, link: EngineLink, frame: bytes) -> None:
         """One scheduler message (it sends one frame each); a bad one is a logged drop."""
-        self._last_engine_rx = time.monotonic()
+        link.last_rx = time.monotonic()
         try:
             msg = decode(frame)
         except DecodeError as exc:
-            self.log.warning("bad_scheduler_frame", code=exc.code, message=exc.message)
+            self.log.warning("bad_scheduler_frame", engine=link.name, code=exc.code,
+                             message=exc.message)  # fmt: skip
             return
-        self._on_engine_message(msg)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.log.warning("unexpected_scheduler_message", engine=link.name,
+                             type=type(msg).__name__)  # fmt: skip
+            return
+        handler(link, msg)
 
-    def _scheduler_gone(self) -> None:
-        if self._engine is not None or self._requests:
-            msg = "the connection to the scheduler was lost"
-            self._engine_lost("scheduler_unreachable", ErrorCode.ENGINE_UNREACHABLE, msg)
+    def _scheduler_gone(self, index: int) -> None:
+        msg = "the connection to the scheduler was lost"
+        self._engine_lost(self._engines[index], "scheduler_unreachable", msg)
 
-    def _on_engine_message(self, msg: Any) -> None:
-        if isinstance(msg, OutputBatch):
-            self._on_outputs(msg)
-        elif isinstance(msg, RequestRejected):
-            if msg.rid in self._requests:
-                state = self._forget(msg.rid)
-                self.log.info("request_rejected", rid=msg.rid, code=msg.code)
-                self._num_errors_total += 1
-                self._send_client(state.identity, state.error(msg.code, msg.message))
-        elif isinstance(msg, EngineReady):
-            if self._engine is None:
-                self.log.info(
-                    "engine_ready",
-                    model=msg.model_name,
-                    max_model_len=msg.max_model_len,
-                    vocab_size=msg.vocab_size,
-                )
-            self._engine, self._ever_ready = msg, True
-        elif isinstance(msg, EngineNotReady):
-            # New requests are refused until the worker is back; those in flight stay: the
-            # scheduler restarts them by recompute, or ends them itself (worker_failed).
-            if self._engine is not None:
-                self.log.warning("engine_not_ready", reason=msg.reason)
-            self._engine = None
-            self._not_ready_reason = "worker_lost" if self._ever_ready else "waiting_for_worker"
-        elif isinstance(msg, EngineShutdown):
-            self._engine_lost(
-                "scheduler_unreachable",
-                ErrorCode.ENGINE_UNREACHABLE,
-                f"the scheduler stopped: {msg.reason}",
-            )
-        elif isinstance(msg, StatsReply):
-            self._answer_stats(msg.query_id, msg.stats)
-        elif isinstance(msg, PrefixCacheReset):
-            self._answer_reset(msg.query_id, msg.num_blocks_dropped)
-        else:
-            self.log.warning("unexpected_scheduler_message", type=type(msg).__name__)
+    def _on_rejected(self, link: EngineLink, msg: RequestRejected) -> None:
+        state = self._requests.get(msg.rid)
+        if state is not None and state.engine == link.index:
+            self._forget(msg.rid)
+            self.log.info("request_rejected", rid=msg.rid, code=msg.code, engine=link.name)
+            self._clients.num_errors_total += 1
+            self._clients.send(state.identity, state.error(msg.code, msg.message))
 
-    def _on_outputs(self, batch: OutputBatch) -> None:
-        """One step's outputs: first the tokens of requests that go on, then final outputs."""
+    def _on_ready(self, link: EngineLink, msg: EngineReady) -> None:
+        if link.ready is None:
+            self.log.info(
+                "engine_ready", engine=link.name, address=link.address, model=msg.model_name,
+                max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
+            )  # fmt: skip
+        link.ready, link.ever_ready = msg, True
+        self._router.on_report(link.index, msg.num_waiting, msg.num_running, msg.kv_usage)
+        self._router.prefix_caching = all(
+            e.ready.prefix_caching for e in self._engines if e.ready is not None
+        )
+
+    def _on_not_ready(self, link: EngineLink, msg: EngineNotReady) -> None:
+        # New requests go elsewhere until the worker is back; those in flight stay: the
+        # scheduler restarts them by recompute, or ends them itself (worker_failed).
+        if link.ready is not None:
+            self.log.warning("engine_not_ready", engine=link.name, reason=msg.reason)
+        link.ready = None
+        link.not_ready_reason = "worker_lost" if link.ever_ready else "waiting_for_worker"
+
+    def _on_shutdown(self, link: EngineLink, msg: EngineShutdown) -> None:
+        self._engine_lost(link, "scheduler_unreachable", f"the scheduler stopped: {msg.reason}")
+
+    def _on_outputs(self, link: EngineLink, batch: OutputBatch) -> None:
+        """One step's outputs: first the tokens of requests that go on, then final outputs.
+        Outputs for a request that now runs elsewhere (resubmitted) are dropped."""
         now = time.monotonic()
         logprobs = batch.logprobs
+        engine = link.index
         for rid, token in zip(batch.rids, batch.token_ids, strict=True):
             state = self._requests.get(rid)
-            if state is not None:  # else aborted or stopped here already
+            if state is not None and state.engine == engine:  # else ended here already
                 lps = logprobs.get(rid) if logprobs else None
                 self._deliver(rid, state, state.on_token(token, lps, now), None, now)
         for out in batch.finished:
             state = self._requests.get(out.rid)
-            if state is not None:
+            if state is not None and state.engine == engine:
                 self._deliver(out.rid, state, state.on_output(out, now), out.timings, now)
 
     def _deliver(
@@ -399,80 +396,78 @@ class FrontendServer:
         if progress.finished:
             self._forget(rid)
             if progress.abort_in_engine:
-                self._send_scheduler(encode(AbortRequest(rid, "stop_string")))
+                self._engines[state.engine].send(encode(AbortRequest(rid, "stop_string")))
             timings = state.timings(engine_timings, now)
             self.log.info(
                 "request_finished", rid=rid, finish_reason=progress.finish_reason,
                 num_output_tokens=len(state.token_ids), ttft_s=timings.ttft_s,
                 tpot_s=timings.tpot_s, e2e_s=timings.e2e_s, queue_s=timings.queue_s,
+                engine=self._engines[state.engine].name,
             )  # fmt: skip
             self._latency.record(now, timings.ttft_s, timings.tpot_s)
         for frame in progress.frames:
-            if not self._send_client(state.identity, frame):
+            if not self._clients.send(state.identity, frame):
                 break
 
-    def _engine_lost(self, reason: str, code: str, message: str) -> None:
-        """Not ready any more: every in-flight request ends with an error."""
-        if self._engine is not None or self._requests:
-            self.log.warning(
-                "engine_not_ready", reason=reason, detail=message, num_failed=len(self._requests)
-            )
-        self._engine = None
-        self._not_ready_reason = reason
-        for rid in list(self._requests):
-            if rid not in self._requests:
+    def _engine_lost(self, link: EngineLink, reason: str, message: str) -> None:
+        """Out of rotation; its requests that streamed nothing yet run on another ready engine,
+        the others end with `engine_unreachable`."""
+        mine = [rid for rid, state in self._requests.items() if state.engine == link.index]
+        if link.ready is None and not mine and link.not_ready_reason == reason:
+            return  # lost already (the silence check repeats every tick)
+        if link.ready is not None or mine:
+            self.log.warning("engine_lost", engine=link.name, reason=reason, detail=message,
+                             num_in_flight=len(mine))  # fmt: skip
+        link.ready = None
+        link.not_ready_reason = reason
+        self._router.engine_lost(link.index)
+        for rid in mine:
+            state = self._requests.get(rid)
+            if state is None:
                 continue  # a failed send already dropped it with its connection
-            state = self._forget(rid)
-            self._num_errors_total += 1
-            self.log.info("request_failed", rid=rid, code=code)
-            self._send_client(state.identity, state.error(code, message))
-
-    def _send_scheduler(self, frame: bytes) -> bool:
-        sock = self._sched
-        try:
-            sock.send(frame, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # EAGAIN: not connected (IMMEDIATE) or its queue is full
-            return False
-        return True
+            link.send(encode(AbortRequest(rid, "engine_lost")))  # a hung one may wake up
+            if state.streamed_nothing() and self._submit(state, exclude=link.index):
+                self._router.request_done(link.index)
+                self._num_resubmitted_total += 1
+                self.log.info("request_resubmitted", rid=rid, from_engine=link.name,
+                              engine=self._engines[state.engine].name)  # fmt: skip
+                continue
+            self._forget(rid)
+            self._clients.num_errors_total += 1
+            self.log.info("request_failed", rid=rid, code=ErrorCode.ENGINE_UNREACHABLE,
+                          engine=link.name)  # fmt: skip
+            self._clients.send(state.identity, state.error(ErrorCode.ENGINE_UNREACHABLE, message))
 
     # ---- state -------------------------------------------------------------------------------
 
+    def _reference_engine(self) -> Optional[EngineReady]:
+        """A ready engine's handshake (the first): the model's limits for admission. Engines
+        behind one frontend serve the same model."""
+        return next((link.ready for link in self._engines if link.ready is not None), None)
+
     def _ready(self) -> bool:
-        return self._engine is not None and not self._drain_requested
+        return self._reference_engine() is not None and not self._drain_requested
 
     def _reason(self) -> Optional[str]:
         if self._drain_requested:
             return "shutting_down"
-        return None if self._engine is not None else self._not_ready_reason
+        if self._reference_engine() is not None:
+            return None
+        return self._engines[0].not_ready_reason
 
     # ---- housekeeping ------------------------------------------------------------------------
 
     def _housekeeping(self, now: float) -> None:
         cfg = self.config
-        if now - self._last_hello >= cfg.heartbeat_s:
-            self._last_hello = now
-            self._send_scheduler(encode(FrontendHello(cfg.frontend_id)))
-        if now - self._last_engine_rx > cfg.scheduler_timeout_s:
-            if self._engine is not None or self._requests:
-                self._engine_lost(
-                    "scheduler_unreachable",
-                    ErrorCode.ENGINE_UNREACHABLE,
-                    f"no word from the scheduler for {cfg.scheduler_timeout_s:g} s",
-                )
-            self._not_ready_reason = "scheduler_unreachable"
-        self._heartbeat_clients(now)
-        for qid, kind in self._queries.expired(now):
-            (self._answer_stats if kind == STATS else self._answer_reset)(qid, None)
+        for link in self._engines:
+            link.hello(now, cfg.heartbeat_s)
+            if link.silent_for(now) > cfg.scheduler_timeout_s:
+                msg = f"no word from the scheduler for {cfg.scheduler_timeout_s:g} s"
+                self._engine_lost(link, "scheduler_unreachable", msg)
+        self._clients.heartbeat((state.identity for state in self._requests.values()), now)
+        for query in self._queries.expired(now):
+            self._reply_query(query)
         self._drain_step(now)
-
-    def _heartbeat_clients(self, now: float) -> None:
-        """Any connection with a request in flight hears something at least every heartbeat_s;
-        a send that fails means the client is gone."""
-        active = {state.identity for state in self._requests.values()}
-        self._last_tx = {i: t for i, t in self._last_tx.items() if i in active}
-        for ident in active:
-            if now - self._last_tx.get(ident, float("-inf")) >= self.config.heartbeat_s:
-                self._send_client(ident, cc.heartbeat_reply())
 
     def _drain_step(self, now: float) -> None:
         if self._drain_requested and self._draining_since is None:
@@ -489,8 +484,9 @@ class FrontendServer:
                 continue
             state = self._forget(rid)
             self.log.info("request_failed", rid=rid, code=ErrorCode.SHUTTING_DOWN)
-            self._send_scheduler(encode(AbortRequest(rid, "shutdown")))
+            self._engines[state.engine].send(encode(AbortRequest(rid, "shutdown")))
             msg = "the frontend stopped before the request finished"
-            self._send_client(state.identity, state.error(ErrorCode.SHUTTING_DOWN, msg))
-        self._send_scheduler(encode(FrontendBye(self.config.frontend_id)))
+            self._clients.send(state.identity, state.error(ErrorCode.SHUTTING_DOWN, msg))
+        for link in self._engines:
+            link.send(encode(FrontendBye(self.config.frontend_id)))
         self._stopped = True

@@ -422,7 +422,10 @@ def health_reply(
     max_model_len: Optional[int],
     vocab_size: Optional[int],
     frontend_id: str,
+    engines: Optional[list[dict[str, Any]]] = None,
 ) -> bytes:
+    """`engines`: each engine behind the frontend (engine, address, ready, reason, load,
+    kv_usage); `ready` is true while at least one of them is."""
     return encode_reply(
         "health",
         id,
@@ -432,6 +435,7 @@ def health_reply(
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         frontend_id=frontend_id,
+        engines=engines,
     )
 
 
@@ -440,9 +444,16 @@ def reset_prefix_cache_reply(id: Optional[str], num_blocks_dropped: int) -> byte
 
 
 def stats_reply(
-    id: Optional[str], ready: bool, frontend: dict[str, float], engine: Optional[dict[str, float]]
+    id: Optional[str],
+    ready: bool,
+    frontend: dict[str, float],
+    engine: Optional[dict[str, float]],
+    engines: Optional[dict[str, Optional[dict[str, float]]]] = None,
 ) -> bytes:
-    return encode_reply("stats", id, ready=ready, frontend=frontend, engine=engine)
+    """`engine`: the engines' stats combined; `engines`: each engine's by name (None: it did
+    not answer in time)."""
+    return encode_reply("stats", id, ready=ready, frontend=frontend, engine=engine,
+                        engines=engines)  # fmt: skip
 
 
 # ---- client side -----------------------------------------------------------------------------

@@ -65,7 +65,11 @@ class FrontendBye:
 
 @dataclass(frozen=True, slots=True)
 class EngineReady:
-    """Sent to every frontend after the worker handshake (and in answer to FrontendHello)."""
+    """Sent to every frontend after the worker handshake (and in answer to FrontendHello).
+
+    Its load fields are the engine's load when sent (once per FrontendHello, i.e. per
+    heartbeat): a frontend with several engines routes by them (services/tokenizer/router.py).
+    """
 
     model_name: str
     max_model_len: int
@@ -73,6 +77,10 @@ class EngineReady:
     eos_token_ids: list[int]
     num_blocks: int
     block_size: int
+    num_waiting: int = 0  # requests queued
+    num_running: int = 0  # requests in the running batch
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    prefix_caching: bool = True  # whether this engine keeps a prefix cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,9 @@ from services.tokenizer.config import (
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("FRONTEND_ADDR", "SCHEDULER_ADDR", "FRONTEND_ID", "MAX_FRAME_BYTES", "MODEL"):
+    names = ("FRONTEND_ADDR", "SCHEDULER_ADDR", "SCHEDULER_ADDRS", "FRONTEND_ID",
+             "MAX_FRAME_BYTES", "MODEL", "ROUTER_POLICY")  # fmt: skip
+    for name in names:
         monkeypatch.delenv(f"CONVEYOR_{name}", raising=False)
     cfg = config_from_args(build_parser().parse_args([]))
     assert cfg.frontend_address == DEFAULT_FRONTEND_ADDR == "tcp://127.0.0.1:5557"
@@ -22,6 +24,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.max_frame_bytes == 1 << 20 and cfg.hard_cap_bytes > cfg.max_frame_bytes
     other = config_from_args(build_parser().parse_args([]))
     assert other.frontend_id != cfg.frontend_id  # two frontends never share rids
+    assert cfg.scheduler_addresses == ("tcp://127.0.0.1:5556",)
+    assert cfg.router.policy == "auto"
 
 
 def test_flag_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,10 +33,11 @@ def test_flag_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("CONVEYOR_SCHEDULER_ADDR", "ipc:///tmp/s.sock")
     monkeypatch.setenv("CONVEYOR_FRONTEND_ID", "fe-env")
     monkeypatch.setenv("CONVEYOR_DRAIN_TIMEOUT", "7")
+    monkeypatch.delenv("CONVEYOR_SCHEDULER_ADDRS", raising=False)
     args = build_parser().parse_args(["--frontend-addr", "tcp://127.0.0.1:7002"])
     cfg = config_from_args(args)
     assert cfg.frontend_address == "tcp://127.0.0.1:7002"
-    assert cfg.scheduler_address == "ipc:///tmp/s.sock"
+    assert cfg.scheduler_addresses == ("ipc:///tmp/s.sock",)
     assert cfg.frontend_id == "fe-env" and cfg.drain_timeout_s == 7.0
 
 
@@ -44,9 +49,32 @@ def test_flag_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -
         {"heartbeat_s": 0},
         {"drain_timeout_s": -1},
         {"frontend_id": ""},
-        {"scheduler_address": ""},
+        {"scheduler_addresses": ()},
+        {"scheduler_addresses": ("ipc:///a", "")},
+        {"scheduler_addresses": ("ipc:///a", "ipc:///a")},
     ],
 )
 def test_invalid_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         FrontendConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_several_engines_by_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeated --scheduler-addr beats CONVEYOR_SCHEDULER_ADDRS, which beats
+    CONVEYOR_SCHEDULER_ADDR; engine i is the i-th address."""
+    monkeypatch.setenv("CONVEYOR_SCHEDULER_ADDR", "ipc:///tmp/one.sock")
+    monkeypatch.setenv("CONVEYOR_SCHEDULER_ADDRS", "tcp://10.0.0.1:5556, tcp://10.0.0.2:5556")
+    monkeypatch.setenv("CONVEYOR_ROUTER_POLICY", "least-load")
+    cfg = config_from_args(build_parser().parse_args([]))
+    assert cfg.scheduler_addresses == ("tcp://10.0.0.1:5556", "tcp://10.0.0.2:5556")
+    assert cfg.router.policy == "least-load"
+    argv = ["--scheduler-addr", "ipc:///a", "--scheduler-addr", "ipc:///b",
+            "--router-policy", "cache-aware", "--router-balance-abs", "4"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert cfg.scheduler_addresses == ("ipc:///a", "ipc:///b")
+    assert cfg.router.policy == "cache-aware" and cfg.router.balance_abs == 4
+    monkeypatch.delenv("CONVEYOR_SCHEDULER_ADDRS")
+    cfg = config_from_args(build_parser().parse_args([]))
+    assert cfg.scheduler_addresses == ("ipc:///tmp/one.sock",)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--router-policy", "random"])

@@ -1,0 +1,96 @@
+"""The frontend's link to one engine: a DEALER to its scheduler, and what it last said.
+
+An engine (one scheduler and its worker ranks) is known by its index in the frontend's
+`--scheduler-addr` list: engine "0", "1", ... in logs, `health`, `stats` and /metrics. The link
+says whether the engine is ready (its last EngineReady, not followed by EngineNotReady or a
+loss) and when it was last heard; the server decides what a loss means for requests.
+
+Liveness: a scheduler that dies closes the connection (DisconnectWatch: found at once); a hung
+one is found by silence (no message for `scheduler_timeout_s`; it answers each FrontendHello,
+sent every heartbeat, so a live one is never silent that long). The DEALER reconnects by
+itself: a scheduler that comes back answers the next hello with EngineReady and the engine
+rejoins the rotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import zmq
+
+from shared.curve import make_frontend_curve_client
+from shared.protocol.codec import encode
+from shared.protocol.engine_channel import EngineReady, FrontendHello
+from shared.transport import DisconnectWatch, guarded
+
+
+class EngineLink:
+    """Create, `connect()`, register `socket` and `watch.monitor` in the loop's poller."""
+
+    def __init__(
+        self,
+        index: int,
+        address: str,
+        frontend_id: str,
+        context: zmq.Context,
+        on_gone: Callable[[int], None],
+        curve_keys: Optional[Path] = None,
+    ) -> None:
+        self.index = index
+        self.name = str(index)  # the `engine` field of logs and labels
+        self.address = address
+        self.socket = context.socket(zmq.DEALER)
+        # CURVE with the frontend key pair (the scheduler admits authorized_frontends/)
+        make_frontend_curve_client(self.socket, curve_keys)
+        self.socket.setsockopt(zmq.IDENTITY, frontend_id.encode())
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for an absent scheduler
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self._frontend_id = frontend_id
+        self.watch = DisconnectWatch(self.socket, lambda: on_gone(index))
+        self.ready: Optional[EngineReady] = None  # set while the engine takes requests
+        self.ever_ready = False
+        self.not_ready_reason = "waiting_for_worker"
+        self.last_rx: float = 0.0  # time.monotonic() of its last message
+        self.last_hello = float("-inf")
+
+    def connect(self, now: float) -> None:
+        self.last_rx = now  # the silence time-out counts from here
+        self.socket.connect(self.address)
+
+    def send(self, frame: bytes) -> bool:
+        """False when the scheduler is not connected (IMMEDIATE) or its queue is full."""
+        try:
+            self.socket.send(frame, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # EAGAIN
+            return False
+        return True
+
+    def hello(self, now: float, heartbeat_s: float) -> None:
+        """The heartbeat: at most one FrontendHello per `heartbeat_s`."""
+        if now - self.last_hello >= heartbeat_s:
+            self.last_hello = now
+            self.send(encode(FrontendHello(self._frontend_id)))
+
+    def on_monitor(self, log: Any) -> None:
+        """`watch.monitor` is readable: a disconnect calls `on_gone(index)`."""
+        guarded(log, "monitor_event_failed", lambda _: self.watch.on_events(), 0)
+
+    def silent_for(self, now: float) -> float:
+        return now - self.last_rx
+
+    def health(self, load: int, kv_usage: float) -> dict[str, Any]:
+        """This engine in the `health` reply (docs/protocol.md)."""
+        return {
+            "engine": self.name,
+            "address": self.address,
+            "ready": self.ready is not None,
+            "reason": None if self.ready is not None else self.not_ready_reason,
+            "load": load,
+            "kv_usage": kv_usage,
+        }
+
+    def close(self) -> None:
+        self.watch.close()
+        self.socket.close()

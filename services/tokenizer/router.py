@@ -1,0 +1,170 @@
+"""Which engine gets a new request: the frontend's data-parallel router (no extra hop).
+
+Policies (`--router-policy`):
+
+* `round-robin`: the next ready engine in turn.
+* `least-load`: the ready engine with the lowest load estimate (`EngineLoad.estimate`): the
+  requests the engine last reported waiting + running, corrected by what this frontend sent it
+  since (its own in-flight count moves at once, the report once per heartbeat). Ties go to the
+  engine after the last one chosen, so idle engines share work and two frontends that see the
+  same picture do not both pile onto engine 0.
+* `cache-aware`: the ready engine most likely to hold the prompt's prefix in its prefix cache,
+  unless that engine is overloaded; else `least-load`. The frontend keeps an approximate
+  picture of each engine's cache: the block keys (shared/prefix_hash.py, the scheduler's own
+  key function) of the prompts it routed there, LRU-bounded. "Overloaded" means both
+  load > least load + `balance_abs` and load > least load * `balance_rel` (SGLang's router
+  uses the same two-threshold idea): a hot prefix may pile up a little on its engine, never
+  without bound. The picture of an engine is dropped when it goes away (its cache is gone).
+
+Several frontends each keep their own picture; their choices may differ, and each one still
+balances by load, so none can starve an engine. Kept free of sockets: the server feeds it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from shared.prefix_hash import cache_namespace, extend_block_keys
+
+POLICIES = ("round-robin", "least-load", "cache-aware")
+AUTO = "auto"  # cache-aware while the engines cache prefixes, else least-load
+ROUTER_BLOCK_LEN = 16  # tokens per hashed block: the scheduler's default block size
+MAX_TRACKED_BLOCKS = 200_000  # LRU bound of the prefix picture (~16 B key + entry each)
+_NAMESPACE = cache_namespace("router", "any")  # routing keys never meet the scheduler's
+
+
+@dataclass
+class EngineLoad:
+    """What the router knows of one engine's load. `reported_*` come from the engine (every
+    heartbeat); `num_local` is this frontend's requests on it now, and `num_local_at_report`
+    what it was when the report came (so the report's share of other frontends is known)."""
+
+    num_local: int = 0
+    reported_waiting: int = 0
+    reported_running: int = 0
+    kv_usage: float = 0.0
+    num_local_at_report: int = 0
+
+    def estimate(self) -> int:
+        """Requests on the engine now, as well as this frontend can tell."""
+        others = self.reported_waiting + self.reported_running - self.num_local_at_report
+        return self.num_local + max(0, others)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = AUTO
+    balance_abs: int = 16  # cache-aware: extra requests a prefix's engine may carry ...
+    balance_rel: float = 1.5  # ... and the factor over the least loaded, both exceeded: shed
+    min_match_blocks: int = 1  # cache-aware: fewer matched blocks than this is no match
+
+    def __post_init__(self) -> None:
+        if self.policy not in (AUTO, *POLICIES):
+            raise ValueError(f"router policy must be one of {AUTO}, {', '.join(POLICIES)}")
+        if self.balance_abs < 0 or self.balance_rel < 1.0:
+            raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
+        if self.min_match_blocks < 1:
+            raise ValueError("min_match_blocks must be >= 1")
+
+
+class Router:
+    """Call `choose` for each new request (with the engines ready now), then `routed` once it
+    was sent; `engine_lost` when an engine goes away."""
+
+    def __init__(self, config: RouterConfig, num_engines: int) -> None:
+        self.config = config
+        self.loads = [EngineLoad() for _ in range(num_engines)]
+        self._last: int = -1  # the engine chosen last (round-robin and tie-breaks)
+        self.prefix_caching = True  # what the engines report (EngineReady); for AUTO
+        # block key -> engines that were sent a prompt with this block (LRU order)
+        self._blocks: OrderedDict[bytes, set[int]] = OrderedDict()
+
+    def choose(self, prompt_ids: Sequence[int], ready: Sequence[int]) -> Optional[int]:
+        """The engine for a prompt among `ready` (engine indexes); None when none is ready."""
+        if not ready:
+            return None
+        if self.config.policy == "round-robin":
+            return self._next_after(self._last, ready)
+        if self.cache_aware:
+            best = self._best_match(prompt_ids, ready)
+            if best is not None and not self._overloaded(best, ready):
+                return best
+        return self._least_loaded(ready)
+
+    def routed(self, engine: int, prompt_ids: Sequence[int]) -> None:
+        """`engine` was sent this prompt: it holds (or soon will) the prompt's blocks."""
+        self._last = engine
+        self.loads[engine].num_local += 1
+        if not self.cache_aware:
+            return
+        for key in self._keys(prompt_ids):
+            holders = self._blocks.pop(key, set())
+            holders.add(engine)
+            self._blocks[key] = holders  # most recently used last
+        while len(self._blocks) > MAX_TRACKED_BLOCKS:
+            self._blocks.popitem(last=False)
+
+    def request_done(self, engine: int) -> None:
+        """One of this frontend's requests on `engine` ended (any way)."""
+        load = self.loads[engine]
+        load.num_local = max(0, load.num_local - 1)
+
+    def on_report(self, engine: int, waiting: int, running: int, kv_usage: float) -> None:
+        """The engine's own load figures (with its heartbeat answer)."""
+        load = self.loads[engine]
+        load.reported_waiting, load.reported_running, load.kv_usage = waiting, running, kv_usage
+        load.num_local_at_report = load.num_local
+
+    def engine_lost(self, engine: int) -> None:
+        """The engine went away: its cache and load figures are gone with it."""
+        self.loads[engine] = EngineLoad(num_local=self.loads[engine].num_local)
+        for key in [k for k, holders in self._blocks.items() if engine in holders]:
+            holders = self._blocks[key]
+            holders.discard(engine)
+            if not holders:
+                del self._blocks[key]
+
+    @property
+    def cache_aware(self) -> bool:
+        policy = self.config.policy
+        return policy == "cache-aware" or (policy == AUTO and self.prefix_caching)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _keys(self, prompt_ids: Sequence[int]) -> list[bytes]:
+        keys: list[bytes] = []
+        num_full = len(prompt_ids) // ROUTER_BLOCK_LEN
+        extend_block_keys(keys, prompt_ids, ROUTER_BLOCK_LEN, _NAMESPACE, num_full)
+        return keys
+
+    def _best_match(self, prompt_ids: Sequence[int], ready: Sequence[int]) -> Optional[int]:
+        """The ready engine holding the longest run of the prompt's leading blocks."""
+        matched = dict.fromkeys(ready, 0)
+        alive = set(ready)
+        for key in self._keys(prompt_ids):
+            holders = self._blocks.get(key)
+            alive &= holders if holders is not None else set()
+            if not alive:
+                break
+            for engine in alive:
+                matched[engine] += 1
+        best = max(ready, key=lambda e: (matched[e], -self.loads[e].estimate()))
+        return best if matched[best] >= self.config.min_match_blocks else None
+
+    def _overloaded(self, engine: int, ready: Sequence[int]) -> bool:
+        least = min(self.loads[e].estimate() for e in ready)
+        load = self.loads[engine].estimate()
+        cfg = self.config
+        return load > least + cfg.balance_abs and load > least * cfg.balance_rel
+
+    def _least_loaded(self, ready: Sequence[int]) -> int:
+        least = min(self.loads[e].estimate() for e in ready)
+        return self._next_after(self._last, [e for e in ready if self.loads[e].estimate() == least])
+
+    def _next_after(self, last: int, candidates: Sequence[int]) -> int:
+        """The first candidate after `last` in cyclic engine order."""
+        n = len(self.loads)
+        return min(candidates, key=lambda e: (e - last - 1) % n)
