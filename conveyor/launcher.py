@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 import msgpack
 import zmq
@@ -234,10 +234,14 @@ class LocalStack:
     # ---- readiness and liveness --------------------------------------------------------------
 
     def is_ready(self) -> bool:
-        """One look (about a second): the frontend says ready (worker handshake done) and the
-        gateway, if any, listens. Raises StackError when a service has exited."""
+        """One look (about a second): the frontend says every engine is ready (worker
+        handshakes done) and the gateway, if any, listens. Raises StackError when a service has
+        exited."""
         self._raise_if_dead()
-        if not probe_health(self.frontend_address, 1.0, *self.client_keys):
+        reply = health_reply(self.frontend_address, 1.0, *self.client_keys)
+        if reply is None or reply.get("ready") is not True:
+            return False
+        if not all(e.get("ready") is True for e in reply.get("engines") or []):
             return False
         s = self.settings
         return self.http_url is None or _port_open(s.http_host, s.http_port)
@@ -325,6 +329,17 @@ def probe_health(
 ) -> bool:
     """Ask the frontend `health` (docs/protocol.md) over a fresh DEALER: True when ready.
     `server_key` / `client_key`: CURVE key files for a frontend started with --curve-keys."""
+    reply = health_reply(address, timeout, server_key, client_key)
+    return reply is not None and reply.get("ready") is True
+
+
+def health_reply(
+    address: str,
+    timeout: float = 1.0,
+    server_key: Optional[Path] = None,
+    client_key: Optional[Path] = None,
+) -> Optional[dict[str, Any]]:
+    """The frontend's `health` reply (docs/protocol.md), or None without one in `timeout`."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -336,11 +351,11 @@ def probe_health(
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
-                return False
+                return None
             reply = msgpack.unpackb(sock.recv(), raw=False)
             if isinstance(reply, dict) and reply.get("type") == "health":
-                return reply.get("ready") is True
-        return False
+                return reply
+        return None
     finally:
         sock.close()
 

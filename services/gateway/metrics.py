@@ -174,17 +174,27 @@ class GatewayMetrics:
 
 
 class EngineStatsCollector:
-    """Renders the latest engine stats at scrape time. `update` is called by `StatsPoller`."""
+    """Renders the latest engine stats at scrape time. `update` is called by `StatsPoller`.
+
+    Engine figures carry an `engine` label: one series per engine behind the frontend (its
+    name, "0", "1", ...; data parallelism), from the reply's `engines` map (a frontend that
+    sends none has one engine, "0")."""
 
     def __init__(self) -> None:
-        self._engine: Mapping[str, float] = {}
+        self._engines: dict[str, Mapping[str, float]] = {}
         self._frontend: Mapping[str, float] = {}
         self._ready: Optional[bool] = None
 
     def update(self, reply: Mapping[str, Any]) -> None:
-        """`reply` is the protocol's stats reply: {ready, frontend: {...}, engine: {...}|nil}."""
+        """`reply` is the protocol's stats reply: {ready, frontend: {...}, engine: {...}|nil,
+        engines: {name: {...}|nil}}."""
         self._ready = bool(reply.get("ready"))
-        self._engine = _numbers(reply.get("engine"))
+        engines = reply.get("engines")
+        if isinstance(engines, Mapping):
+            self._engines = {str(k): _numbers(v) for k, v in engines.items() if v}
+        else:
+            engine = _numbers(reply.get("engine"))
+            self._engines = {"0": engine} if engine else {}
         self._frontend = _numbers(reply.get("frontend"))
 
     def collect(self) -> Iterator[Metric]:
@@ -194,31 +204,40 @@ class EngineStatsCollector:
                 "1 when the engine accepts requests.",
                 value=1.0 if self._ready else 0.0,
             )
-        for name, (doc, keys) in _ENGINE_GAUGES.items():
-            value = _first(self._engine, keys)
-            if value is not None:
-                yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        for name, (doc, keys) in _ENGINE_COUNTERS.items():
-            value = _first(self._engine, keys)
-            if value is not None:
-                yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        # Everything else the scheduler reports, so new stats show up without a release.
-        known = {k for _, keys in (*_ENGINE_GAUGES.values(), *_ENGINE_COUNTERS.values())
-                 for k in keys}  # fmt: skip
-        for key, value in sorted(self._engine.items()):
-            if key in known:
-                continue
-            name, doc = PREFIX + "engine_" + _clean(key), f"Scheduler stat '{key}'."
-            if key.startswith(_COUNTER_PREFIX):
-                yield CounterMetricFamily(name, doc, value=value)
-            else:
-                yield GaugeMetricFamily(name, doc, value=value)
+        yield from self._engine_families()
         for key, value in sorted(self._frontend.items()):
             name, doc = PREFIX + "frontend_" + _clean(key), f"Frontend stat '{key}'."
             if key.endswith("_total"):
                 yield CounterMetricFamily(name, doc, value=value)
             else:
                 yield GaugeMetricFamily(name, doc, value=value)
+
+    def _engine_families(self) -> Iterator[Metric]:
+        """One family per figure, one sample per engine (label `engine`)."""
+        families: dict[str, Metric] = {}
+
+        def add(kind: type, name: str, doc: str, engine: str, value: float) -> None:
+            if name not in families:
+                families[name] = kind(name, doc, labels=["engine"])
+            families[name].add_metric([engine], value)
+
+        # Everything else the scheduler reports too, so new stats show up without a release.
+        known = {k for _, keys in (*_ENGINE_GAUGES.values(), *_ENGINE_COUNTERS.values())
+                 for k in keys}  # fmt: skip
+        for engine, stats in sorted(self._engines.items()):
+            for name, (doc, keys) in _ENGINE_GAUGES.items():
+                if (value := _first(stats, keys)) is not None:
+                    add(GaugeMetricFamily, PREFIX + name, doc, engine, value)
+            for name, (doc, keys) in _ENGINE_COUNTERS.items():
+                if (value := _first(stats, keys)) is not None:
+                    add(CounterMetricFamily, PREFIX + name, doc, engine, value)
+            for key, value in sorted(stats.items()):
+                if key in known:
+                    continue
+                name, doc = PREFIX + "engine_" + _clean(key), f"Scheduler stat '{key}'."
+                kind = CounterMetricFamily if key.startswith(_COUNTER_PREFIX) else GaugeMetricFamily
+                add(kind, name, doc, engine, value)
+        yield from families.values()
 
 
 class StatsPoller:

@@ -45,11 +45,18 @@ def test_engine_stats_become_vllm_named_gauges_and_counters() -> None:
     assert "conveyor:num_requests_running" not in families(registry)  # no stats yet: no guess
     metrics.engine.update(STATS_REPLY)
     fams = families(registry)
-    assert fams["conveyor:num_requests_running"] == ("gauge", {"conveyor:num_requests_running": 5})
-    assert fams["conveyor:num_requests_waiting"][1] == {"conveyor:num_requests_waiting": 3}
-    assert fams["conveyor:kv_cache_usage_perc"][1] == {"conveyor:kv_cache_usage_perc": 0.25}
-    assert fams["conveyor:kv_cache_blocks_total"][1] == {"conveyor:kv_cache_blocks_total": 120}
-    assert fams["conveyor:num_preemptions"] == ("counter", {"conveyor:num_preemptions_total": 7})
+    e0 = "{engine=0}"  # a reply without `engines`: one engine, "0"
+    assert fams["conveyor:num_requests_running"] == (
+        "gauge",
+        {"conveyor:num_requests_running" + e0: 5},
+    )
+    assert fams["conveyor:num_requests_waiting"][1] == {"conveyor:num_requests_waiting" + e0: 3}
+    assert fams["conveyor:kv_cache_usage_perc"][1] == {"conveyor:kv_cache_usage_perc" + e0: 0.25}
+    assert fams["conveyor:kv_cache_blocks_total"][1] == {"conveyor:kv_cache_blocks_total" + e0: 120}
+    assert fams["conveyor:num_preemptions"] == (
+        "counter",
+        {"conveyor:num_preemptions_total" + e0: 7},
+    )
     assert fams["conveyor:engine_num_steps"][0] == "counter"  # other num_* stats are counters
     assert fams["conveyor:frontend_requests_in_flight"][0] == "gauge"
     assert fams["conveyor:frontend_requests"][0] == "counter"  # *_total
@@ -85,3 +92,23 @@ def test_two_gateways_do_not_share_a_registry() -> None:
         "conveyor:request_success_total{finished_reason=abort}"
         not in families(b).get("conveyor:request_success", ("", {}))[1]
     )
+
+
+def test_each_engine_is_labelled() -> None:
+    """Data parallelism: the reply's `engines` map becomes one series per engine; an engine
+    that did not answer (nil) has none."""
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    engine = STATS_REPLY["engine"]
+    other = {**engine, "num_running": 1, "kv_usage": 0.75}  # type: ignore[dict-item]
+    metrics.engine.update({**STATS_REPLY, "engines": {"0": engine, "1": other, "2": None}})
+    fams = families(registry)
+    assert fams["conveyor:num_requests_running"][1] == {
+        "conveyor:num_requests_running{engine=0}": 5,
+        "conveyor:num_requests_running{engine=1}": 1,
+    }
+    assert fams["conveyor:kv_cache_usage_perc"][1]["conveyor:kv_cache_usage_perc{engine=1}"] == 0.75
+    assert fams["conveyor:engine_num_steps"][1] == {
+        "conveyor:engine_num_steps_total{engine=0}": 900,
+        "conveyor:engine_num_steps_total{engine=1}": 900,
+    }
