@@ -9,6 +9,7 @@ Keeps no sockets.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -183,3 +184,36 @@ class ClientRequest:
             if self.last_token_at is not None and len(self.token_ids) > 1:
                 tpot_s = (self.last_token_at - self.first_token_at) / (len(self.token_ids) - 1)
         return Timings(queue_s, ttft_s, tpot_s, now - self.received_at)
+
+
+class RequestTable:
+    """The frontend's requests in flight: by rid, and by (connection, client id) with a count
+    per connection. `add` at admission, `pop` once the request ends, whichever way."""
+
+    def __init__(self) -> None:
+        self.by_rid: dict[str, ClientRequest] = {}
+        self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> rid
+        self._num_per_conn: Counter[bytes] = Counter()  # identity -> requests in flight
+
+    def add(self, state: ClientRequest) -> None:
+        self.by_rid[state.rid] = state
+        self._by_client[(state.identity, state.client_id)] = state.rid
+        self._num_per_conn[state.identity] += 1
+
+    def rid_of(self, identity: bytes, client_id: str) -> Optional[str]:
+        return self._by_client.get((identity, client_id))
+
+    def num_on(self, identity: bytes) -> int:
+        """Requests in flight on one connection (the per-connection cap)."""
+        return self._num_per_conn[identity]
+
+    def rids_of(self, identity: bytes) -> list[str]:
+        return [rid for (owner, _), rid in self._by_client.items() if owner == identity]
+
+    def pop(self, rid: str) -> ClientRequest:
+        state = self.by_rid.pop(rid)
+        self._by_client.pop((state.identity, state.client_id), None)
+        self._num_per_conn[state.identity] -= 1
+        if self._num_per_conn[state.identity] <= 0:
+            del self._num_per_conn[state.identity]
+        return state

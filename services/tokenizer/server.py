@@ -15,7 +15,6 @@ scheduler answers a heartbeat with EngineReady again.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -35,7 +34,7 @@ from services.tokenizer.engine_queries import (
     stats_reply,
 )
 from services.tokenizer.latency_window import LatencyWindow
-from services.tokenizer.request_state import ClientRequest, Progress
+from services.tokenizer.request_state import ClientRequest, Progress, RequestTable
 from services.tokenizer.router import Router
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
@@ -84,9 +83,8 @@ class FrontendServer:
         ]
         self._router = Router(config.router, len(self._engines))
         self._opened = False
-        self._requests: dict[str, ClientRequest] = {}  # rid -> state
-        self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> rid
-        self._num_per_conn: Counter[bytes] = Counter()  # identity -> requests in flight
+        self._table = RequestTable()
+        self._requests = self._table.by_rid  # rid -> state (the table's own dict)
         self._queries = PendingQueries(config.frontend_id, config.stats_timeout_s)
         self._next_seq = 0
         self._num_requests_total = 0
@@ -202,9 +200,7 @@ class FrontendServer:
             msg = "no scheduler is connected"
             self._clients.reply_error(ident, ErrorCode.ENGINE_UNREACHABLE, msg, cmd.id)
             return
-        self._requests[rid] = state
-        self._by_client[(ident, cmd.id)] = rid
-        self._num_per_conn[ident] += 1
+        self._table.add(state)
         self._num_requests_total += 1
         self.log.info(
             "request_received", rid=rid, client_id=cmd.id, num_prompt_tokens=len(checked),
@@ -232,7 +228,7 @@ class FrontendServer:
 
     def _admit(self, ident: bytes, cmd: cc.GenerateCommand) -> list[int] | Rejection:
         """Prompt ids, or the first reason (in the documented order) to refuse the request."""
-        if (ident, cmd.id) in self._by_client:
+        if self._table.rid_of(ident, cmd.id) is not None:
             return Rejection(ErrorCode.DUPLICATE_ID, f"id {cmd.id!r} is already in flight")
         if self._draining_since is not None or self._drain_requested:
             return Rejection(ErrorCode.SHUTTING_DOWN, "the frontend is shutting down")
@@ -241,12 +237,12 @@ class FrontendServer:
             return Rejection(ErrorCode.NOT_READY, f"the engine is not ready ({self._reason()})")
         if not ident.startswith(self.config.cap_exempt_prefix.encode()):
             cap = self.config.max_requests_per_connection
-            if (over := over_connection_cap(self._num_per_conn[ident], cap)) is not None:
+            if (over := over_connection_cap(self._table.num_on(ident), cap)) is not None:
                 return over
         return prompt_ids(cmd, self.codec, engine)
 
     def _on_abort(self, ident: bytes, client_id: str) -> None:
-        rid = self._by_client.get((ident, client_id))
+        rid = self._table.rid_of(ident, client_id)
         if rid is None:
             self._clients.send(ident, cc.aborted_reply(client_id, False))
             return
@@ -294,18 +290,13 @@ class FrontendServer:
         }
 
     def _client_gone(self, ident: bytes, reason: str) -> None:
-        rids = [rid for (owner, _), rid in self._by_client.items() if owner == ident]
-        for rid in rids:
+        for rid in self._table.rids_of(ident):
             state = self._forget(rid)
             self._engines[state.engine].send(encode(AbortRequest(rid, "client_gone")))
             self.log.info("request_aborted", rid=rid, reason="client_gone", detail=reason)
 
     def _forget(self, rid: str) -> ClientRequest:
-        state = self._requests.pop(rid)
-        self._by_client.pop((state.identity, state.client_id), None)
-        self._num_per_conn[state.identity] -= 1
-        if self._num_per_conn[state.identity] <= 0:
-            del self._num_per_conn[state.identity]
+        state = self._table.pop(rid)
         self._router.request_done(state.engine)
         return state
 
