@@ -47,3 +47,14 @@ def test_given_flags_reach_their_service() -> None:
 def test_an_invalid_engine_setting_fails_before_start() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         settings_from_args(_parse("--max-num-seqs", "64", "--max-num-batched-tokens", "32"))
+
+
+def test_data_parallel_flags() -> None:
+    """--data-parallel-size reaches the stack; --router-policy the frontend; 0 engines fail."""
+    settings = settings_from_args(_parse("--data-parallel-size", "3", "--router-policy",
+                                         "least-load"))  # fmt: skip
+    assert settings.data_parallel_size == 3
+    assert settings.tokenizer_flags == {"router_policy": "least-load"}
+    assert settings_from_args(_parse()).tokenizer_flags == {}
+    with pytest.raises(ValueError):
+        settings_from_args(_parse("--data-parallel-size", "0"))
