@@ -9,8 +9,9 @@
   `--output-len` out, EOS ignored, all at once) on 1, 2, 4 engines (`--engines`); output
   throughput and TTFT per engine count, and the ratio to one engine.
 * `routing`: `--num-systems` distinct long system prompts (`--system-len` tokens) x
-  `--per-system` requests (a distinct `--input-len`-token question each), all at once, on
-  `--routing-engines` engines with `--router-policy cache-aware` and then `least-load`:
+  `--per-system` requests (a distinct `--input-len`-token question each) in a random order,
+  arriving at `--request-rate` per second (Poisson; 0: all at once), on `--routing-engines`
+  engines with `--router-policy cache-aware` and then `least-load`:
   mean / p90 TTFT, throughput and the prefill tokens the engines computed (their
   `num_prefill_tokens`, summed): the cache-aware router should need far fewer.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import socket
 import sys
@@ -57,6 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-systems", type=int, default=8)
     p.add_argument("--per-system", type=int, default=32)
     p.add_argument("--system-len", type=int, default=2048)
+    p.add_argument("--request-rate", type=float, default=32.0, help="routing: requests/s")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("results/dp"))
     return p.parse_args(argv)
@@ -102,7 +105,7 @@ def _routing_workload(args: argparse.Namespace) -> list[BenchRequest]:
     return out
 
 
-def _run(stack: LocalStack, requests: list[BenchRequest]) -> dict[str, Any]:
+def _run(stack: LocalStack, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
     """One measured burst on a ready stack; metrics plus the engines' prefill tokens."""
     address = stack.frontend_address
     sampling = SamplingChoice(temperature=0.0, ignore_eos=True)
@@ -110,7 +113,8 @@ def _run(stack: LocalStack, requests: list[BenchRequest]) -> dict[str, Any]:
     async def go() -> Any:
         backend = ConveyorBackend(address, id_prefix=f"dp-{uuid.uuid4().hex[:8]}")
         try:
-            return await run_workload(backend, requests, ArrivalConfig(), sampling, None)
+            arrivals = ArrivalConfig(request_rate=rate or math.inf)
+            return await run_workload(backend, requests, arrivals, sampling, None)
         finally:
             await backend.aclose()
 
@@ -125,14 +129,14 @@ def _run(stack: LocalStack, requests: list[BenchRequest]) -> dict[str, Any]:
 
 
 def _measure(args: argparse.Namespace, num_engines: int, policy: str,
-             requests: list[BenchRequest]) -> dict[str, Any]:  # fmt: skip
+             requests: list[BenchRequest], rate: float = 0.0) -> dict[str, Any]:  # fmt: skip
     stack = _stack(args, num_engines, policy)
     stack.start()
     try:
         stack.wait_ready(timeout=900.0)
         with Client(stack.frontend_address, timeout=600.0) as client:  # first-use costs
             client.generate(prompt_token_ids=[101 + i for i in range(24)], max_tokens=2)
-        m = _run(stack, requests)
+        m = _run(stack, requests, rate)
     finally:
         stack.stop()
     if m["failed"]:
@@ -162,7 +166,8 @@ def main(argv: list[str]) -> int:
     else:
         requests = _routing_workload(args)
         for policy in ("cache-aware", "least-load"):
-            results[policy] = _measure(args, args.routing_engines, policy, requests)
+            results[policy] = _measure(args, args.routing_engines, policy, requests,
+                                       args.request_rate)  # fmt: skip
         ca, ll = results["cache-aware"], results["least-load"]
         prefill_x = ca["prefill_tokens"] / ll["prefill_tokens"]
         print(

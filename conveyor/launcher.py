@@ -217,14 +217,22 @@ class LocalStack:
         env.pop("CONVEYOR_ENGINE", None)
         if engine is not None:
             env["CONVEYOR_ENGINE"] = str(engine)  # the `engine` field of its log lines
-            devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
             if self.settings.data_parallel_size > 1 and name.startswith("worker"):
-                # each engine its own GPU (ignored on CPU): the i-th of those visible
-                env["CUDA_VISIBLE_DEVICES"] = (
-                    devices[engine] if engine < len(devices) else str(engine)
-                )
+                env.update(self._engine_devices(engine, env))
         env.update(self.settings.env)
         return env
+
+    def _engine_devices(self, engine: int, env: dict[str, str]) -> dict[str, str]:
+        """What engine `engine`'s worker may use when several engines share this host: the
+        engine-th visible GPU (ignored on CPU), and on CPU its share of the cores as torch
+        threads (unless OMP_NUM_THREADS is set): M workers with all the cores each would
+        oversubscribe them (docs/PERFORMANCE.md §10)."""
+        devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        out = {"CUDA_VISIBLE_DEVICES": devices[engine] if engine < len(devices) else str(engine)}
+        if "OMP_NUM_THREADS" not in os.environ:
+            cores = len(os.sched_getaffinity(0))
+            out["OMP_NUM_THREADS"] = str(max(1, cores // self.settings.data_parallel_size))
+        return out
 
     def _note(self, text: str) -> None:
         if self.settings.echo is not None:

@@ -253,7 +253,7 @@ def test_metrics_parse_and_counters_move(oai: openai.OpenAI, model_name: str,
     before = _scrape(gateway_url)
     for gauge in ("conveyor:num_requests_running", "conveyor:num_requests_waiting",
                   "conveyor:kv_cache_usage_perc", "conveyor:num_preemptions_total"):  # fmt: skip
-        assert gauge in before, sorted(before)
+        assert gauge + '{engine="0"}' in before, sorted(before)  # per engine (data parallelism)
     out = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0)
     after = _scrape(gateway_url)
     assert out.usage is not None
