@@ -264,6 +264,7 @@ def _kill_and_restart(stack: LocalStack) -> None:
     assert "1" in {engines[f"back-{i}"] for i in range(4)}
 
 
+@pytest.mark.model
 def test_two_real_model_engines_match_the_single_engine(engine: Any, tmp_path: Path) -> None:
     """SmolLM2 in fp32 on two engines: every greedy text equals the shared single engine's."""
     words = ("speed", "length", "width", "colour", "motor", "owner", "noise", "price")
