@@ -211,7 +211,8 @@ class FrontendServer:
     def _submit(self, state: ClientRequest, exclude: Optional[int]) -> bool:
         """Send the request to the engine the router picks among the ready ones (not
         `exclude`); an engine whose send fails is skipped. False when none took it."""
-        assert state.submit is not None
+        if state.submit is None:  # only requests made here carry one; all of them do
+            return False
         ids = state.submit.prompt_token_ids
         ready = [i for i, link in enumerate(self._engines) if link.ready and i != exclude]
         frame = encode(state.submit)

@@ -171,6 +171,15 @@ def test_64_requests_use_both_engines_and_match_one_engine(dp_stack: LocalStack)
         assert one.token_ids == both.token_ids and one.text == both.text
     assert [e["engine"] for e in health["engines"]] == ["0", "1"]
     assert all(e["ready"] for e in health["engines"])
+    # stats: each engine's own counters, and their sum; reset empties both caches
+    with Client(dp_stack.frontend_address) as c:
+        stats = c.stats()
+        dropped = c.reset_prefix_cache()
+    per_engine = stats["engines"]
+    assert set(per_engine) == {"0", "1"} and all(per_engine.values())
+    total = sum(e["num_admitted"] for e in per_engine.values())
+    assert stats["engine"]["num_admitted"] == total >= 64 + 16
+    assert dropped >= 2  # both engines had cached blocks of these prompts
 
 
 def test_cache_aware_keeps_each_prefix_on_one_engine(dp_stack: LocalStack) -> None:
