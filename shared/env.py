@@ -25,7 +25,7 @@ KNOWN: dict[str, str] = {
     "SCHEDULER_ADDRS": "tokenizer: comma-separated scheduler addresses, one per engine (data "
     "parallelism); beats SCHEDULER_ADDR",
     "ROUTER_POLICY": "tokenizer: auto | round-robin | least-load | cache-aware (default auto)",
-    "ROUTER_BALANCE_ABS": "tokenizer: cache-aware overload margin, requests (default 16)",
+    "ROUTER_BALANCE_ABS": "tokenizer: cache-aware overload margin, requests (default 32)",
     "ROUTER_BALANCE_REL": "tokenizer: cache-aware overload factor (default 1.5)",
     "ENGINE": "scheduler/worker: the engine's name, added as `engine` to every log line "
     "(conveyor up sets it per engine)",

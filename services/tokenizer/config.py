@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--router-balance-abs",
         type=int,
-        default=env_int("ROUTER_BALANCE_ABS", 16),
+        default=env_int("ROUTER_BALANCE_ABS", 32),
         help="cache-aware: a prefix's engine is overloaded (least-load decides) once it carries "
         "this many requests more than the least loaded engine and --router-balance-rel times "
         "as many (CONVEYOR_ROUTER_BALANCE_ABS)",

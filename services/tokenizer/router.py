@@ -57,7 +57,7 @@ class EngineLoad:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     policy: str = AUTO
-    balance_abs: int = 16  # cache-aware: extra requests a prefix's engine may carry ...
+    balance_abs: int = 32  # cache-aware: extra requests a prefix's engine may carry ...
     balance_rel: float = 1.5  # ... and the factor over the least loaded, both exceeded: shed
     min_match_blocks: int = 1  # cache-aware: fewer matched blocks than this is no match
 
