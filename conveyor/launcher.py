@@ -137,9 +137,9 @@ class LocalStack:
         """Spawn engine `index` (a scheduler and its worker); returns the scheduler address."""
         assert self.run_dir is not None
         s = self.settings
-        sched_addr = f"ipc://{self.run_dir}/scheduler-{index}.sock"
-        worker_addr = f"ipc://{self.run_dir}/worker-{index}.sock"
-        scheduler, worker = self.engine_names(index)
+        scheduler, worker = self.engine_names(index)  # also the socket file names
+        sched_addr = f"ipc://{self.run_dir}/{scheduler}.sock"
+        worker_addr = f"ipc://{self.run_dir}/{worker}.sock"
         self._spawn(scheduler, "services.scheduler", {
             "scheduler_addr": sched_addr, "worker_addr": worker_addr,
             "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.scheduler_flags,
