@@ -188,7 +188,18 @@ def test_64_requests_use_both_engines_and_match_one_engine(dp_stack: LocalStack)
     assert dropped >= 2  # both engines had cached blocks of these prompts
 
 
+def wait_idle(address: str, timeout_s: float = 10.0 + SLOW_HOST_MARGIN_S) -> None:
+    """Until the frontend's load figure of every engine is 0: engines report their load once a
+    heartbeat (1 s), so a report taken while other work ran (another frontend's) can linger."""
+    deadline = time.monotonic() + timeout_s
+    with Client(address) as c:
+        while any(e["load"] for e in c.health()["engines"]):
+            assert time.monotonic() < deadline, c.health()["engines"]
+            time.sleep(0.2)
+
+
 def test_cache_aware_keeps_each_prefix_on_one_engine(dp_stack: LocalStack) -> None:
+    wait_idle(dp_stack.frontend_address)  # the first request of each prefix goes by load
     prefixes = [
         " ".join(f"System prompt {p}: rule {k} says parcels of kind {p * 31 + k} go left."
                  for k in range(40))  # ~600 tokens each, distinct from the first block
