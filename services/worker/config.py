@@ -72,3 +72,34 @@ def resolve_dtype(config: WorkerConfig) -> Optional[str]:
 
 def _pos_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+MAX_DIST_TIMEOUT_S = 30.0  # a lost tensor-parallel rank must not hang the others longer
+DEFAULT_DIST_INIT = "tcp://127.0.0.1:29500"
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """This rank's place in its tensor-parallel group (services/worker/parallel.py); flags
+    --rank, --world-size, --dist-init, --dist-timeout, else CONVEYOR_RANK, ... ."""
+
+    rank: int = 0  # 0 samples and answers the scheduler
+    world_size: int = 1  # ranks of the group (tensor-parallel size)
+    # where the ranks meet; rank 0 listens there. The traffic is not authenticated: loopback,
+    # or a private network between hosts
+    dist_init: str = DEFAULT_DIST_INIT
+    dist_timeout: float = MAX_DIST_TIMEOUT_S  # seconds: the rendezvous and every collective
+
+    def __post_init__(self) -> None:
+        if not _pos_int(self.world_size):
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank!r}")
+        host, _, port = self.dist_init.removeprefix("tcp://").rpartition(":")
+        if not self.dist_init.startswith("tcp://") or not host or not port.isdigit():
+            raise ValueError(f"dist_init must be tcp://HOST:PORT, got {self.dist_init!r}")
+        if not 0 < self.dist_timeout <= MAX_DIST_TIMEOUT_S:
+            raise ValueError(
+                f"dist_timeout must be in (0, {MAX_DIST_TIMEOUT_S:g}] seconds, "
+                f"got {self.dist_timeout!r}"
+            )
