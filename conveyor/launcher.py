@@ -65,6 +65,9 @@ class StackSettings:
     # `conveyor keys generate` folder: CURVE on the frontend and the internal links;
     # the gateway and the launcher's own probes connect with its client key pair
     curve_keys: Optional[Path] = None
+    # worker ranks of one tensor-parallel group (services "worker", "worker-1", ...); the
+    # simulated worker stays one process that models N ranks
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.worker not in WORKER_KINDS:
@@ -73,6 +76,18 @@ class StackSettings:
             raise ValueError("http_port must be a TCP port")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+
+def worker_rank_name(rank: int) -> str:
+    """Service (and log file) name of a worker rank: "worker" for rank 0 (as without tensor
+    parallelism), "worker-<rank>" for the others."""
+    return "worker" if rank == 0 else f"worker-{rank}"
+
+
+def is_worker_rank(name: str) -> bool:
+    return name == "worker" or name.startswith("worker-")
 
 
 def gateway_available() -> bool:
@@ -85,6 +100,7 @@ class LocalStack:
     def __init__(self, settings: StackSettings) -> None:
         self.settings = settings
         self.services: dict[str, ServiceProcess] = {}
+        self._worker_addr = ""  # set by start()
         self.run_dir: Optional[Path] = None
         self.frontend_address = settings.frontend_address
         self.log_dir = settings.log_dir.resolve()
@@ -110,9 +126,11 @@ class LocalStack:
         s = self.settings
         self._spawn("scheduler", "services.scheduler", {
             "scheduler_addr": sched_addr, "worker_addr": worker_addr,
-            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.scheduler_flags,
+            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(),
+            "num_workers": str(self._num_worker_procs()), **s.scheduler_flags,
         })  # fmt: skip
-        self._spawn("worker", *self._worker_command(worker_addr))
+        self._worker_addr = worker_addr
+        self._spawn_workers()
         self._spawn("tokenizer", "services.tokenizer", {
             "frontend_addr": self.frontend_address, "scheduler_addr": sched_addr,
             "frontend_id": f"fe-{uuid.uuid4().hex[:8]}", **self._model_flag(),
@@ -131,17 +149,33 @@ class LocalStack:
     def _model_flag(self) -> dict[str, str]:
         return {"model": self.settings.model} if self.settings.model else {}
 
-    def _worker_command(self, worker_addr: str) -> tuple[str, dict[str, str]]:
+    def _num_worker_procs(self) -> int:
+        s = self.settings
+        return 1 if s.worker == "sim" else s.tensor_parallel_size
+
+    def _spawn_workers(self) -> None:
+        """Every worker rank; a tensor-parallel group meets at a fresh loopback port (each
+        (re)start gets its own, so a restarted group never meets a dying one's store)."""
         s = self.settings
         if s.worker == "sim":
-            flags = {"plan_addr": worker_addr}
+            flags = {"plan_addr": self._worker_addr}
             if s.sim_device:
                 flags["sim_device"] = s.sim_device
             if s.sim_model:
                 flags["sim_model"] = s.sim_model
-            return "services.simworker", {**flags, **self._curve_flags(), **s.worker_flags}
-        return "services.worker", {"worker_addr": worker_addr, **self._model_flag(),
-                                   **self._curve_flags(), **s.worker_flags}  # fmt: skip
+            if s.tensor_parallel_size > 1:
+                flags["tensor_parallel_size"] = str(s.tensor_parallel_size)
+            self._spawn("worker", "services.simworker",
+                        {**flags, **self._curve_flags(), **s.worker_flags})  # fmt: skip
+            return
+        world = s.tensor_parallel_size
+        group = {"world_size": str(world), "dist_init": f"tcp://127.0.0.1:{_free_port()}"}
+        for rank in range(world):
+            flags = {"worker_addr": self._worker_addr, **self._model_flag(),
+                     **self._curve_flags(), **s.worker_flags}  # fmt: skip
+            if world > 1:
+                flags.update(rank=str(rank), **group)
+            self._spawn(worker_rank_name(rank), "services.worker", flags)
 
     def _gateway_flags(self) -> dict[str, str]:
         s = self.settings
@@ -175,7 +209,7 @@ class LocalStack:
         env["PYTHONUNBUFFERED"] = "1"
         env["TOKENIZERS_PARALLELISM"] = "false"
         env["CONVEYOR_LOG_FORMAT"] = "json"  # log files stay JSON; the echo renders consoles
-        if name != "worker":  # only the worker computes: the others leave it the cores
+        if not is_worker_rank(name):  # only workers compute: the others leave them the cores
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.update(self.settings.env)
         return env
@@ -239,6 +273,18 @@ class LocalStack:
         )
         self._note(f"restarted {name} (pid {self.services[name].pid})")
 
+    def restart_workers(self) -> None:
+        """Stop every worker rank still running, then start the whole group again (a
+        tensor-parallel rank cannot rejoin a group whose other members live on). Called by
+        `conveyor up`'s supervisor when any rank exits with an error."""
+        ranks = [svc for name, svc in self.services.items() if is_worker_rank(name)]
+        stop_in_order([ranks], timeout_s=self.settings.drain_timeout_s + 5.0)
+        for svc in ranks:
+            svc.join_output(1.0)
+            del self.services[svc.name]
+        self._spawn_workers()
+        self._note("restarted the worker group")
+
     def pids(self) -> dict[str, int]:
         return {name: svc.pid for name, svc in self.services.items()}
 
@@ -249,7 +295,7 @@ class LocalStack:
         groups = [
             [self.services[n] for n in ("gateway", "tokenizer") if n in self.services],
             [self.services[n] for n in ("scheduler",) if n in self.services],
-            [self.services[n] for n in ("worker",) if n in self.services],
+            [svc for n, svc in self.services.items() if is_worker_rank(n)],
         ]
         stop_in_order(groups, timeout_s=self.settings.drain_timeout_s + 5.0)
         self._note("stopped")
@@ -295,6 +341,13 @@ def probe_health(
         return False
     finally:
         sock.close()
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the tensor-parallel ranks' meeting point)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _port_open(host: str, port: int) -> bool:

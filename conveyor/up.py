@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from conveyor.console import ConsoleEcho
-from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
+from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings, is_worker_rank
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.addresses import (
@@ -30,7 +30,7 @@ from shared.addresses import (
     is_loopback_host,
 )
 from shared.config_flags import add_config_flags
-from shared.env import add_log_format_flag, env_path, env_str
+from shared.env import add_log_format_flag, env_int, env_path, env_str
 from shared.logging import resolve_log_format
 
 # Engine flags of `up`: every field of the services' config dataclasses, generated (the
@@ -38,7 +38,9 @@ from shared.logging import resolve_log_format
 WORKER_SKIP = ("model",)
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
 DEATH_GRACE_S = 3.0  # a dead service, not restarted: let the others fail requests first
-RESTARTABLE = ("scheduler", "worker")  # what `--restart on-failure` brings back
+# what `--restart on-failure` brings back: the scheduler, and the worker ranks (always as a
+# whole group: see LocalStack.restart_workers)
+RESTARTABLE = ("scheduler", "worker")
 # Back-off between restarts of one service: 0.5 s, doubling up to 10 s; a service that stayed up
 # for STABLE_S starts again from the shortest delay.
 FIRST_DELAY_S, MAX_DELAY_S, STABLE_S = 0.5, 10.0, 30.0
@@ -67,6 +69,11 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="model: the real worker; sim: SIMULATED (services.simworker)")  # fmt: skip
     w.add_argument("--sim-device", help="simulated device profile (with --worker sim)")
     w.add_argument("--sim-model", help="simulated model shape (with --worker sim)")
+    w.add_argument("--tensor-parallel-size", type=int,
+                   default=env_int("TENSOR_PARALLEL_SIZE", 1),
+                   help="worker ranks sharding the model over torch.distributed (gloo on CPU, "
+                   "nccl on CUDA); it must divide the model's head counts. With --worker sim: "
+                   "one process that models N ranks (CONVEYOR_TENSOR_PARALLEL_SIZE)")  # fmt: skip
     a = p.add_argument_group("addresses, HTTP gateway and logs")
     a.add_argument("--frontend-addr", default=default_frontend_address())
     a.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway")
@@ -129,6 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         echo_steps=args.show_steps,
         drain_timeout_s=args.drain_timeout,
         curve_keys=args.curve_keys,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -248,20 +256,29 @@ def _serve(stack: LocalStack, stop: threading.Event, restart: bool) -> int:
         if dead is None:
             continue
         name, rc = dead
-        if restart and name in RESTARTABLE and rc != 0:
-            delay = backoff.next_delay(name, time.monotonic())
-            print(f"conveyor: {name} died (exit code {rc}); restarting it in {delay:g} s",
+        group = "worker" if is_worker_rank(name) else name  # ranks restart as one group
+        if restart and group in RESTARTABLE and rc != 0:
+            delay = backoff.next_delay(group, time.monotonic())
+            what = "the worker group" if name != group or _num_ranks(stack) > 1 else "it"
+            print(f"conveyor: {name} died (exit code {rc}); restarting {what} in {delay:g} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             if stop.wait(delay):
                 return 0
-            stack.restart(name)
-            backoff.started(name, time.monotonic())
+            if group == "worker":
+                stack.restart_workers()
+            else:
+                stack.restart(name)
+            backoff.started(group, time.monotonic())
             continue
         print(f"conveyor: {name} died (exit code {rc}); stopping the other services",
               file=sys.stderr, flush=True)  # fmt: skip
         stop.wait(DEATH_GRACE_S)  # the scheduler fails in-flight requests meanwhile
         return 1
     return 0
+
+
+def _num_ranks(stack: LocalStack) -> int:
+    return sum(is_worker_rank(name) for name in stack.services)
 
 
 def _say(settings: StackSettings, text: str) -> None:
