@@ -5,6 +5,7 @@
   process: logits of every sampled row within 1e-5, the same greedy tokens, every rank holding
   the sampled tokens, and each rank's reported weight and per-block KV bytes about 1/N.
 * Start-up refuses a world size that does not divide SmolLM2-135M's heads (9 and 3), naming them.
+* `--worker sim --tensor-parallel-size 8` stays one process that models 8 H200s.
 Rough runtime: 15-30 s (six worker processes importing torch at once on 2 cores).
 """
 
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor.launcher import LocalStack
 from services.worker.runner import ModelRunner
-from tests.e2e.stack_tools import ROOT, free_port
+from shared.client import Client
+from tests.e2e.stack_tools import ROOT, engine_settings, free_port
 from tests.support.tiny_model import write_tiny_model
 from tests.support.tp_rank import run_work, worker_config
 
@@ -129,3 +132,15 @@ def test_refuses_a_world_size_that_does_not_split_smollm2(tmp_path: Path) -> Non
     text = proc.stdout + proc.stderr
     assert "tensor-parallel size 2 does not divide" in text
     assert "9 query heads" in text and "3 KV heads" in text and "use one of 1, 3" in text
+
+
+def test_sim_worker_models_the_group_in_one_process(tmp_path: Path) -> None:
+    settings = engine_settings(tmp_path / "logs", gateway=False, worker="sim",
+                               sim_device="h200", sim_model="llama-3-70b",
+                               tensor_parallel_size=8, worker_flags={})  # fmt: skip
+    with LocalStack(settings) as stack:
+        assert sorted(stack.services) == ["scheduler", "tokenizer", "worker"]
+        with Client(stack.frontend_address, timeout=60.0) as client:
+            assert len(client.generate("hi", max_tokens=4, temperature=0.0).token_ids) == 4
+        log = (stack.log_dir / "worker.log").read_text()
+    assert '"device":"h200x8"' in log
