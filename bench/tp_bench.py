@@ -26,12 +26,12 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _plans(batch: int, prompt_len: int, block_size: int) -> Any:
+def _plans(batch: int, prompt_len: int, decode_steps: int, block_size: int) -> Any:
     from shared.protocol.sampling import SamplingParams
     from shared.protocol.worker_channel import NewSequence, StepPlan
 
     greedy = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    per_seq = 64  # blocks reserved per sequence: prompt + decodes fit
+    per_seq = -(-(prompt_len + decode_steps) // block_size)  # blocks: prompt + decodes fit
     seqs = [
         NewSequence(f"s{i}", [(7 * i + j) % 30000 + 100 for j in range(prompt_len)], prompt_len,
                     list(range(i * per_seq, (i + 1) * per_seq)), greedy)
@@ -67,7 +67,7 @@ def run_rank(args: argparse.Namespace) -> Optional[dict[str, Any]]:
         return reduce(x)
 
     runner.model.group.all_reduce = counting  # type: ignore[method-assign]
-    prefill, decode = _plans(args.batch, args.prompt_len, config.block_size)
+    prefill, decode = _plans(args.batch, args.prompt_len, args.decode_steps, config.block_size)
     start = time.perf_counter()
     result = runner.execute(prefill)
     prefill_s = time.perf_counter() - start

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from shared.env import env_str
+from shared.model_files import prepare_model, read_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -103,3 +104,34 @@ class ParallelConfig:
                 f"dist_timeout must be in (0, {MAX_DIST_TIMEOUT_S:g}] seconds, "
                 f"got {self.dist_timeout!r}"
             )
+
+
+def check_divides(world_size: int, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
+    """ValueError naming the counts when `world_size` does not split the model evenly (called at
+    start, before any rank joins the group, so a bad size fails fast on every rank)."""
+    bad = [
+        f"{what} = {n}"
+        for what, n in (
+            ("query heads", num_heads),
+            ("KV heads", num_kv_heads),
+            ("intermediate size", intermediate),
+        )
+        if n % world_size
+    ]
+    if bad:
+        fits = [n for n in range(1, num_heads + 1) if not num_heads % n and not num_kv_heads % n]
+        fits = [n for n in fits if not intermediate % n]
+        raise ValueError(
+            f"tensor-parallel size {world_size} does not divide the model's {', '.join(bad)} "
+            f"(model: {num_heads} query heads, {num_kv_heads} KV heads): use one of "
+            f"{', '.join(map(str, fits))}"
+        )
+
+
+def check_model_divides(model: Optional[str], world_size: int) -> None:
+    """`check_divides` on the model's config.json, before torch is imported: a world size that
+    does not split the model is refused in a moment, on every rank, before any rank joins."""
+    cfg = read_config(prepare_model(model))
+    heads = int(cfg["num_attention_heads"])
+    check_divides(world_size, heads, int(cfg.get("num_key_value_heads") or heads),
+                  int(cfg["intermediate_size"]))  # fmt: skip

@@ -27,28 +27,6 @@ from services.worker.config import ParallelConfig
 from shared.worker_server import FatalWorkerError
 
 
-def check_divides(world_size: int, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
-    """ValueError naming the counts when `world_size` does not split the model evenly (called at
-    start, before any rank joins the group, so a bad size fails fast on every rank)."""
-    bad = [
-        f"{what} = {n}"
-        for what, n in (
-            ("query heads", num_heads),
-            ("KV heads", num_kv_heads),
-            ("intermediate size", intermediate),
-        )
-        if n % world_size
-    ]
-    if bad:
-        fits = [n for n in range(1, num_heads + 1) if not num_heads % n and not num_kv_heads % n]
-        fits = [n for n in fits if not intermediate % n]
-        raise ValueError(
-            f"tensor-parallel size {world_size} does not divide the model's {', '.join(bad)} "
-            f"(model: {num_heads} query heads, {num_kv_heads} KV heads): use one of "
-            f"{', '.join(map(str, fits))}"
-        )
-
-
 class SingleRank:
     """World size 1: the same interface as TPGroup, every collective a no-op."""
 

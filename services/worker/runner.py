@@ -21,14 +21,14 @@ from typing import Any, Optional
 import structlog
 import torch
 
-from services.worker.config import ParallelConfig, WorkerConfig, resolve_dtype
+from services.worker.config import ParallelConfig, WorkerConfig, check_divides, resolve_dtype
 from services.worker.dtype_probe import resolve_auto_dtype
 from services.worker.input_batch import InputBatch, RequestState
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
-from services.worker.parallel import Group, agree_dtype, check_divides, join_group
+from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.sampler import SampleRow, sample
 from services.worker.weights import ModelArgs, load_weights, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from services.worker.config import ParallelConfig, WorkerConfig
+from services.worker.config import ParallelConfig, WorkerConfig, check_model_divides
 from shared.worker_server import EXIT_GROUP_LOST, FatalWorkerError, serve_worker
 
 EXIT_BAD_CONFIG = 2
@@ -38,6 +38,12 @@ def run_worker(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if parallel.world_size > 1:
+        try:
+            check_model_divides(config.model, parallel.world_size)
+        except ValueError as exc:
+            log.error("bad_worker_config", message=str(exc))
+            return EXIT_BAD_CONFIG
     # Imported here so `--help` and config errors answer without loading torch.
     from services.worker.runner import ModelRunner
 
