@@ -65,9 +65,13 @@ class StackSettings:
     # `conveyor keys generate` folder: CURVE on the frontend and the internal links;
     # the gateway and the launcher's own probes connect with its client key pair
     curve_keys: Optional[Path] = None
-    # engines (scheduler + worker each, own KV pool) behind the one frontend; with more than
-    # one their services are named scheduler-<i>, worker-<i> (and so are their log files)
+    # engines (scheduler + worker rank(s) each, own KV pool) behind the one frontend; with
+    # more than one their services are named scheduler-<i>, worker-<i> (and so are their logs)
     data_parallel_size: int = 1
+    # worker ranks of one tensor-parallel group (services "worker", "worker-1", ...; with
+    # several engines "worker-<i>", "worker-<i>-1", ...); the simulated worker stays one
+    # process that models N ranks
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -78,6 +82,19 @@ class StackSettings:
             raise ValueError("http_port must be a TCP port")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+
+def worker_rank_name(base: str, rank: int) -> str:
+    """Service (and log file) name of a worker rank of the engine whose rank-0 worker is
+    `base` ("worker", or "worker-<engine>" with several engines): `base` for rank 0 (as
+    without tensor parallelism), "<base>-<rank>" for the others."""
+    return base if rank == 0 else f"{base}-{rank}"
+
+
+def is_worker_rank(name: str) -> bool:
+    return name == "worker" or name.startswith("worker-")
 
 
 def gateway_available() -> bool:
@@ -92,6 +109,7 @@ class LocalStack:
         self.settings = settings
         self.services: dict[str, ServiceProcess] = {}
         self._engine_of: dict[str, Optional[int]] = {}  # service name -> its engine, if any
+        self._worker_addrs: dict[int, str] = {}  # engine -> its worker socket, set by start()
         self.run_dir: Optional[Path] = None
         self.frontend_address = settings.frontend_address
         self.log_dir = settings.log_dir.resolve()
@@ -128,23 +146,27 @@ class LocalStack:
         return self
 
     def engine_names(self, index: int) -> tuple[str, str]:
-        """The service names (and log file stems) of engine `index`: its scheduler, its worker."""
+        """The service names (and log file stems) of engine `index`: its scheduler and its
+        rank-0 worker (rank r > 0 is "<worker>-<r>")."""
         if self.settings.data_parallel_size == 1:
             return "scheduler", "worker"
         return f"scheduler-{index}", f"worker-{index}"
 
     def _start_engine(self, index: int) -> str:
-        """Spawn engine `index` (a scheduler and its worker); returns the scheduler address."""
-        assert self.run_dir is not None
+        """Spawn engine `index` (a scheduler and its worker ranks); returns the scheduler
+        address."""
+        if self.run_dir is None:
+            raise StackError("start() makes the run folder first")
         s = self.settings
         scheduler, worker = self.engine_names(index)  # also the socket file names
         sched_addr = f"ipc://{self.run_dir}/{scheduler}.sock"
-        worker_addr = f"ipc://{self.run_dir}/{worker}.sock"
+        self._worker_addrs[index] = f"ipc://{self.run_dir}/{worker}.sock"
         self._spawn(scheduler, "services.scheduler", {
-            "scheduler_addr": sched_addr, "worker_addr": worker_addr,
-            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(), **s.scheduler_flags,
+            "scheduler_addr": sched_addr, "worker_addr": self._worker_addrs[index],
+            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(),
+            "num_workers": str(self._num_worker_procs()), **s.scheduler_flags,
         }, engine=index)  # fmt: skip
-        self._spawn(worker, *self._worker_command(worker_addr), engine=index)
+        self._spawn_workers(index)
         return sched_addr
 
     def _curve_flags(self) -> dict[str, str]:
@@ -154,17 +176,36 @@ class LocalStack:
     def _model_flag(self) -> dict[str, str]:
         return {"model": self.settings.model} if self.settings.model else {}
 
-    def _worker_command(self, worker_addr: str) -> tuple[str, dict[str, str]]:
+    def _num_worker_procs(self) -> int:
         s = self.settings
+        return 1 if s.worker == "sim" else s.tensor_parallel_size
+
+    def _spawn_workers(self, engine: int) -> None:
+        """Every worker rank of engine `engine`; a tensor-parallel group meets at a fresh
+        loopback port (each (re)start gets its own, so a restarted group never meets a dying
+        one's store)."""
+        s = self.settings
+        worker_addr = self._worker_addrs[engine]
+        base = self.engine_names(engine)[1]
         if s.worker == "sim":
             flags = {"plan_addr": worker_addr}
             if s.sim_device:
                 flags["sim_device"] = s.sim_device
             if s.sim_model:
                 flags["sim_model"] = s.sim_model
-            return "services.simworker", {**flags, **self._curve_flags(), **s.worker_flags}
-        return "services.worker", {"worker_addr": worker_addr, **self._model_flag(),
-                                   **self._curve_flags(), **s.worker_flags}  # fmt: skip
+            if s.tensor_parallel_size > 1:
+                flags["tensor_parallel_size"] = str(s.tensor_parallel_size)
+            flags.update(self._curve_flags(), **s.worker_flags)
+            self._spawn(base, "services.simworker", flags, engine=engine)
+            return
+        world = s.tensor_parallel_size
+        group = {"world_size": str(world), "dist_init": f"tcp://127.0.0.1:{_free_port()}"}
+        for rank in range(world):
+            flags = {"worker_addr": worker_addr, **self._model_flag(),
+                     **self._curve_flags(), **s.worker_flags}  # fmt: skip
+            if world > 1:
+                flags.update(rank=str(rank), **group)
+            self._spawn(worker_rank_name(base, rank), "services.worker", flags, engine=engine)
 
     def _gateway_flags(self) -> dict[str, str]:
         s = self.settings
@@ -212,12 +253,12 @@ class LocalStack:
         env["PYTHONUNBUFFERED"] = "1"
         env["TOKENIZERS_PARALLELISM"] = "false"
         env["CONVEYOR_LOG_FORMAT"] = "json"  # log files stay JSON; the echo renders consoles
-        if not name.startswith("worker"):  # only workers compute: the others leave them cores
+        if not is_worker_rank(name):  # only workers compute: the others leave them the cores
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.pop("CONVEYOR_ENGINE", None)
         if engine is not None:
             env["CONVEYOR_ENGINE"] = str(engine)  # the `engine` field of its log lines
-            if self.settings.data_parallel_size > 1 and name.startswith("worker"):
+            if self.settings.data_parallel_size > 1 and is_worker_rank(name):
                 env.update(self._engine_devices(engine, env))
         env.update(self.settings.env)
         return env
@@ -226,7 +267,7 @@ class LocalStack:
         """What engine `engine`'s worker may use when several engines share this host: the
         engine-th visible GPU (ignored on CPU), and on CPU its share of the cores as torch
         threads (unless OMP_NUM_THREADS is set): M workers with all the cores each would
-        oversubscribe them (docs/PERFORMANCE.md §10)."""
+        oversubscribe them (docs/PERFORMANCE.md §11)."""
         devices = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
         out = {"CUDA_VISIBLE_DEVICES": devices[engine] if engine < len(devices) else str(engine)}
         if "OMP_NUM_THREADS" not in os.environ:
@@ -298,6 +339,27 @@ class LocalStack:
         )
         self._note(f"restarted {name} (pid {self.services[name].pid})")
 
+    def restart_workers(self, engine: int) -> None:
+        """Stop every worker rank of engine `engine` still running, then start its whole group
+        again (a tensor-parallel rank cannot rejoin a group whose other members live on; the
+        other engines keep serving). Called by `conveyor up`'s supervisor when any rank of
+        that engine exits with an error."""
+        ranks = [
+            svc
+            for name, svc in self.services.items()
+            if is_worker_rank(name) and self._engine_of.get(name) == engine
+        ]
+        stop_in_order([ranks], timeout_s=self.settings.drain_timeout_s + 5.0)
+        for svc in ranks:
+            svc.join_output(1.0)
+            del self.services[svc.name]
+        self._spawn_workers(engine)
+        self._note(f"restarted the worker group of {self.engine_names(engine)[0]}")
+
+    def engine_of(self, name: str) -> Optional[int]:
+        """The engine whose service `name` is (None for the frontends)."""
+        return self._engine_of.get(name)
+
     def pids(self) -> dict[str, int]:
         return {name: svc.pid for name, svc in self.services.items()}
 
@@ -309,7 +371,7 @@ class LocalStack:
         groups = [
             [svcs[n] for n in ("gateway", "tokenizer") if n in svcs],
             [svc for n, svc in svcs.items() if n.startswith("scheduler")],
-            [svc for n, svc in svcs.items() if n.startswith("worker")],
+            [svc for n, svc in svcs.items() if is_worker_rank(n)],
         ]
         stop_in_order(groups, timeout_s=self.settings.drain_timeout_s + 5.0)
         self._note("stopped")
@@ -366,6 +428,13 @@ def health_reply(
         return None
     finally:
         sock.close()
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the tensor-parallel ranks' meeting point)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _port_open(host: str, port: int) -> bool:

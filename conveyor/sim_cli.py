@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from services.simworker.calibrate import TIMINGS_FORMAT, FitResult, fit_profile, load_timings
+from services.simworker.config import SimConfig
 from services.simworker.cost_model import step_cost, step_work
 from services.simworker.measure import MeasureGrid, collect_timings
-from services.simworker.profiles import DEVICES, MODELS, get_device, load_device
+from services.simworker.profiles import DEVICES, MODELS, get_device
 
 MAX_ERROR = 0.15  # the bar: simulated within 15% of measured
 
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-sizes", type=_ints, default=_ints("1,8,32,64,128,256"))
     r.add_argument("--context-len", type=int, default=512)
     r.add_argument("--prefill-lens", type=_ints, default=_ints("128,512,2048"))
+    r.add_argument("--sim-weight-dtype", default="bfloat16", choices=("bfloat16", "float8"))
+    r.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N devices in one tensor-parallel group (all-reduce term)")  # fmt: skip
     r.set_defaults(func=cmd_predict)
     return p
 
@@ -130,23 +134,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    device = load_device(args.sim_profile) if args.sim_profile else get_device(args.sim_device)
-    model = MODELS[args.sim_model]
+    config = SimConfig(device=args.sim_device, model=args.sim_model,
+                       profile_path=args.sim_profile, weight_dtype=args.sim_weight_dtype,
+                       tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+    device, model = config.device_profile(), config.model_shape()
     print(f"SIMULATED step times: {model.name} on {device.name} ({device.source})")
-    print(f"{'step':<28}{'ms':>10}{'bound':>10}{'tok/s':>12}")
+    print(f"{'step':<28}{'ms':>10}{'bound':>10}{'tok/s':>12}{'comm ms':>10}")
     ctx = args.context_len
     for b in args.batch_sizes:
         cost = step_cost(device, step_work(model, [ctx] * b, [1] * b, b))
-        _row(f"decode B={b} ctx={ctx}", cost.total_s, cost.bound, b)
+        _row(f"decode B={b} ctx={ctx}", cost.total_s, cost.bound, b, cost.comm_s)
     for n in args.prefill_lens:
         cost = step_cost(device, step_work(model, [0], [n], 1))
-        _row(f"prefill {n} tokens", cost.total_s, cost.bound, n)
+        _row(f"prefill {n} tokens", cost.total_s, cost.bound, n, cost.comm_s)
     return 0
 
 
-def _row(label: str, seconds: float, bound: str, tokens: int) -> None:
+def _row(label: str, seconds: float, bound: str, tokens: int, comm_s: float) -> None:
     rate = f"{tokens / seconds:12.0f}" if seconds > 0 else f"{'inf':>12}"
-    print(f"{label:<28}{1e3 * seconds:10.3f}{bound:>10}{rate}")
+    print(f"{label:<28}{1e3 * seconds:10.3f}{bound:>10}{rate}{1e3 * comm_s:10.3f}")
 
 
 # ---- calibrate ---------------------------------------------------------------------------------

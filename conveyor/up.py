@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from conveyor.console import ConsoleEcho
-from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings
+from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings, is_worker_rank
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.router import POLICIES as ROUTER_POLICIES
 from services.worker.config import WorkerConfig
@@ -31,7 +31,7 @@ from shared.addresses import (
     is_loopback_host,
 )
 from shared.config_flags import add_config_flags
-from shared.env import add_log_format_flag, env_path, env_str
+from shared.env import add_log_format_flag, env_int, env_path, env_str
 from shared.logging import resolve_log_format
 
 # Engine flags of `up`: every field of the services' config dataclasses, generated (the
@@ -39,7 +39,9 @@ from shared.logging import resolve_log_format
 WORKER_SKIP = ("model",)
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
 DEATH_GRACE_S = 3.0  # a dead service, not restarted: let the others fail requests first
-RESTARTABLE = ("scheduler", "worker")  # what `--restart on-failure` brings back
+# what `--restart on-failure` brings back: the scheduler, and the worker ranks (always as a
+# whole group: see LocalStack.restart_workers)
+RESTARTABLE = ("scheduler", "worker")
 # Back-off between restarts of one service: 0.5 s, doubling up to 10 s; a service that stayed up
 # for STABLE_S starts again from the shortest delay.
 FIRST_DELAY_S, MAX_DELAY_S, STABLE_S = 0.5, 10.0, 30.0
@@ -74,6 +76,11 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="model: the real worker; sim: SIMULATED (services.simworker)")  # fmt: skip
     w.add_argument("--sim-device", help="simulated device profile (with --worker sim)")
     w.add_argument("--sim-model", help="simulated model shape (with --worker sim)")
+    w.add_argument("--tensor-parallel-size", type=int,
+                   default=env_int("TENSOR_PARALLEL_SIZE", 1),
+                   help="worker ranks sharding the model over torch.distributed (gloo on CPU, "
+                   "nccl on CUDA); it must divide the model's head counts. With --worker sim: "
+                   "one process that models N ranks (CONVEYOR_TENSOR_PARALLEL_SIZE)")  # fmt: skip
     a = p.add_argument_group("addresses, HTTP gateway and logs")
     a.add_argument("--frontend-addr", default=default_frontend_address())
     a.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway")
@@ -139,6 +146,7 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         echo_steps=args.show_steps,
         drain_timeout_s=args.drain_timeout,
         curve_keys=args.curve_keys,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -258,14 +266,22 @@ def _serve(stack: LocalStack, stop: threading.Event, restart: bool) -> int:
         if dead is None:
             continue
         name, rc = dead
-        if restart and name.split("-")[0] in RESTARTABLE and rc != 0:  # scheduler-1 too
-            delay = backoff.next_delay(name, time.monotonic())
-            print(f"conveyor: {name} died (exit code {rc}); restarting it in {delay:g} s",
+        kind = "worker" if is_worker_rank(name) else name.split("-")[0]  # scheduler-1 too
+        if restart and kind in RESTARTABLE and rc != 0:
+            engine = stack.engine_of(name)
+            group = f"{kind}@{engine}"  # ranks of one engine restart as one group
+            delay = backoff.next_delay(group, time.monotonic())
+            ranks = kind == "worker" and stack.settings.tensor_parallel_size > 1
+            what = "its worker group" if ranks else "it"
+            print(f"conveyor: {name} died (exit code {rc}); restarting {what} in {delay:g} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             if stop.wait(delay):
                 return 0
-            stack.restart(name)
-            backoff.started(name, time.monotonic())
+            if kind == "worker" and engine is not None:
+                stack.restart_workers(engine)
+            else:
+                stack.restart(name)
+            backoff.started(group, time.monotonic())
             continue
         print(f"conveyor: {name} died (exit code {rc}); stopping the other services",
               file=sys.stderr, flush=True)  # fmt: skip

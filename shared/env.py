@@ -49,7 +49,12 @@ KNOWN: dict[str, str] = {
     "protocol)",
     "SERVER_KEY": "clients/gateway: the CURVE server public key file (DIR/server.key)",
     "CLIENT_KEY": "clients/gateway: the CURVE client key pair file (DIR/client.key_secret)",
-    "RANK": "worker: this process's rank (0 answers with results)",
+    "RANK": "worker: this process's rank in its tensor-parallel group (0 samples and answers)",
+    "WORLD_SIZE": "worker: ranks of its tensor-parallel group (default 1)",
+    "DIST_INIT": "worker: tcp://HOST:PORT where the tensor-parallel ranks meet (rank 0 listens; "
+    "not authenticated: loopback or a private network only)",
+    "DIST_TIMEOUT": "worker: seconds (<= 30) for the rendezvous and each collective",
+    "TENSOR_PARALLEL_SIZE": "up / simworker: worker ranks sharding the model (default 1)",
     "READY_FILE": "worker: a file created once the worker said ready (container healthcheck)",
     "HEAP_TRIM": "worker: give freed heap back to the OS when idle (default 1; 0 keeps glibc's "
     "caches, as bench/soak.py --compare-untrimmed does)",

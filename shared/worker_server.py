@@ -11,7 +11,12 @@ connection: at once when the process dies (the kernel closes the socket), or aft
 events for that disconnect (services/scheduler/worker_link.py), so no heartbeat message is
 needed.
 
-A runner exception fails only the step: the worker answers `WorkerFailure` and keeps serving.
+A runner exception fails only the step: the worker answers `WorkerFailure` and keeps serving,
+except FatalWorkerError (a rank of a tensor-parallel group lost or out of step): the worker
+exits with EXIT_GROUP_LOST at once (its disconnect is a lost worker to the scheduler, which
+retries the requests it held), and so does every rank the scheduler
+tells `WorkerShutdown(restart=True)` after losing one of their group; their supervisor
+(`conveyor up --restart on-failure`, or compose's restart policy) starts the group again.
 Idle for `POLL_MS` after steps, the loop trims the heap (shared/heap.py): RSS stays bounded.
 """
 
@@ -39,6 +44,12 @@ from shared.protocol.worker_channel import (
 from shared.transport import guarded, set_heartbeat
 
 POLL_MS = 500  # how often the loop looks at its stop event while idle
+EXIT_GROUP_LOST = 3  # exit code: this rank cannot go on without its group; restart the group
+
+
+class FatalWorkerError(Exception):
+    """Raised by a runner when it cannot serve any further step (a tensor-parallel peer lost,
+    a collective timed out, a rank out of step): the loop fails the step and exits."""
 
 
 class StepRunner(Protocol):
@@ -172,6 +183,9 @@ def _serve_loop(
         if outcome == "shutdown":
             log.info("worker_shutdown", num_steps=num_steps)
             return 0
+        if outcome == "group_lost":
+            log.error("worker_group_lost", num_steps=num_steps, exit_code=EXIT_GROUP_LOST)
+            return EXIT_GROUP_LOST
         num_steps += outcome == "step"
     log.info("worker_stopped", reason="signal", num_steps=num_steps)
     return 0
@@ -189,7 +203,8 @@ def _on_frame(
     frame: bytes,
     max_frame_bytes: Optional[int],
 ) -> str:
-    """One frame from the scheduler, answered: "step" (a plan ran), "shutdown" or "other"."""
+    """One frame from the scheduler, answered: "step" (a plan ran), "shutdown", "group_lost"
+    (this rank must exit for its group to restart) or "other"."""
     try:
         msg = decode(frame, max_size=max_frame_bytes)
     except DecodeError as exc:
@@ -197,15 +212,17 @@ def _on_frame(
         sock.send(encode(WorkerFailure(step_id=None, code=exc.code, message=exc.message)))
         return "other"
     if isinstance(msg, WorkerShutdown):
-        log.info("worker_shutdown_asked", reason=msg.reason)
-        return "shutdown"
+        log.info("worker_shutdown_asked", reason=msg.reason, restart=msg.restart)
+        return "group_lost" if msg.restart else "shutdown"
     if not isinstance(msg, StepPlan):
         message = f"unexpected message {type(msg).__name__} on the worker channel"
         log.error("bad_message", message=message)
         sock.send(encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message)))
         return "other"
     _log_sequences(msg, log)
-    reply = _run_step(runner, msg, log)
+    reply, fatal = _run_step(runner, msg, log)
+    if fatal:  # no WorkerFailure: the exit itself tells the scheduler (its requests are retried)
+        return "group_lost"
     # Only rank 0 answers with results; every rank reports its own failures.
     if rank == 0 or isinstance(reply, WorkerFailure):
         sock.send(encode(reply))
@@ -227,10 +244,16 @@ def _log_sequences(plan: StepPlan, log: Any) -> None:
         )
 
 
-def _run_step(runner: StepRunner, plan: StepPlan, log: Any) -> StepResult | WorkerFailure:
-    """One plan -> its result; any runner error becomes a WorkerFailure for that step."""
+def _run_step(
+    runner: StepRunner, plan: StepPlan, log: Any
+) -> tuple[StepResult | WorkerFailure, bool]:
+    """One plan -> (its result, whether the failure is fatal); any runner error becomes a
+    WorkerFailure for that step."""
     try:
-        return runner.execute(plan)
+        return runner.execute(plan), False
     except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
         log.exception("step_failed", step_id=plan.step_id, error=repr(exc))
-        return WorkerFailure(step_id=plan.step_id, code=ErrorCode.WORKER_FAILED, message=repr(exc))
+        failure = WorkerFailure(
+            step_id=plan.step_id, code=ErrorCode.WORKER_FAILED, message=repr(exc)
+        )
+        return failure, isinstance(exc, FatalWorkerError)

@@ -270,6 +270,8 @@ class SchedulerServer:
                 self.config.max_retries, ErrorCode.WORKER_FAILED, message
             )
             self.frontends.emit_finals(finals)
+        if self.config.num_workers > 1:  # a tensor-parallel group restarts as a whole
+            self.workers.restart_group(f"a rank of the group was lost: {reason}")
         self.workers.forget_ranks()
         self._in_flight = None
         if self._worker_lost_at is None:

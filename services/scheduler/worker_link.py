@@ -24,8 +24,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.server_config import ServerConfig
 from shared.curve import WORKERS_DOMAIN
-from shared.protocol.codec import DecodeError, decode
-from shared.protocol.worker_channel import StepResult, WorkerFailure, WorkerReady
+from shared.protocol.codec import DecodeError, decode, encode
+from shared.protocol.worker_channel import StepResult, WorkerFailure, WorkerReady, WorkerShutdown
 from shared.transport import PEER_LINK_EVENTS, LinkEvents, guarded, one_turn, router_socket
 from shared.worker_server import worker_identity
 
@@ -92,6 +92,18 @@ class WorkerLink:
             self._host.on_worker_lost(f"cannot reach the worker: {exc.strerror}")
             return False
         return True
+
+    def restart_group(self, reason: str) -> None:
+        """Tell every rank still listed to exit for a restart (WorkerShutdown(restart=True)):
+        called when one rank of a tensor-parallel group is lost, since no rank may go on
+        alone. Ranks already gone are skipped."""
+        frame = encode(WorkerShutdown(reason, restart=True))
+        for rank in list(self.ranks):
+            try:
+                self.sock.send_multipart([worker_identity(rank), frame], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue  # that one is the rank lost
+        self.log.info("worker_group_restart_asked", ranks=sorted(self.ranks), reason=reason)
 
     # ---- receiving ---------------------------------------------------------------------------
 

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fault injection: steps holding a request whose prompt contains this token id "
         "fail (services/simworker/faults.py)",
     )
+    sim.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=env_int("TENSOR_PARALLEL_SIZE", 1),
+        help="model N devices of one tensor-parallel group in this one process (their "
+        "all-reduces over the device's interconnect; CONVEYOR_TENSOR_PARALLEL_SIZE)",
+    )
     proc = p.add_argument_group("process (as the real worker's)")
     proc.add_argument(
         "--plan-addr",
@@ -97,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.sim_max_model_len,
         eos_probability=args.sim_eos_probability,
         report_every=args.sim_report_every,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -39,6 +39,8 @@ class SimConfig:
     token_id_low: int = DEFAULT_TOKEN_ID_LOW
     token_id_high: Optional[int] = None  # None: min(vocab size, DEFAULT_TOKEN_ID_HIGH)
     report_every: int = 200  # decode steps per num_seqs between "engine gap" log lines
+    # devices of one tensor-parallel group this one process models (DeviceProfile.tensor_parallel)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPE_BYTES:
@@ -57,12 +59,20 @@ class SimConfig:
             raise ValueError("token_id_high must exceed token_id_low + 1")
         if self.report_every <= 0:
             raise ValueError("report_every must be > 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        shape = get_model(self.model)
+        n = self.tensor_parallel_size
+        if shape.num_heads % n or shape.num_kv_heads % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide {self.model}'s {shape.num_heads} "
+                f"query heads and {shape.num_kv_heads} KV heads"
+            )
 
     def device_profile(self) -> DeviceProfile:
         """The named device, or the profile file when one is given."""
-        if self.profile_path is not None:
-            return load_device(self.profile_path)
-        return get_device(self.device)
+        one = load_device(self.profile_path) if self.profile_path else get_device(self.device)
+        return one.tensor_parallel(self.tensor_parallel_size)
 
     def model_shape(self) -> ModelShape:
         shape = get_model(self.model)

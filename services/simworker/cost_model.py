@@ -15,6 +15,13 @@ One decode token costs 2 FLOPs per weight it meets; a query at position p meets 
 costing 2*H*D for QK^T and 2*H*D for PV per layer. The GPU profiles read the KV cache at their
 memory bandwidth and leave the pack and prefill-step terms at zero: for them the formula is the
 plain roofline. The CPU's profile needs all three (docs/simulator.md, "CPU terms").
+
+Tensor parallel over N ranks (a profile from `DeviceProfile.tensor_parallel(N)`, whose rates are
+N times one device's): each rank does 1/N of the work above, then the step adds, not overlapped,
+    comm = (2 L + 1) * (latency + 2 (N - 1) / N * T * hidden * 2 bytes / link_bandwidth)
+           + latency + (N - 1) / N * S * vocab * 2 bytes / link_bandwidth
+i.e. a ring all-reduce of the [T, hidden] bf16 activations after o_proj and after down in every
+layer and after the vocab-parallel embedding, and the logits gathered to rank 0.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import Optional
 
 from services.simworker.profiles import DeviceProfile, ModelShape
 from shared.protocol.worker_channel import StepPlan
+
+ACTIVATION_BYTES = 2  # bf16 activations and logits between tensor-parallel ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +47,11 @@ class StepWork:
     attention_flops: float
     weight_bytes: float
     kv_bytes: float  # read + written
+    # tensor parallel: bytes of one activation all-reduce ([T, hidden] bf16), how many a step
+    # makes (2 per layer + the embedding's), and the bytes of the sampled rows' logits
+    allreduce_bytes: float = 0.0
+    num_allreduces: int = 0
+    logits_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -51,10 +65,11 @@ class StepCost:
     compute_s: float
     memory_s: float
     overhead_s: float
+    comm_s: float = 0.0  # tensor-parallel collectives (0 on one device)
 
     @property
     def total_s(self) -> float:
-        return self.overhead_s + max(self.compute_s, self.memory_s)
+        return self.overhead_s + max(self.compute_s, self.memory_s) + self.comm_s
 
     @property
     def bound(self) -> str:
@@ -92,6 +107,9 @@ def step_work(
         attention_flops=attention,
         weight_bytes=float(model.step_weight_bytes),
         kv_bytes=kv_bytes,
+        allreduce_bytes=float(total_tokens * model.hidden_size * ACTIVATION_BYTES),
+        num_allreduces=2 * model.num_layers + 1,
+        logits_bytes=float(num_sampled * model.vocab_size * ACTIVATION_BYTES),
     )
 
 
@@ -115,7 +133,18 @@ def step_cost(device: DeviceProfile, work: StepWork) -> StepCost:
     overhead = device.launch_s + device.per_seq_s * work.num_seqs
     if work.has_chunk:
         overhead += device.prefill_step_s
-    return StepCost(compute_s=compute, memory_s=memory, overhead_s=overhead)
+    comm = tp_comm_seconds(device, work)
+    return StepCost(compute_s=compute, memory_s=memory, overhead_s=overhead, comm_s=comm)
+
+
+def tp_comm_seconds(device: DeviceProfile, work: StepWork) -> float:
+    """The tensor-parallel collectives of one step (module docstring); 0 for one device."""
+    n = device.tensor_parallel_size
+    if n == 1 or device.link_bandwidth is None:
+        return 0.0
+    ring = 2.0 * (n - 1) / n * work.allreduce_bytes / device.link_bandwidth
+    gather = (n - 1) / n * work.logits_bytes / device.link_bandwidth
+    return work.num_allreduces * (device.link_latency_s + ring) + device.link_latency_s + gather
 
 
 def step_seconds(device: DeviceProfile, model: ModelShape, plan: StepPlan) -> float:

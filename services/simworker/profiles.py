@@ -11,6 +11,7 @@ sets every rate to None and every overhead to 0, so a run measures only the engi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -42,6 +43,12 @@ class DeviceProfile:
     # the weight matrix; a one-token step runs matrix-vector kernels without it); None: no pass
     pack_bandwidth: Optional[float] = None
     prefill_step_s: float = 0.0  # fixed extra cost of a step holding a prompt chunk (> 1 token)
+    # Tensor parallelism (`tensor_parallel`): ranks this profile stands for, and each rank's
+    # interconnect as one ring all-reduce sees it (bytes/s one way; None: no interconnect
+    # known) plus the fixed latency of one collective
+    tensor_parallel_size: int = 1
+    link_bandwidth: Optional[float] = None
+    link_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for rate in ("dense_flops", "attention_flops", "bandwidth", "kv_bandwidth",
@@ -55,6 +62,35 @@ class DeviceProfile:
             raise ValueError(f"device {self.name}: overheads must be >= 0")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"device {self.name}: memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1 or self.link_latency_s < 0:
+            raise ValueError(f"device {self.name}: tensor_parallel_size >= 1, latency >= 0")
+        if self.link_bandwidth is not None and not self.link_bandwidth > 0:
+            raise ValueError(f"device {self.name}: link_bandwidth must be > 0 or None")
+
+    def tensor_parallel(self, n: int) -> DeviceProfile:
+        """N of these devices as one tensor-parallel group: every rate and the memory N times
+        (each rank does 1/N of the FLOPs and reads 1/N of the weights and KV), plus the
+        all-reduce term of the cost model (cost_model.step_cost). ValueError when the profile
+        has no interconnect figures (a CPU profile, a calibrated file without them)."""
+        if n == 1:
+            return self
+        if self.link_bandwidth is None and not self.zero_cost:
+            raise ValueError(f"device {self.name} has no interconnect figures for N={n} ranks")
+
+        def times(rate: Optional[float]) -> Optional[float]:
+            return None if rate is None else rate * n
+
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}x{n}",
+            dense_flops=times(self.dense_flops),
+            attention_flops=times(self.attention_flops),
+            bandwidth=times(self.bandwidth),
+            kv_bandwidth=times(self.kv_bandwidth),
+            pack_bandwidth=times(self.pack_bandwidth),
+            memory_bytes=self.memory_bytes * n,
+            tensor_parallel_size=n,
+        )
 
     @property
     def zero_cost(self) -> bool:
@@ -147,10 +183,23 @@ GPU_COMPUTE_EFFICIENCY = 0.6
 GPU_ATTENTION_EFFICIENCY = 0.4
 GPU_BANDWIDTH_EFFICIENCY = 0.8
 GPU_LAUNCH_S = 1.5e-3  # per-step launches + sampling + host work without CUDA graphs
+# NVLink as a ring all-reduce sees it. H100/H200 SXM: NVLink 4, 900 GB/s per GPU in total, i.e.
+# 450 GB/s each way (NVIDIA H100 and H200 datasheets; HGX boards join 8 GPUs through NVSwitch,
+# so every GPU has its full link in a ring). A100 SXM: NVLink 3, 600 GB/s -> 300 GB/s each
+# way. Assumptions, not measurements: NCCL's all-reduce bus bandwidth reaches ~80% of the link
+# (nccl-tests busbw on 8 x H100 is reported at 360-480 GB/s for large messages), and a small
+# all-reduce costs ~10 us of latency on 8 GPUs (decode-sized messages are latency-bound).
+NVLINK_EFFICIENCY = 0.8
+NVLINK_LATENCY_S = 10e-6
 
 
 def _gpu(
-    name: str, bf16_dense: float, bandwidth: float, memory: float, source: str
+    name: str,
+    bf16_dense: float,
+    bandwidth: float,
+    memory: float,
+    source: str,
+    nvlink_one_way: float,
 ) -> DeviceProfile:
     return DeviceProfile(
         name=name,
@@ -162,19 +211,21 @@ def _gpu(
         launch_s=GPU_LAUNCH_S,
         per_seq_s=0.0,
         source=source,
+        link_bandwidth=nvlink_one_way * NVLINK_EFFICIENCY,
+        link_latency_s=NVLINK_LATENCY_S,
     )
 
 
 DEVICES: dict[str, DeviceProfile] = {
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200/): 141 GB HBM3e, 4.8 TB/s,
     # BF16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 TFLOPS dense.
-    "h200": _gpu("h200", 989.5 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 SXM datasheet"),
+    "h200": _gpu("h200", 989.5 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 SXM datasheet", 450 * GB),
     # NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100/): 80 GB HBM3, 3.35 TB/s,
     # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 TFLOPS dense.
-    "h100": _gpu("h100", 989.5 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 SXM datasheet"),
+    "h100": _gpu("h100", 989.5 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 SXM datasheet", 450 * GB),
     # NVIDIA A100 80GB SXM datasheet (nvidia.com/en-us/data-center/a100/): 80 GB HBM2e,
     # 2,039 GB/s, BF16 Tensor Core 312 TFLOPS dense (624 with sparsity).
-    "a100": _gpu("a100", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 80GB SXM datasheet"),
+    "a100": _gpu("a100", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 80GB SXM datasheet", 300 * GB),
     # This machine's 2 cores running the real worker on SmolLM2-135M in fp32 (2 threads),
     # calibrated: `conveyor sim measure` (24 shapes x 9 steps, 2026-11-30) then `conveyor sim
     # calibrate` -> max error 12.2% over decodes at B = 1-32 (contexts 129 and 513), prefills of

@@ -1,6 +1,8 @@
 """`python -m services.worker`: one worker rank (flags, else CONVEYOR_* variables).
 
-Every WorkerConfig field is a flag (`--dtype float32`, `--kv-cache-memory 1GiB`, ...).
+Every WorkerConfig field is a flag (`--dtype float32`, `--kv-cache-memory 1GiB`, ...), and so is
+every ParallelConfig field: one rank of a tensor-parallel group is
+`--rank R --world-size N --dist-init tcp://HOST:PORT` (all ranks give the same address).
 """
 
 from __future__ import annotations
@@ -10,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from services.worker.config import WorkerConfig
+from services.worker.config import ParallelConfig, WorkerConfig
 from services.worker.server import run_worker
 from shared.addresses import DEFAULT_WORKER_ADDR
 from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import add_worker_key_flag, check_worker_keys
-from shared.env import add_log_flags, env_int, env_path, env_str
+from shared.env import add_log_flags, env_path, env_str
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=env_str("WORKER_ADDR", DEFAULT_WORKER_ADDR),
         help="the scheduler's worker address to connect to (CONVEYOR_WORKER_ADDR)",
     )
-    p.add_argument("--rank", type=int, default=env_int("RANK", 0), help="(CONVEYOR_RANK)")
     p.add_argument(
         "--ready-file",
         type=Path,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_key_flag(p)
     add_log_flags(p)
     add_config_flags(p, WorkerConfig)
+    add_config_flags(p, ParallelConfig)
     return p
 
 
@@ -47,8 +49,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_from_args(parser, args, WorkerConfig)
-    if args.rank < 0:
-        parser.error("--rank must be >= 0")
+    parallel = config_from_args(parser, args, ParallelConfig)
     try:
         check_worker_keys(args.curve_keys)
     except ValueError as exc:
@@ -57,11 +58,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     log = configure_logging(
         "worker", args.log_level, args.log_file, log_format=args.log_format
-    ).bind(rank=args.rank)
+    ).bind(rank=parallel.rank)
     return run_worker(
         config,
         args.worker_addr,
-        args.rank,
+        parallel,
         log,
         args.ready_file,
         args.max_frame_bytes,

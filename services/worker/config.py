@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from shared.env import env_str
+from shared.model_files import prepare_model, read_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -72,3 +73,65 @@ def resolve_dtype(config: WorkerConfig) -> Optional[str]:
 
 def _pos_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+MAX_DIST_TIMEOUT_S = 30.0  # a lost tensor-parallel rank must not hang the others longer
+DEFAULT_DIST_INIT = "tcp://127.0.0.1:29500"
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """This rank's place in its tensor-parallel group (services/worker/parallel.py); flags
+    --rank, --world-size, --dist-init, --dist-timeout, else CONVEYOR_RANK, ... ."""
+
+    rank: int = 0  # 0 samples and answers the scheduler
+    world_size: int = 1  # ranks of the group (tensor-parallel size)
+    # where the ranks meet; rank 0 listens there. The traffic is not authenticated: loopback,
+    # or a private network between hosts
+    dist_init: str = DEFAULT_DIST_INIT
+    dist_timeout: float = MAX_DIST_TIMEOUT_S  # seconds: the rendezvous and every collective
+
+    def __post_init__(self) -> None:
+        if not _pos_int(self.world_size):
+            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank!r}")
+        host, _, port = self.dist_init.removeprefix("tcp://").rpartition(":")
+        if not self.dist_init.startswith("tcp://") or not host or not port.isdigit():
+            raise ValueError(f"dist_init must be tcp://HOST:PORT, got {self.dist_init!r}")
+        if not 0 < self.dist_timeout <= MAX_DIST_TIMEOUT_S:
+            raise ValueError(
+                f"dist_timeout must be in (0, {MAX_DIST_TIMEOUT_S:g}] seconds, "
+                f"got {self.dist_timeout!r}"
+            )
+
+
+def check_divides(world_size: int, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
+    """ValueError naming the counts when `world_size` does not split the model evenly (called at
+    start, before any rank joins the group, so a bad size fails fast on every rank)."""
+    bad = [
+        f"{what} = {n}"
+        for what, n in (
+            ("query heads", num_heads),
+            ("KV heads", num_kv_heads),
+            ("intermediate size", intermediate),
+        )
+        if n % world_size
+    ]
+    if bad:
+        fits = [n for n in range(1, num_heads + 1) if not num_heads % n and not num_kv_heads % n]
+        fits = [n for n in fits if not intermediate % n]
+        raise ValueError(
+            f"tensor-parallel size {world_size} does not divide the model's {', '.join(bad)} "
+            f"(model: {num_heads} query heads, {num_kv_heads} KV heads): use one of "
+            f"{', '.join(map(str, fits))}"
+        )
+
+
+def check_model_divides(model: Optional[str], world_size: int) -> None:
+    """`check_divides` on the model's config.json, before torch is imported: a world size that
+    does not split the model is refused in a moment, on every rank, before any rank joins."""
+    cfg = read_config(prepare_model(model))
+    heads = int(cfg["num_attention_heads"])
+    check_divides(world_size, heads, int(cfg.get("num_key_value_heads") or heads),
+                  int(cfg["intermediate_size"]))  # fmt: skip

@@ -1,5 +1,9 @@
 """The paged KV cache: per layer K and V as [num_blocks, block_size, num_kv_heads, head_dim].
 
+A tensor-parallel rank holds only its own KV heads (num_kv_heads / world size: the runner passes
+this rank's ModelArgs), so a block costs it 1/N of the bytes and the same budget holds N times
+as many blocks.
+
 K/V live only here: a sequence's tokens are found through its block table, never copied out
 between steps. The number of blocks follows from a byte budget, checked at start so that one
 sequence of max_model_len always fits (vLLM issue #2418 is what happens otherwise).
@@ -79,6 +83,11 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._pool[i, 0], self._pool[i, 1]) for i in range(args.num_layers)
         ]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the whole pool (K and V of every layer) on this rank."""
+        return self._pool.numel() * self._pool.element_size()
 
     def permute_blocks(self, order: torch.Tensor) -> None:
         """Move physical block `order[i]` to slot i in every layer; called only by tests that

@@ -4,17 +4,25 @@ RMSNorm, rotary embeddings (rotate-half layout), grouped-query attention against
 cache, SwiGLU MLP, tied or untied LM head, optional Qwen2-style q/k/v bias. Each linear layer
 runs once per step over all the step's tokens (q/k/v and gate/up are fused into one matrix each);
 logits are computed only at the rows that sample. Small kernels go through an ops object
-(TorchOps or TritonOps).
+(TorchOps, CpuOps or TritonOps).
+
+Tensor parallel (services/worker/sharding.py, parallel.py): each rank keeps its query and KV
+heads, its slice of the MLP and of the vocabulary; o_proj and down are followed by an all-reduce,
+the embedding by one, and the logits are gathered to rank 0. Attention sees only local heads, so
+the kernels are unchanged. With one rank every collective is a no-op.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from services.worker.parallel import Group, SingleRank
+from services.worker.sharding import Shard, fused_rows
 from services.worker.weights import ModelArgs, take, take_optional
 
 
@@ -33,6 +41,7 @@ class StepTensors:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
+    # H, Hkv, I: this rank's query heads, KV heads and intermediate features (all / world size)
     input_norm: torch.Tensor  # [Hd]
     qkv: torch.Tensor  # [(H + 2 Hkv) D, Hd]
     qkv_bias: Optional[torch.Tensor]  # [(H + 2 Hkv) D]
@@ -51,57 +60,97 @@ def rotary_cache(args: ModelArgs, max_len: int, device: str) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Weights plus the forward pass; holds no per-request state."""
+    """Weights (this rank's shard) plus the forward pass; holds no per-request state."""
 
     def __init__(
-        self, args: ModelArgs, weights: dict[str, torch.Tensor], ops: Any, max_len: int, device: str
+        self,
+        args: ModelArgs,
+        weights: Mapping[str, torch.Tensor],
+        ops: Any,
+        max_len: int,
+        device: str,
+        group: Optional[Group] = None,
     ) -> None:
+        """`group`: the tensor-parallel group (None: one rank). Its world size must divide the
+        head counts and the intermediate size (parallel.check_divides, checked before)."""
         self.args = args
         self.ops = ops
-        self.embed = take(weights, "model.embed_tokens.weight")  # [V, Hd]
+        self.group: Group = group if group is not None else SingleRank()
+        self.shard = Shard(self.group.rank, self.group.world_size)
+        n = self.shard.world_size
+        self.num_heads, self.num_kv_heads = args.num_heads // n, args.num_kv_heads // n
+        self.vocab_start, vocab_end = self.shard.vocab_span(args.vocab_size)
+        self.vocab_local = vocab_end - self.vocab_start
+        embed = take(weights, "model.embed_tokens.weight")  # [V, Hd]
+        self.embed = self.shard.vocab_rows(embed)  # [V_local, Hd]
         self.norm = take(weights, "model.norm.weight")
         head = take_optional(weights, "lm_head.weight")
         if head is None and not args.tie_word_embeddings:
             raise ValueError("model weights lack 'lm_head.weight' and embeddings are not tied")
-        self.lm_head = self.embed if args.tie_word_embeddings or head is None else head
+        tied = args.tie_word_embeddings or head is None
+        self.lm_head = self.embed if tied else self.shard.vocab_rows(head)  # type: ignore
+        del embed, head
         self.layers = [self._layer(weights, i) for i in range(args.num_layers)]
         self.cos_sin = rotary_cache(args, max_len, device)
         self.scale = args.head_dim**-0.5
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> _Layer:
-        p = f"model.layers.{i}."
+    def _layer(self, w: Mapping[str, torch.Tensor], i: int) -> _Layer:
+        p, sh = f"model.layers.{i}.", self.shard
         qkv = [take(w, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
         biases = [take_optional(w, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-        bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore
+        has_bias = all(b is not None for b in biases)
         gate_up = [take(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
         return _Layer(
             input_norm=take(w, f"{p}input_layernorm.weight"),
-            qkv=torch.cat(qkv).contiguous(),
-            qkv_bias=bias,
-            o_proj=take(w, f"{p}self_attn.o_proj.weight"),
+            qkv=fused_rows(sh, qkv),
+            qkv_bias=fused_rows(sh, biases) if has_bias else None,  # type: ignore[arg-type]
+            o_proj=sh.cols(take(w, f"{p}self_attn.o_proj.weight")),
             post_norm=take(w, f"{p}post_attention_layernorm.weight"),
-            gate_up=torch.cat(gate_up).contiguous(),
-            down=take(w, f"{p}mlp.down_proj.weight"),
+            gate_up=fused_rows(sh, gate_up),
+            down=sh.cols(take(w, f"{p}mlp.down_proj.weight")),
         )
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (a tied LM head counted once)."""
+        tensors = [self.embed, self.lm_head, self.norm]
+        for layer in self.layers:
+            tensors += [t for t in (layer.qkv_bias,) if t is not None]
+            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm]
+            tensors += [layer.gate_up, layer.down]
+        unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        return sum(unique.values())
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, Hd]; vocab-parallel: each rank looks up the ids it owns (zeros for
+        the others) and one all-reduce sums the shares."""
+        if self.shard.world_size == 1:
+            return self.embed[input_ids]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_local)
+        x = self.embed[local.masked_fill(outside, 0)]
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.group.all_reduce(x)
 
     @torch.inference_mode()
     def forward(
         self, step: StepTensors, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
-        """Run every layer over the step's T tokens, writing their K/V into the cache;
-        return logits [S, V] at `step.logits_indices`, in the model's dtype (the sampler
-        casts only when it needs to)."""
-        a, ops = self.args, self.ops
+    ) -> Optional[torch.Tensor]:
+        """Run every layer over the step's T tokens, writing their K/V (local heads) into the
+        cache; return logits [S, V] at `step.logits_indices`, in the model's dtype (the sampler
+        casts only when it needs to). Tensor parallel: rank 0 gets the gathered logits, the
+        other ranks None. Every rank must call it with the same step (collectives inside)."""
+        a, ops, group = self.args, self.ops, self.group
         t = step.input_ids.shape[0]
-        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        x = self.embed[step.input_ids]  # [T, Hd]
+        h_q, h_kv = self.num_heads, self.num_kv_heads
+        q_size, kv_size = h_q * a.head_dim, h_kv * a.head_dim
+        x = self._embed(step.input_ids)  # [T, Hd]
         residual: Optional[torch.Tensor] = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers, strict=True):
             h, residual = ops.rms_norm(x, layer.input_norm, a.rms_norm_eps, residual)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
-            q = qkv[:, :q_size].view(t, a.num_heads, a.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, a.num_kv_heads, a.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, a.num_kv_heads, a.head_dim)
+            q = qkv[:, :q_size].view(t, h_q, a.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, h_kv, a.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, h_kv, a.head_dim)
             ops.rotary(q, k, step.positions, self.cos_sin)
             ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             attn = ops.paged_attention(
@@ -113,10 +162,12 @@ class LlamaModel:
                 step.block_tables,
                 self.scale,
             )
-            x = F.linear(attn.reshape(t, q_size), layer.o_proj)
+            x = group.all_reduce(F.linear(attn.reshape(t, q_size), layer.o_proj))  # [T, Hd]
             h, residual = ops.rms_norm(x, layer.post_norm, a.rms_norm_eps, residual)
             x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            x = group.all_reduce(x)  # [T, Hd]
         rows = step.logits_indices
         # only the sampled rows need the final norm and the LM head
         h, _ = ops.rms_norm(x[rows], self.norm, a.rms_norm_eps, residual[rows])  # type: ignore
-        return F.linear(h, self.lm_head)
+        logits = group.gather_to_first(F.linear(h, self.lm_head))  # [S, V_local * N] on rank 0
+        return None if logits is None else logits[:, : a.vocab_size]

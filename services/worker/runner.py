@@ -3,10 +3,16 @@
 Start: resolve and (once) convert the model, load weights, size and allocate the KV pool.
 Step: apply the plan to per-request state, build flat tensors, run one forward over the mixed
 batch, sample at the rows that asked, return a StepResult.
+
+Tensor parallel (parallel.py): every rank runs every plan on its shard; rank 0 samples from the
+gathered logits and broadcasts the tokens, so every rank records them. A failure once the
+forward has started leaves the group out of step: it is fatal (FatalWorkerError), the process
+exits and its supervisor restarts the whole group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -15,17 +21,19 @@ from typing import Any, Optional
 import structlog
 import torch
 
-from services.worker.config import WorkerConfig, resolve_dtype
+from services.worker.config import ParallelConfig, WorkerConfig, check_divides, resolve_dtype
 from services.worker.dtype_probe import resolve_auto_dtype
 from services.worker.input_batch import InputBatch, RequestState
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
+from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.sampler import SampleRow, sample
 from services.worker.weights import ModelArgs, load_weights, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
+from shared.worker_server import FatalWorkerError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,34 +78,65 @@ def worker_cores() -> int:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and per-request state of one worker rank."""
+    """Owns the model (its shard), the KV cache and per-request state of one worker rank."""
 
-    def __init__(self, config: WorkerConfig, log: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        log: Optional[Any] = None,
+        parallel: Optional[ParallelConfig] = None,
+    ) -> None:
         """Load everything; ValueError with a clear message on a bad model, an unsupported
-        architecture or a KV budget too small for one max-length sequence. `log` (structlog)
-        receives start-up facts (ops chosen, dtype probe); None uses structlog's default."""
+        architecture, a world size that does not divide the heads, or a KV budget too small for
+        one max-length sequence. `parallel`: this rank's place in a tensor-parallel group (None:
+        the only rank); joining blocks until every rank arrives (RuntimeError after the
+        time-out). `log` (structlog) receives start-up facts; None uses structlog's default."""
         self.config = config
         self.log = log if log is not None else structlog.get_logger().bind(service="worker")
-        # None: torch's default (which honours OMP_NUM_THREADS), capped at this process's CPUs
-        threads = config.num_threads or min(torch.get_num_threads(), worker_cores())
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        self.parallel = parallel or ParallelConfig()
         self.folder: Path = prepare_model(config.model)
         self.args: ModelArgs = model_args(self.folder)
+        a, world = self.args, self.parallel.world_size
+        check_divides(world, a.num_heads, a.num_kv_heads, a.intermediate_size)
         self.max_model_len = self._max_model_len(config, self.args)
-        self.dtype_name = resolve_dtype(config) or resolve_auto_dtype(
-            self.args, cache_base() / "dtype", self.log
-        )
+        self.group: Group = join_group(self.parallel, config.device)
+        # None: torch's default (which honours OMP_NUM_THREADS), capped at this rank's share
+        # of the CPUs (ranks on one host split its cores)
+        share = max(1, worker_cores() // self.group.num_local_ranks)
+        threads = config.num_threads or min(torch.get_num_threads(), share)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self.dtype_name = agree_dtype(self.group, self._own_dtype(), tuple(TORCH_DTYPES))
         self.dtype = TORCH_DTYPES[self.dtype_name]
-        num_blocks = num_blocks_for(self.args, config, self.dtype, self.max_model_len)
+        # this rank's KV pool holds its share of the KV heads
+        local = dataclasses.replace(a, num_heads=a.num_heads // world,
+                                    num_kv_heads=a.num_kv_heads // world)  # fmt: skip
+        num_blocks = num_blocks_for(local, config, self.dtype, self.max_model_len)
         weights = load_weights(self.folder, self.dtype, config.device)
         ops = make_ops(config, self.args, self.dtype, self.log)
-        self.log.info("worker_ops", ops=ops.name, threads=torch.get_num_threads())
-        self.model = LlamaModel(self.args, weights, ops, self.max_model_len, config.device)
-        self.kv_cache = KVCache(self.args, num_blocks, config.block_size, self.dtype, config.device)
+        self.log.info("worker_ops", ops=ops.name, threads=torch.get_num_threads(),
+                      rank=self.group.rank, world_size=world)  # fmt: skip
+        self.model = LlamaModel(
+            self.args, weights, ops, self.max_model_len, config.device, self.group
+        )
+        del weights
+        self.kv_cache = KVCache(local, num_blocks, config.block_size, self.dtype, config.device)
         self.batch = InputBatch(config.block_size, num_blocks, self.max_model_len, config.device)
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
+
+    def _own_dtype(self) -> Optional[str]:
+        """The dtype this rank would pick; only rank 0's counts (agree_dtype), so only rank 0
+        runs the `auto` probe."""
+        if self.group.rank != 0:
+            return None
+        return resolve_dtype(self.config) or resolve_auto_dtype(
+            self.args, cache_base() / "dtype", self.log
+        )
+
+    def close(self) -> None:
+        """Leave the tensor-parallel group (called once at process exit)."""
+        self.group.close()
 
     @staticmethod
     def _max_model_len(config: WorkerConfig, args: ModelArgs) -> int:
@@ -123,30 +162,48 @@ class ModelRunner:
             eos_token_ids=list(self.eos_token_ids),
             dtype=self.dtype_name,
             device=self.config.device,
+            world_size=self.group.world_size,
+            weight_bytes=self.model.weight_bytes(),
+            kv_cache_bytes=self.kv_cache.num_bytes,
         )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """One step: one forward over every scheduled token, then sampling. Raises ValueError
-        on a plan inconsistent with the worker's state (the loop reports a WorkerFailure)."""
+        on a plan inconsistent with the worker's state (the loop reports a WorkerFailure; every
+        rank sees the same plan, so all refuse it alike), FatalWorkerError when a rank of a
+        tensor-parallel group fails after the forward started."""
         start = time.perf_counter()
         states = self.batch.apply_plan(plan)
         sampled = [s for s, flag in zip(states, plan.sample, strict=True) if flag]
         if not states:
             return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
         step = self.batch.tensors(plan, states)
-        logits = self.model.forward(step, self.kv_cache.layers)  # [S, V] model dtype
-        return self._finish(plan, sampled, logits, start)
+        try:
+            logits = self.model.forward(step, self.kv_cache.layers)  # [S, V] on rank 0
+            return self._finish(plan, sampled, logits, start)
+        except FatalWorkerError:
+            raise
+        except Exception as exc:
+            if self.group.world_size == 1:
+                raise
+            raise FatalWorkerError(f"rank {self.group.rank} failed mid-step: {exc!r}") from exc
 
     @torch.inference_mode()
-    def compute_logits(self, plan: StepPlan) -> torch.Tensor:
-        """Like `execute` without sampling: the float32 logits [S, V] of the sampling rows.
-        For tests and tools; it updates request state the same way (histories excepted)."""
+    def compute_logits(self, plan: StepPlan) -> Optional[torch.Tensor]:
+        """Like `execute` without sampling: the float32 logits [S, V] of the sampling rows
+        (None on ranks other than 0). For tests and tools; it updates request state the same
+        way (histories excepted)."""
         states = self.batch.apply_plan(plan)
-        return self.model.forward(self.batch.tensors(plan, states), self.kv_cache.layers).float()
+        logits = self.model.forward(self.batch.tensors(plan, states), self.kv_cache.layers)
+        return None if logits is None else logits.float()
 
     def _finish(
-        self, plan: StepPlan, sampled: list[RequestState], logits: torch.Tensor, start: float
+        self,
+        plan: StepPlan,
+        sampled: list[RequestState],
+        logits: Optional[torch.Tensor],
+        start: float,
     ) -> StepResult:
         rows = [
             SampleRow(
@@ -158,7 +215,12 @@ class ModelRunner:
             )
             for s in sampled
         ]
-        token_ids, logprobs = sample(logits, rows) if rows else ([], [])
+        token_ids: list[int] = []
+        logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
+        if rows and logits is not None:  # rank 0 samples
+            token_ids, logprobs = sample(logits, rows)
+        # every rank holds the sampled tokens at the end of the step
+        token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         self.batch.record_samples(sampled, token_ids)
         lp: dict[str, TokenLogprobs] = {
             s.rid: entry for s, entry in zip(sampled, logprobs, strict=True) if entry is not None

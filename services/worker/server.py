@@ -2,6 +2,8 @@
 
 The loop itself lives in shared/worker_server.py so simulated workers run the very same one.
 SIGTERM/SIGINT set a stop event: the loop finishes the step it is in, then exits with 0.
+A tensor-parallel rank that cannot join its group (a peer missing past the time-out) exits with
+EXIT_GROUP_LOST, like one whose group broke while serving.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from services.worker.config import WorkerConfig
-from shared.worker_server import serve_worker
+from services.worker.config import ParallelConfig, WorkerConfig, check_model_divides
+from shared.worker_server import EXIT_GROUP_LOST, FatalWorkerError, serve_worker
 
 EXIT_BAD_CONFIG = 2
 
@@ -21,7 +23,7 @@ EXIT_BAD_CONFIG = 2
 def run_worker(
     config: WorkerConfig,
     plan_address: str,
-    rank: int,
+    parallel: ParallelConfig,
     log: Any,
     ready_file: Optional[Path] = None,
     max_frame_bytes: Optional[int] = None,
@@ -36,24 +38,37 @@ def run_worker(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if parallel.world_size > 1:
+        try:
+            check_model_divides(config.model, parallel.world_size)
+        except ValueError as exc:
+            log.error("bad_worker_config", message=str(exc))
+            return EXIT_BAD_CONFIG
     # Imported here so `--help` and config errors answer without loading torch.
     from services.worker.runner import ModelRunner
 
-    log.info("loading_model", model=config.model, dtype=config.dtype, device=config.device)
+    log.info("loading_model", model=config.model, dtype=config.dtype, device=config.device,
+             rank=parallel.rank, world_size=parallel.world_size)  # fmt: skip
     try:
-        runner = ModelRunner(config, log=log)
+        runner = ModelRunner(config, log=log, parallel=parallel)
     except ValueError as exc:  # a config the model cannot honour (documented by ModelRunner)
         log.error("bad_worker_config", message=str(exc))
         return EXIT_BAD_CONFIG
+    except FatalWorkerError as exc:  # torch.distributed: the group did not form in time
+        log.error("worker_group_join_failed", message=str(exc), exit_code=EXIT_GROUP_LOST)
+        return EXIT_GROUP_LOST
     if stop.is_set():
         return 0
-    return serve_worker(
+    code = serve_worker(
         runner,
         plan_address,
-        rank,
+        parallel.rank,
         log,
         stop=stop,
         ready_file=ready_file,
         max_frame_bytes=max_frame_bytes,
         curve_keys=curve_keys,
     )
+    if code == 0:  # a broken group is not torn down: a collective on it could block
+        runner.close()
+    return code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -66,21 +67,37 @@ def model_args(folder: Path) -> ModelArgs:
     )
 
 
-def load_weights(folder: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, cast to `dtype` on `device`."""
-    from safetensors.torch import load_file
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """The folder's safetensors tensors by name, each read from disk (and cast to `dtype` on
+    `device`) only when asked for: a tensor-parallel rank keeps only its shard of each, so at
+    most one whole tensor is held at a time during start-up."""
 
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, t in load_file(str(file), device="cpu").items():
-            out[name] = t.to(device=device, dtype=dtype)
-    return out
+    def __init__(self, folder: Path, dtype: torch.dtype, device: str) -> None:
+        from safetensors import safe_open
+
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
+        self._dtype, self._device = dtype, device
+        self._files = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self._where = {name: h for h in self._files for name in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name).to(device=self._device, dtype=self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
-def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def load_weights(folder: Path, dtype: torch.dtype, device: str) -> Mapping[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, cast to `dtype` on `device` when read."""
+    return CheckpointTensors(folder, dtype, device)
+
+
+def take(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     """A required tensor, with a clear error naming it when the checkpoint lacks it."""
     t = weights.get(name)
     if t is None:
@@ -88,5 +105,5 @@ def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return t
 
 
-def take_optional(weights: dict[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
+def take_optional(weights: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
     return weights.get(name)

@@ -30,16 +30,20 @@ class WorkerReady:
     eos_token_ids: list[int]
     dtype: str  # "float32" | "bfloat16" | ...
     device: str  # "cpu" | "cuda:0" | "sim:h200" ...
+    world_size: int = 1  # ranks of its tensor-parallel group (the scheduler waits for all)
+    weight_bytes: int = 0  # model weights this rank holds (its shard); 0: not reported
+    kv_cache_bytes: int = 0  # this rank's KV pool (its share of the KV heads); 0: not reported
 
     def __post_init__(self) -> None:
         # Checked on decode (the codec turns this into invalid_field): a WorkerReady that
         # could not size a scheduler is refused before it reaches one.
         counts = (self.rank >= 0, self.num_blocks >= 1, self.block_size >= 1,
-                  self.max_model_len >= 2, self.vocab_size >= 1)  # fmt: skip
+                  self.max_model_len >= 2, self.vocab_size >= 1, self.world_size > self.rank,
+                  self.weight_bytes >= 0, self.kv_cache_bytes >= 0)  # fmt: skip
         if not all(counts):
             raise ValueError(
                 "WorkerReady needs rank >= 0, num_blocks >= 1, block_size >= 1, "
-                "max_model_len >= 2 and vocab_size >= 1"
+                "max_model_len >= 2, vocab_size >= 1, world_size > rank and byte counts >= 0"
             )
 
 
@@ -123,9 +127,12 @@ class WorkerFailure:
 
 @dataclass(frozen=True, slots=True)
 class WorkerShutdown:
-    """Scheduler -> worker: stop after this message."""
+    """Scheduler -> worker: stop after this message. `restart`: the worker's tensor-parallel
+    group lost a rank, so it exits with a failure code for its supervisor to restart the
+    group (a rank cannot rejoin a group whose other members live on)."""
 
     reason: str = ""
+    restart: bool = False
 
 
 def check_plan(plan: StepPlan) -> None:

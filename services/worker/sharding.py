@@ -1,0 +1,68 @@
+"""Megatron-style shards of a Llama checkpoint: which rows or columns of each weight a rank keeps.
+
+Column-parallel (output features split, no communication): the fused q/k/v projection (this
+rank's query heads, then its KV heads) and the fused gate/up projection (its slice of the
+intermediate features). Row-parallel (input features split, followed by one all-reduce): o_proj
+and down_proj. Vocab-parallel: the embedding and the LM head keep rows [start, start + n) of
+the vocabulary, padded with zero rows to `ceil(V / world_size)` so that every rank's shard has
+the same shape (the padding's logits are dropped after the gather).
+
+With world size 1 every shard is the whole tensor (no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This rank's share of a model: `rank` of `world_size`."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def span(self, total: int) -> tuple[int, int]:
+        """[start, end) of an evenly divisible dimension of size `total`."""
+        n = total // self.world_size
+        return self.rank * n, (self.rank + 1) * n
+
+    def rows(self, t: torch.Tensor, total: Optional[int] = None) -> torch.Tensor:
+        """Rows [start, end) of `t` (dim 0 split evenly)."""
+        start, end = self.span(total if total is not None else t.shape[0])
+        return _keep(t, t[start:end])
+
+    def cols(self, t: torch.Tensor) -> torch.Tensor:
+        """Columns [start, end) of `t` [out, in] (dim 1 split evenly): row-parallel layers."""
+        start, end = self.span(t.shape[1])
+        return _keep(t, t[:, start:end])
+
+    def vocab_span(self, vocab_size: int) -> tuple[int, int]:
+        """[start, start + per_rank) of the padded vocabulary this rank owns."""
+        per_rank = -(-vocab_size // self.world_size)
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def vocab_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of `t` [V, Hd] in this rank's vocab span, zero-padded past V: [V_local, Hd]."""
+        start, end = self.vocab_span(t.shape[0])
+        if self.world_size == 1:
+            return t
+        out = torch.zeros((end - start, t.shape[1]), dtype=t.dtype, device=t.device)
+        real = t[start : min(end, t.shape[0])]
+        out[: real.shape[0]] = real
+        return out
+
+
+def fused_rows(shard: Shard, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's own share of rows, concatenated: a column-parallel fused projection keeps
+    [q_local | k_local | v_local] (or [gate_local | up_local]) so that the local split of the
+    output mirrors the unsharded one."""
+    return torch.cat([shard.rows(p) for p in parts]).contiguous()
+
+
+def _keep(full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """A slice that owns its memory (so the full tensor can be freed), or `full` itself."""
+    return full if part.shape == full.shape else part.clone(memory_format=torch.contiguous_format)
