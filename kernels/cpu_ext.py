@@ -1,10 +1,11 @@
-"""Conveyor's C++ CPU kernels (kernels/csrc/cpu_ops.cpp): build once per machine, load, launch.
+"""Conveyor's C++ CPU kernels (kernels/csrc/*.cpp): build once per machine, load, launch.
 
 The extension is compiled with torch.utils.cpp_extension (ninja from the venv) for the CPU it
 runs on (-march=native), so its build folder is keyed by what changes the binary: the CPU model
-and flags, the torch version, the compiler flags and the source itself. A second process (or a
-second worker rank) finds the build done and only imports it; torch's own file lock keeps two
-processes from building at once.
+and flags, the torch version, the compiler flags and every source and header in kernels/csrc
+(the .cpp files are compiled together into one module; cpu_ops.h declares what it binds). A
+second process (or a second worker rank) finds the build done and only imports it; torch's own
+file lock keeps two processes from building at once.
 
 Launchers check shapes and dtypes (ValueError naming the argument) before the C++ code, which
 trusts pointers. Each has a torch reference of the same function beside it:
@@ -21,12 +22,22 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
 # -march=native: the build is per machine (the key holds the CPU flags); -fopenmp enables the
 # `omp simd` loops (threads come from at::parallel_for, i.e. torch's own pool)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 CPU_DTYPES = (torch.float32, torch.bfloat16)
-HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes cpu_ops.cpp is instantiated for
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes paged_attention.cpp is instantiated for
+
+
+def sources() -> list[Path]:
+    """The .cpp files of the extension, in a stable order."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def headers() -> list[Path]:
+    """The headers the sources include (part of the build key: a change rebuilds)."""
+    return sorted(CSRC.glob("*.h"))
 
 
 def cpu_identity() -> str:
@@ -46,12 +57,15 @@ def cpu_identity() -> str:
 
 
 def build_key() -> str:
-    """Hex digest naming the build folder: CPU, torch version, flags and source."""
+    """Hex digest naming the build folder: CPU, torch version, flags, sources and headers."""
     h = hashlib.sha256()
     for part in (cpu_identity(), torch.__version__, " ".join(CFLAGS)):
         h.update(part.encode())
         h.update(b"\0")
-    h.update(SOURCE.read_bytes())
+    for path in sources() + headers():
+        h.update(path.name.encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -66,7 +80,7 @@ def load_cpu_ops(cache_dir: Path, verbose: bool = False) -> ModuleType:
     folder.mkdir(parents=True, exist_ok=True)
     return load(
         name=f"conveyor_cpu_ops_{key}",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in sources()],
         extra_cflags=list(CFLAGS),
         build_directory=str(folder),
         verbose=verbose,

@@ -1,4 +1,4 @@
-"""CpuOps: the model's small kernels as one C++ call each (kernels/csrc/cpu_ops.cpp).
+"""CpuOps: the model's small kernels as one C++ call each (kernels/csrc/*.cpp).
 
 Same methods and signatures as TorchOps (docs/design/contracts.md), which stays the reference
 and the fallback. Paged attention reads K/V in place from the block pool (no gather, no padded

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/csrc/cpu_ops.cpp) equal their torch references.
+"""The C++ CPU kernels (kernels/csrc/*.cpp) equal their torch references.
 
 The extension must build on every machine of this kind (g++ present): a failed build fails
 `test_extension_builds_on_this_machine` here, so the worker's logged fallback to torch can never

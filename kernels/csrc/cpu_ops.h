@@ -1,0 +1,87 @@
+// Shared by Conveyor's CPU kernels (kernels/csrc/*.cpp, built together into one extension by
+// kernels/cpu_ext.py with torch.utils.cpp_extension, -O3 -march=native, one build per machine):
+// element conversions, a vectorisable exp, and the entry points the module binds.
+//
+// Element types: float32 and bfloat16 (raw uint16_t here), always computed in fp32. Nothing here
+// assumes an instruction set: loops are written for the compiler to vectorise with what
+// -march=native offers (AVX2 on an AMD EPYC, AVX-512/AMX on an Intel Xeon).
+#pragma once
+
+// the narrow ATen headers (not ATen/ATen.h): each source compiles in ~2/3 of the time
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace conveyor {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (inputs are finite)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+inline float to_f(T v);
+template <>
+inline float to_f<float>(float v) { return v; }
+template <>
+inline float to_f<uint16_t>(uint16_t v) { return bf16_to_float(v); }
+
+template <typename T>
+inline T from_f(float v);
+template <>
+inline float from_f<float>(float v) { return v; }
+template <>
+inline uint16_t from_f<uint16_t>(float v) { return float_to_bf16(v); }
+
+// exp(x) for x in [-87, 88] (clamped outside; Cephes single-precision polynomial, ~1 ulp;
+// vectorises, unlike std::exp).
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return e * scale;
+}
+
+// The kernels (each beside a torch reference of the same function in kernels/*.py).
+// paged_attention.cpp <-> kernels.paged_attention.paged_attention_ref
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                           double scale);
+// layer_ops.cpp <-> kernels.rms_norm.rms_norm_ref, kernels.rotary.rotary_ref,
+// kernels.silu_and_mul.silu_and_mul_ref
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const c10::optional<at::Tensor>& residual);
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+            const at::Tensor& cos_sin_cache);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+}  // namespace conveyor

@@ -1,0 +1,14 @@
+// The Python module of Conveyor's CPU kernels: binds the entry points declared in cpu_ops.h
+// (the only file here that includes torch/extension.h, which is slow to compile).
+
+#include <torch/extension.h>
+
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &conveyor::paged_attention,
+        "paged attention over the block pool, in place");
+  m.def("rms_norm", &conveyor::rms_norm, "(residual-add +) RMSNorm");
+  m.def("rotary", &conveyor::rotary, "rotary embedding of q and k, in place");
+  m.def("silu_and_mul", &conveyor::silu_and_mul, "SiLU(gate) * up");
+}
