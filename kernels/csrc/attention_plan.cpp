@@ -1,6 +1,8 @@
 // Paged attention's work plan: which (sequence, query block, KV head, KV split) items a step
 // has, and which of them write partial results to be merged (see paged_attention.cpp).
 
+#include <algorithm>
+
 #include "attention_tiles.h"
 
 namespace conveyor {
@@ -42,6 +44,20 @@ std::vector<Item> plan_items(const int32_t* qsl, const int32_t* seq_lens, int64_
   }
   *num_partials = partials;
   return items;
+}
+
+std::vector<int32_t> costliest_first(const std::vector<Item>& items, int64_t group) {
+  // cost ~ rows x keys of the QK and PV products, plus loading each key once
+  std::vector<int64_t> cost(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    cost[i] = ((it.q_end - it.q_begin) * group + 4) * (it.key_end - it.key_begin);
+  }
+  std::vector<int32_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return cost[a] > cost[b]; });
+  return order;
 }
 
 }  // namespace conveyor

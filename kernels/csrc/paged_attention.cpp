@@ -7,11 +7,15 @@
 //   i sits at position seq_lens[b] - q_len + i and sees keys at positions <= its own (causal).
 //   Work items are (sequence, query block of kQBlock tokens, KV head, KV split). An item's rows
 //   are its query tokens x the query heads of its KV head (grouped-query attention), so each K/V
-//   tile is read once per group. Keys are visited one cache block at a time through the block
-//   table (no gather, no padding, no mask tensor: a row's valid keys in a tile are a prefix).
-//   Softmax is online in fp32. When the step has too few items to keep every thread busy (small
-//   decode batches), long key ranges are split; each split writes (acc, max, sum) to scratch and
-//   a second pass merges them.
+//   tile is read once per query block and group. Keys are visited kKeyTile at a time, gathered
+//   through the block table into an fp32 tile (K transposed) once per item: no gathered copy of
+//   the context, no padding, no mask tensor (a row's valid keys in a tile are a prefix). QK and
+//   PV are register-blocked (kRowBlock rows x kVec keys or head dims), softmax is online in fp32.
+//   Threads take items costliest first from a shared counter. When the step has too few items to
+//   keep every thread busy (small decode batches), long key ranges are split; each split writes
+//   (acc, max, sum) to scratch and a second pass merges them.
+
+#include <atomic>
 
 #include "attention_tiles.h"
 
@@ -49,19 +53,26 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(slot_rows * g.head_dim));
+  // Threads take items from a shared counter, costliest first (a static split of a causal
+  // prefill would give one thread the short early query blocks and the other the long late ones).
+  const std::vector<int32_t> order = costliest_first(items, g.group);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch sc(slot_rows, D);
+    std::vector<float> acc(static_cast<size_t>(slot_rows * D));
     std::vector<float> mx(static_cast<size_t>(slot_rows)), sm(static_cast<size_t>(slot_rows));
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = items[static_cast<size_t>(i)];
+    for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
+      const Item& it = items[static_cast<size_t>(order[static_cast<size_t>(n)])];
       const int32_t* table = tables + it.seq * g.table_stride;
       if (it.partial < 0) {
-        attend_item<T, D>(it, qp, kp, vp, table, g, acc.data(), mx.data(), sm.data());
+        attend_item<T, D>(it, qp, kp, vp, table, g, sc, acc.data(), mx.data(), sm.data());
         write_rows<T>(it, acc.data(), sm.data(), g, op);
       } else {
         const int64_t base = it.partial * slot_rows;
-        attend_item<T, D>(it, qp, kp, vp, table, g, p_acc.data() + base * g.head_dim,
-                       p_max.data() + base, p_sum.data() + base);
+        attend_item<T, D>(it, qp, kp, vp, table, g, sc, p_acc.data() + base * D,
+                          p_max.data() + base, p_sum.data() + base);
       }
     }
   });
