@@ -8,7 +8,7 @@ everything else are left out, so no engine can beat the floor; `--result` (a `co
 JSON) prints that run's output tok/s against the floor's.
 
     PYTHONPATH=. python bench/roofline.py [--workload mixed --num-prompts 64 --seed 0]
-        [--result results/run/bench.json]
+        [--result results/run/bench.json ...]
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--decode-rows", type=int, default=32)
-    ap.add_argument("--result", type=Path, default=None, help="a conveyor bench JSON to rate")
+    ap.add_argument(
+        "--result", type=Path, nargs="*", default=[], help="conveyor bench JSONs to rate"
+    )
     args = ap.parse_args()
     margs = model_args(prepare_model(None))
     reqs = generate(
@@ -88,8 +90,8 @@ def main() -> None:
         f"workload {args.workload} x{args.num_prompts}: {prompt_tokens} prompt + {output_tokens} "
         f"output tokens; roofline (faster dtype, {best}): {floor_tps:.0f} output tok/s"
     )
-    if args.result is not None:
-        data = json.loads(args.result.read_text())
+    for result in args.result:
+        data = json.loads(result.read_text())
         # a plain `conveyor bench` result, or --compare-batching's compare.json (runs by mode)
         runs = {"run": data} if "runs" not in data else {
             f"{scenario}/{mode}": run
@@ -98,7 +100,9 @@ def main() -> None:
         }  # fmt: skip
         for name, run in runs.items():
             tps = float(run["output_throughput"])
-            print(f"{name}: {tps:.1f} output tok/s = {tps / floor_tps:.0%} of the roofline")
+            print(
+                f"{result}: {name}: {tps:.1f} output tok/s = {tps / floor_tps:.0%} of the roofline"
+            )
 
 
 if __name__ == "__main__":

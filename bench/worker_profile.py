@@ -1,13 +1,14 @@
 """Where a worker decode step's time goes, and whether its linear layers run at the GEMM rate.
 
-Profiles `--steps` decode steps at batch `--batch` (`--context` cached tokens each) with
+Profiles `--steps` decode steps at batch `--batch` (`--context` cached tokens each; with
+`--chunk N` each step also prefills a fresh N-token prompt, as the mixed steps of a burst do) with
 torch.profiler and prints the top operators by self CPU time; then times the same linear-layer
 shapes (the fused qkv, o, gate/up and down of one layer, and the LM head at the sampled rows) in
 a bare F.linear loop, and prints the step's matmul time against that floor. A ratio near 1 means
 the linear layers already run at the machine's GEMM rate (no per-call repacking to fix).
 
     PYTHONPATH=. python bench/worker_profile.py [--dtype float32] [--batch 32] [--context 256]
-        [--ops cpu|torch] [--steps 5]
+        [--ops cpu|torch] [--steps 5] [--chunk 0]
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.worker_step_bench import ours_decode
+from bench.worker_step_bench import GREEDY, ours_decode
 from services.worker.config import WorkerConfig
 from services.worker.dtype_probe import linear_shapes
 from services.worker.runner import ModelRunner
+from shared.protocol.worker_channel import NewSequence, StepPlan
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul_fused", "mkldnn::_linear")
 
@@ -45,15 +47,48 @@ class LabelledOps:
         return call
 
 
-def bare_linear_seconds(runner: ModelRunner, rows: int, repeat: int) -> float:
-    """One step's linear layers (all layers + LM head) timed in a bare F.linear loop."""
+def ours_mixed(runner: ModelRunner, batch: int, context: int, chunk: int) -> Any:
+    """`batch` decodes (as ours_decode) plus the whole `chunk`-token prompt of a fresh sequence
+    in one step; the fresh sequence is released and re-admitted every step."""
+    bs = runner.kv_cache.block_size
+    first_free = batch * -(-(context + 1) // bs)
+    blocks = list(range(first_free, first_free + -(-chunk // bs)))
+    if blocks[-1] >= runner.kv_cache.num_blocks:
+        raise ValueError("KV pool too small: lower --batch, --context or --chunk")
+    ids = [(i * 31) % 40000 + 10 for i in range(chunk)]
+    rids = [f"b{batch}-{i}" for i in range(batch)]
+    ours_decode(runner, batch, context, 0)  # admits the decoding sequences
+
+    def run() -> None:
+        plan = StepPlan(
+            0,
+            [NewSequence("chunk", ids, chunk, blocks, GREEDY)],
+            [*rids, "chunk"],
+            [context] * batch + [0],
+            [1] * batch + [chunk],
+            [7] * batch + ids,
+            [[] for _ in range(batch + 1)],
+            [True] * (batch + 1),
+            released_rids=["chunk"],
+        )
+        runner.execute(plan)
+
+    return run
+
+
+def bare_linear_seconds(runner: ModelRunner, rows: int, head_rows: int, repeat: int) -> float:
+    """One step's linear layers (all layers at `rows` rows + the LM head at `head_rows` sampled
+    rows) timed in a bare F.linear loop."""
     args, dtype = runner.args, runner.dtype
     gen = torch.Generator().manual_seed(0)
     pairs = [
         (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
         for k, n in linear_shapes(args)
     ]
-    head = (torch.randn(rows, args.hidden_size, generator=gen).to(dtype), runner.model.lm_head)
+    head = (
+        torch.randn(head_rows, args.hidden_size, generator=gen).to(dtype),
+        runner.model.lm_head,
+    )
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeat + 1):
@@ -73,14 +108,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--ops", default="auto", choices=["auto", "cpu", "torch"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--chunk", type=int, default=0, help="prefill tokens added to each step")
     args = ap.parse_args()
-    need = args.batch * (args.context + 16) * 2 * 30 * 3 * 64 * 4
+    need = (args.batch * (args.context + 16) + args.chunk + 16) * 2 * 30 * 3 * 64 * 4
     runner = ModelRunner(
         WorkerConfig(
             dtype=args.dtype, kv_cache_memory=max(need, 1 << 28), attention_backend=args.ops
         )
     )
-    run = ours_decode(runner, args.batch, args.context, 0)
+    if args.chunk > 0:
+        run = ours_mixed(runner, args.batch, args.context, args.chunk)
+    else:
+        run = ours_decode(runner, args.batch, args.context, 0)
     run()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -97,8 +136,19 @@ def main() -> None:
     print(events.table(sort_by="cpu_time_total", row_limit=20))
     matmul_s = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6
     matmul_s /= args.steps
-    bare_s = bare_linear_seconds(runner, args.batch, 5)
+    sampled = args.batch + (1 if args.chunk > 0 else 0)
+    bare_s = bare_linear_seconds(runner, args.batch + args.chunk, sampled, 5)
     num_ops = sum(e.count for e in events) / args.steps
+    kernels = {
+        e.key: e.cpu_time_total / 1e3 / args.steps for e in events if e.key.startswith("ops.")
+    }
+    rest_ms = step_s * 1e3 - matmul_s * 1e3 - sum(kernels.values())
+    print(
+        "per step: matmuls "
+        + f"{matmul_s * 1e3:.1f} ms, "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))
+        + f", everything else {rest_ms:.1f} ms"
+    )
     print(f"step (unprofiled): {step_s * 1e3:.1f} ms; operator calls per step: {num_ops:.0f}")
     print(
         f"matmuls in the step: {matmul_s * 1e3:.1f} ms; the same shapes in a bare F.linear loop: "
