@@ -113,7 +113,7 @@ def main() -> None:
     need = (args.batch * (args.context + 16) + args.chunk + 16) * 2 * 30 * 3 * 64 * 4
     runner = ModelRunner(
         WorkerConfig(
-            dtype=args.dtype, kv_cache_memory=max(need, 1 << 28), attention_backend=args.ops
+            dtype=args.dtype, kv_cache_memory=max(need, 1 << 29), attention_backend=args.ops
         )
     )
     if args.chunk > 0:
