@@ -54,7 +54,7 @@ from shared.protocol.engine_channel import (
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
-from shared.transport import guarded, one_turn
+from shared.transport import Drain, guarded, one_turn
 
 # Receive turns are bounded (shared/transport.py): a backlog of output batches must not delay
 # the FrontendHello that keeps a scheduler from declaring this frontend gone.
@@ -90,8 +90,7 @@ class FrontendServer:
         self._num_requests_total = 0
         self._num_resubmitted_total = 0
         self._latency = LatencyWindow()  # TTFT/TPOT of the last minute, for `stats`
-        self._drain_requested = False
-        self._draining_since: Optional[float] = None
+        self._drain = Drain(config.drain_timeout_s, self.log)
         self._stopped = False
         self._handlers: dict[type, Callable[[EngineLink, Any], None]] = {
             OutputBatch: self._on_outputs,
@@ -122,7 +121,7 @@ class FrontendServer:
         )
 
     def request_drain(self) -> None:
-        self._drain_requested = True
+        self._drain.request()
 
     def run(self) -> int:
         """Serve until drained; returns the process exit code."""
@@ -231,7 +230,7 @@ class FrontendServer:
         """Prompt ids, or the first reason (in the documented order) to refuse the request."""
         if self._table.rid_of(ident, cmd.id) is not None:
             return Rejection(ErrorCode.DUPLICATE_ID, f"id {cmd.id!r} is already in flight")
-        if self._draining_since is not None or self._drain_requested:
+        if self._drain.requested:
             return Rejection(ErrorCode.SHUTTING_DOWN, "the frontend is shutting down")
         engine = self._reference_engine()
         if engine is None:
@@ -438,10 +437,10 @@ class FrontendServer:
         return next((link.ready for link in self._engines if link.ready is not None), None)
 
     def _ready(self) -> bool:
-        return self._reference_engine() is not None and not self._drain_requested
+        return self._reference_engine() is not None and not self._drain.requested
 
     def _reason(self) -> Optional[str]:
-        if self._drain_requested:
+        if self._drain.requested:
             return "shutting_down"
         if self._reference_engine() is not None:
             return None
@@ -462,14 +461,7 @@ class FrontendServer:
         self._drain_step(now)
 
     def _drain_step(self, now: float) -> None:
-        if self._drain_requested and self._draining_since is None:
-            self._draining_since = now
-            self.log.info(
-                "draining", num_in_flight=len(self._requests), grace_s=self.config.drain_timeout_s
-            )
-        if self._draining_since is None:
-            return
-        if self._requests and now - self._draining_since <= self.config.drain_timeout_s:
+        if not self._drain.due(now, len(self._requests)):
             return
         for rid in list(self._requests):
             if rid not in self._requests:
