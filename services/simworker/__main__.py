@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the scheduler's worker address (CONVEYOR_WORKER_ADDR)",
     )
     proc.add_argument("--rank", type=int, default=env_int("RANK", 0))
+    proc.add_argument(
+        "--world-size",
+        type=int,
+        default=env_int("WORLD_SIZE", 1),
+        help="processes standing in for the ranks of one group, each modelling the whole step "
+        "(the scheduler's multi-rank tests); --tensor-parallel-size models N ranks in one",
+    )
     proc.add_argument("--ready-file", type=Path, default=env_path("READY_FILE"))
     proc.add_argument("--max-frame-bytes", type=int, default=env_int("MAX_FRAME_BYTES", None))
     add_worker_key_flag(proc)
@@ -111,8 +118,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rank < 0:
-        parser.error("--rank must be >= 0")
+    if not 0 <= args.rank < args.world_size:
+        parser.error("--rank must be in 0 .. --world-size - 1")
     try:
         check_worker_keys(args.curve_keys)
     except ValueError as exc:
@@ -123,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        runner: StepRunner = SimRunner(config_from_args(args), log)
+        runner: StepRunner = SimRunner(config_from_args(args), log, world_size=args.world_size)
     except ValueError as exc:  # a bad flag value or a model that does not fit the device
         log.error("bad_worker_config", message=f"SIMULATED worker: {exc}")
         return EXIT_BAD_CONFIG

@@ -59,8 +59,9 @@ def kv_capacity_blocks(device: DeviceProfile, model: ModelShape, block_size: int
 class SimRunner:
     """The simulated worker's runner: `ready_message(rank)` once, then `execute(plan)` per step."""
 
-    def __init__(self, config: SimConfig, log: Any = None) -> None:
+    def __init__(self, config: SimConfig, log: Any = None, world_size: int = 1) -> None:
         self.config = config
+        self.world_size = world_size  # processes of its group (each models the whole step)
         self.device = config.device_profile()
         self.model = config.model_shape()
         self._log = (log if log is not None else structlog.get_logger()).bind(simulated=True)
@@ -104,6 +105,7 @@ class SimRunner:
             eos_token_ids=list(self.model.eos_token_ids),
             dtype=self.config.weight_dtype,
             device=f"sim:{self.device.name}",
+            world_size=self.world_size,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -121,9 +121,12 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
         sched.wait()
 
 
-def _start_worker(worker_addr: str, tmp_path: Path, rank: int = 0) -> subprocess.Popen[bytes]:
+def _start_worker(
+    worker_addr: str, tmp_path: Path, rank: int = 0, world_size: int = 1
+) -> subprocess.Popen[bytes]:
     return _spawn("services.simworker", "--plan-addr", worker_addr, "--sim-num-blocks", "256",
                   "--sim-max-model-len", "2048", "--rank", str(rank),
+                  "--world-size", str(world_size),
                   log=tmp_path / f"worker-{rank}.log")  # fmt: skip
 
 
@@ -244,10 +247,10 @@ def test_every_rank_gets_every_plan_and_rank_0_answers(tmp_path: Path) -> None:
     procs = [_spawn("services.scheduler", *flags, log=tmp_path / "scheduler.log")]
     try:
         fe = Frontend(sched_addr, "fe-tp")
-        procs.append(_start_worker(worker_addr, tmp_path, rank=0))
+        procs.append(_start_worker(worker_addr, tmp_path, rank=0, world_size=2))
         fe.send(FrontendHello("fe-tp"))
         assert isinstance(fe.recv(), EngineNotReady)  # one rank of two is not enough
-        procs.append(_start_worker(worker_addr, tmp_path, rank=1))
+        procs.append(_start_worker(worker_addr, tmp_path, rank=1, world_size=2))
         fe.wait_for(EngineReady)
         fe.send(_submit("tp-1", 8))
         final = None
