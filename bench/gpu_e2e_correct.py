@@ -38,6 +38,7 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
 from tests.support.plan_driver import PlanDriver
@@ -162,28 +163,16 @@ def last_logits_hf(model: Any, prompts: list, device: str) -> list[torch.Tensor]
 
 
 def prefill_plan(prompts: list, step_id: int) -> StepPlan:
-    from shared.protocol.worker_channel import NewSequence
-
+    """A reset plan: the prompts alone in the batch, each computed whole."""
     greedy = SamplingParams(temperature=0.0)
+    writer = PlanWriter(first_step_id=step_id)
     news, blocks = [], 0
     for i, p in enumerate(prompts):
         num = -(-len(p) // BLOCK_SIZE)
-        news.append(
-            NewSequence(f"b{step_id}-{i}", p, len(p), list(range(blocks, blocks + num)), greedy)
-        )
+        rid = f"b{step_id}-{i}"
+        news.append(writer.new_sequence(rid, p, len(p), list(range(blocks, blocks + num)), greedy))
         blocks += num
-    rids = [n.rid for n in news]
-    return StepPlan(
-        step_id,
-        news,
-        rids,
-        [0] * len(prompts),
-        [len(p) for p in prompts],
-        [t for p in prompts for t in p],
-        [[] for _ in prompts],
-        [True] * len(prompts),
-        released_rids=rids,
-    )
+    return writer.plan({n.rid: len(n.token_ids) for n in news}, news)
 
 
 def bf16_check(folder: Path, device: str, prompts: list, max_len: int) -> dict:
@@ -235,17 +224,22 @@ def same_plans_check(
         return float((a - b).abs().max() / b.pow(2).mean().sqrt())
 
     def execute(plan: StepPlan) -> StepResult:
-        out = {name: r.compute_logits(plan) for name, r in sides.items()}  # [S, V] float32
-        rids = [r for r, s in zip(plan.rids, plan.sample, strict=True) if s]
-        if not rids:  # a step of prefill chunks only: nothing sampled, no logits
+        out = {name: r.compute_logits(plan) for name, r in sides.items()}  # [B, V] float32
+        step = sides["torch"].last_tool_step
+        assert step is not None
+        rids = [s.rid for s in step.sampled()]
+        if not rids:  # a step of prefill chunks only: nothing sampled
             return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
+        rows = torch.tensor(step.sample, device=out["torch"].device)
+        out = {name: logits[rows] for name, logits in out.items()}  # [S, V] sampling rows
+        tokens = out["triton"].argmax(-1).tolist()
+        for runner in sides.values():  # each worker's histories get the chosen tokens
+            runner.record_tokens(tokens)
         diffs["triton_vs_torch"].append(rel(out["triton"], out["torch"]))
         if "fp32" in out:
             diffs["triton_vs_fp32"].append(rel(out["triton"], out["fp32"]))
             diffs["torch_vs_fp32"].append(rel(out["torch"], out["fp32"]))
-        return StepResult(
-            step_id=plan.step_id, rids=rids, token_ids=out["triton"].argmax(-1).tolist()
-        )
+        return StepResult(step_id=plan.step_id, rids=rids, token_ids=tokens)
 
     num_blocks = min(r.kv_cache.num_blocks for r in sides.values())
     driver = PlanDriver(execute, num_blocks, BLOCK_SIZE, CHUNK, shuffle_seed=1)

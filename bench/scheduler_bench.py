@@ -32,6 +32,7 @@ import zlib
 from pathlib import Path
 
 from services.scheduler import Scheduler, SchedulerConfig
+from shared.held_batch import HeldBatch
 from shared.protocol.codec import decode, encode
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
@@ -60,11 +61,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _answer(plan: StepPlan) -> StepResult:
-    """Each sampled token differs per request and step (decode-filled blocks never match)."""
-    rids = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
-    base = plan.step_id * 7919
-    return StepResult(plan.step_id, rids, [(base + i) % VOCAB for i in range(len(rids))])
+class _Worker:
+    """The worker's side (not timed): its persistent batch (shared/held_batch.py) applies each
+    plan; each sampled token differs per request and step (decode-filled blocks never match)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.held = HeldBatch(sched.pool.num_blocks, sched.block_size, sched.max_model_len)
+
+    def answer(self, plan: StepPlan) -> StepResult:
+        sampled = self.held.apply(plan).sampled()
+        base = plan.step_id * 7919
+        tokens = [(base + i) % VOCAB for i in range(len(sampled))]
+        HeldBatch.record_samples(sampled, tokens)
+        return StepResult(plan.step_id, [s.rid for s in sampled], tokens)
 
 
 def _submit(rid: str, prompt_len: int, max_tokens: int) -> SubmitRequest:
@@ -75,7 +84,9 @@ def _submit(rid: str, prompt_len: int, max_tokens: int) -> SubmitRequest:
     return SubmitRequest(rid, prompt, sampling)
 
 
-def _warm_up(n: int, args: argparse.Namespace, steps: int, caching: bool = True) -> Scheduler:
+def _warm_up(
+    n: int, args: argparse.Namespace, steps: int, caching: bool = True
+) -> tuple[Scheduler, _Worker]:
     """N requests whose prompt is `context - 1` tokens, prefilled and decoding."""
     bs = args.block_size
     blocks_each = -(-(args.context + 2 * steps + 16) // bs)
@@ -91,13 +102,14 @@ def _warm_up(n: int, args: argparse.Namespace, steps: int, caching: bool = True)
     sched = Scheduler(config, num_blocks, bs, 16 * args.context, [-1], cache_namespace=b"bench")
     for i in range(n):
         sched.add_request(_submit(f"req-{i:05d}", args.context - 1, 1 << 20))
+    worker = _Worker(sched)
     while True:
         plan = sched.schedule()
         assert plan is not None
-        sched.update(_answer(plan))
+        sched.update(worker.answer(plan))
         rec = sched.last_step_record
         if rec is not None and not any(rec.is_prefill) and len(rec.rids) == n:
-            return sched
+            return sched, worker
 
 
 class _Stepper:
@@ -106,8 +118,9 @@ class _Stepper:
     encode the plan. With `new_prompt_len`, a new prompt arrives as soon as the previous one is
     done (so every step holds a prefill chunk)."""
 
-    def __init__(self, sched: Scheduler, new_prompt_len: int) -> None:
+    def __init__(self, sched: Scheduler, worker: _Worker, new_prompt_len: int) -> None:
         self.sched = sched
+        self.worker = worker
         self.new_prompt_len = new_prompt_len
         self.parts: dict[str, list[float]] = {"decode": [], "update": [], "schedule": [],
                                               "encode": []}  # fmt: skip
@@ -120,7 +133,7 @@ class _Stepper:
     def step(self) -> float:
         """One step; its time (us), after_plan excluded."""
         sched, parts = self.sched, self.parts
-        frame = encode(_answer(self.plan))  # the worker's side: not timed
+        frame = encode(self.worker.answer(self.plan))  # the worker's side: not timed
         t0 = time.perf_counter()
         result = decode(frame)
         t1 = time.perf_counter()
@@ -158,18 +171,20 @@ class _Stepper:
         return out
 
 
-def _time_steps(sched: Scheduler, steps: int, new_prompt_len: int) -> dict[str, float]:
+def _time_steps(
+    sched: Scheduler, worker: _Worker, steps: int, new_prompt_len: int
+) -> dict[str, float]:
     """`steps` timed steps of one scheduler (see _Stepper)."""
     gc.collect()
-    stepper = _Stepper(sched, new_prompt_len)
+    stepper = _Stepper(sched, worker, new_prompt_len)
     for _ in range(steps):
         stepper.step()
     return stepper.summary()
 
 
 def _run(n: int, args: argparse.Namespace, scenario: str, caching: bool) -> dict[str, float]:
-    sched = _warm_up(n, args, args.steps, caching)
-    r = _time_steps(sched, args.steps, args.context if scenario == "mixed" else 0)
+    sched, worker = _warm_up(n, args, args.steps, caching)
+    r = _time_steps(sched, worker, args.steps, args.context if scenario == "mixed" else 0)
     print(
         f"N={n:5d} {scenario:6s} caching {'on ' if caching else 'off'} step "
         f"{r['step_us_median']:8.1f} us median (decode {r['decode_us_median']:.1f} + update "
@@ -193,7 +208,7 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
     ratios: list[float] = []
     paired: list[float] = []
     for _ in range(args.repeats):
-        steppers = {m: _Stepper(_warm_up(n, args, args.steps, m == "on"), new_len) for m in modes}
+        steppers = {m: _Stepper(*_warm_up(n, args, args.steps, m == "on"), new_len) for m in modes}
         gc.collect()
         times: dict[str, list[float]] = {m: [] for m in modes}
         for i in range(args.steps):
@@ -227,10 +242,10 @@ def _profile(args: argparse.Namespace) -> None:
     for n in (int(x) for x in args.running.split(",")):
         for scenario in ("decode", "mixed"):
             for mode in args.prefix_caching.split(","):
-                sched = _warm_up(n, args, args.steps, mode == "on")
+                sched, worker = _warm_up(n, args, args.steps, mode == "on")
                 prof = cProfile.Profile()
                 prof.enable()
-                _time_steps(sched, args.steps, args.context if scenario == "mixed" else 0)
+                _time_steps(sched, worker, args.steps, args.context if scenario == "mixed" else 0)
                 prof.disable()
                 print(f"==== N={n} {scenario} caching {mode}", flush=True)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(22)

@@ -1,6 +1,13 @@
 """The engine's own overhead per step, measured with the zero-cost SIMULATED worker.
 
     PYTHONPATH=. .venv/bin/python bench/sim_overhead.py --running 64,256,1024
+    PYTHONPATH=. .venv/bin/python bench/sim_overhead.py --running 256 --sim-device h200
+
+`--async-scheduling off,on` (the default) runs each N with the scheduler's overlap off and on,
+one after the other, so the two are compared side by side in one run. For every run it also
+reports the device-only bound: the output tokens over the sum of the worker's step times
+(`forward_s`: the modelled device time, ~0 with `--sim-device none`), against the engine's own
+span (first plan sent to last result received).
 
 For each N it starts a stack (tokenizer + scheduler + `--sim-device none` worker), submits N
 requests with short prompts and long outputs so that N decodes run together for hundreds of
@@ -25,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.overlap_plot import plot_overlap
 from conveyor.bench.steplog import read_step_log
 from conveyor.launcher import LocalStack, StackSettings
 from conveyor.logview import read_lines
@@ -49,6 +57,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--report-every", type=int, default=50, help="steps per worker log line")
     p.add_argument("--stream", action="store_true", help="stream tokens to the client")
     p.add_argument("--sim-model", default="llama-3-8b")
+    p.add_argument("--sim-device", default="none", help="none (zero cost) or a profile: h200 ...")
+    p.add_argument("--async-scheduling", default="off,on", help="off | on | off,on (in order)")
+    p.add_argument(
+        "--steplog-png",
+        type=Path,
+        default=None,
+        help="write a per-step timeline of the first N's runs (one panel per mode)",
+    )
     p.add_argument("--out", type=Path, default=Path("results/sim_overhead.json"))
     return p.parse_args(argv)
 
@@ -93,19 +109,20 @@ def _scheduler_gaps_us(log_dir: Path, n: int) -> list[float]:
     ]
 
 
-def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
+def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> dict[str, Any]:
     """One stack with n running requests; the summary of its engine gaps at batch n."""
     settings = StackSettings(
         worker="sim",
-        sim_device="none",
+        sim_device=args.sim_device,
         sim_model=args.sim_model,
         frontend_address=f"tcp://127.0.0.1:{_free_port()}",
         gateway=False,
-        log_dir=log_root / f"running-{n}",
+        log_dir=log_root / f"running-{n}-async-{'on' if overlap else 'off'}",
         scheduler_flags={
             "max_num_seqs": str(n),
             "max_num_batched_tokens": str(max(n, 4096)),
             "max_waiting": str(max(n, 4096)),
+            "async_scheduling": str(overlap).lower(),
         },
         worker_flags={"sim_report_every": str(args.report_every)},
     )
@@ -119,8 +136,19 @@ def measure(n: int, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
         raise RuntimeError(f"no scheduler step lines at {n} running")
     steps = sum(x["steps"] for x in lines)
     mean_us = sum(x["gap_mean_us"] * x["steps"] for x in lines) / steps
+    every = read_step_log(Path(settings.log_dir) / "scheduler.log")
+    device_s = sum(s.forward_s or 0.0 for s in every)  # the worker's own step times
+    span_s = max(s.t_result for s in every) - min(s.t_plan for s in every)
+    tokens = n * args.output_len
     return {
         "running": n,
+        "async_scheduling": overlap,
+        "log_dir": str(settings.log_dir),
+        "device_busy_s": round(device_s, 3),
+        "engine_span_s": round(span_s, 3),
+        "engine_tok_s": round(tokens / span_s, 1),
+        "bound_tok_s": round(tokens / device_s, 1) if device_s > 0 else None,
+        "of_bound": round(device_s / span_s, 4),
         "steps": steps,
         "gap_mean_us": round(mean_us, 1),
         "gap_p50_us": statistics.median(x["gap_p50_us"] for x in lines),
@@ -138,20 +166,29 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     sizes = [int(v) for v in args.running.split(",") if v.strip()]
     log_root = Path(tempfile.mkdtemp(prefix="sim-overhead-"))
-    print(f"SIMULATED zero-cost worker; logs under {log_root}")
-    results = [measure(n, args, log_root) for n in sizes]
+    print(f"SIMULATED worker, device {args.sim_device}; logs under {log_root}")
+    modes = [m.strip() == "on" for m in args.async_scheduling.split(",")]
+    results = [measure(n, args, log_root, overlap) for n in sizes for overlap in modes]
     print(
-        f"{'running':>8}{'steps':>7}{'mean us':>10}{'p50 us':>9}{'p99 us':>9}"
-        f"{f'of {args.gpu_step_ms:g} ms':>10}{'tok/s':>10}{'sched p50 us':>14}"
+        f"{'running':>8}{'async':>6}{'steps':>7}{'mean us':>10}{'p50 us':>9}{'p99 us':>9}"
+        f"{f'of {args.gpu_step_ms:g} ms':>10}{'tok/s':>10}{'sched p50 us':>14}{'of bound':>10}"
     )
     for r in results:
         print(
-            f"{r['running']:>8}{r['steps']:>7}{r['gap_mean_us']:>10.1f}{r['gap_p50_us']:>9.1f}"
+            f"{r['running']:>8}{'on' if r['async_scheduling'] else 'off':>6}{r['steps']:>7}"
+            f"{r['gap_mean_us']:>10.1f}{r['gap_p50_us']:>9.1f}"
             f"{r['gap_p99_us']:>9.1f}{r['fraction_of_gpu_step']:>10.1%}"
-            f"{r['output_tok_s']:>10.0f}{r['scheduler_gap_p50_us']:>14.1f}"
+            f"{r['engine_tok_s']:>10.0f}{r['scheduler_gap_p50_us']:>14.1f}{r['of_bound']:>10.1%}"
         )
+    if args.steplog_png is not None:
+        first = [r for r in results if r["running"] == sizes[0]]
+        plot_overlap([Path(r["log_dir"]) / "scheduler.log" for r in first],
+                     [f"async {'on' if r['async_scheduling'] else 'off'}" for r in first],
+                     args.steplog_png)  # fmt: skip
+        print(f"wrote {args.steplog_png}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
+        "sim_device": args.sim_device,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "stream": args.stream,

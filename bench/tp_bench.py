@@ -27,24 +27,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _plans(batch: int, prompt_len: int, decode_steps: int, block_size: int) -> Any:
+    from shared.plan_writer import PlanWriter
     from shared.protocol.sampling import SamplingParams
-    from shared.protocol.worker_channel import NewSequence, StepPlan
+    from shared.protocol.worker_channel import StepPlan
 
     greedy = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     per_seq = -(-(prompt_len + decode_steps) // block_size)  # blocks: prompt + decodes fit
+    writer = PlanWriter()
     seqs = [
-        NewSequence(f"s{i}", [(7 * i + j) % 30000 + 100 for j in range(prompt_len)], prompt_len,
-                    list(range(i * per_seq, (i + 1) * per_seq)), greedy)
+        writer.new_sequence(f"s{i}", [(7 * i + j) % 30000 + 100 for j in range(prompt_len)],
+                            prompt_len, list(range(i * per_seq, (i + 1) * per_seq)), greedy)
         for i in range(batch)
     ]  # fmt: skip
-    rids = [s.rid for s in seqs]
-    prefill = StepPlan(0, seqs, rids, [0] * batch, [prompt_len] * batch,
-                       [t for s in seqs for t in s.token_ids], [[] for _ in seqs],
-                       [True] * batch)  # fmt: skip
+    prefill = writer.plan({s.rid: prompt_len for s in seqs}, seqs)
 
-    def decode(step_id: int, position: int, tokens: list[int]) -> StepPlan:
-        return StepPlan(step_id, [], rids, [position] * batch, [1] * batch, tokens,
-                        [[] for _ in seqs], [True] * batch)  # fmt: skip
+    def decode() -> StepPlan:
+        """The next steady decode step: every sequence computes the token it sampled last."""
+        return writer.plan({s.rid: 1 for s in seqs})
 
     return prefill, decode
 
@@ -69,14 +68,14 @@ def run_rank(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     runner.model.group.all_reduce = counting  # type: ignore[method-assign]
     prefill, decode = _plans(args.batch, args.prompt_len, args.decode_steps, config.block_size)
     start = time.perf_counter()
-    result = runner.execute(prefill)
+    runner.execute(prefill)
     prefill_s = time.perf_counter() - start
     times = []
-    for step in range(args.decode_steps):
+    for _ in range(args.decode_steps):
         calls.update(n=0, bytes=0)
-        plan = decode(step + 1, args.prompt_len + step, result.token_ids)
+        plan = decode()
         start = time.perf_counter()
-        result = runner.execute(plan)
+        runner.execute(plan)
         times.append(time.perf_counter() - start)
     if args.rank != 0:
         return None

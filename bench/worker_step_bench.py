@@ -29,8 +29,8 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.ops import TorchOps
 from services.worker.runner import ModelRunner
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -53,30 +53,26 @@ def ours_decode(runner: ModelRunner, batch: int, context: int, step_id: int) -> 
     if per_seq * batch > runner.kv_cache.num_blocks:
         raise ValueError(f"KV pool too small for batch {batch}: raise --kv-cache-memory")
     rids = [f"b{batch}-{i}" for i in range(batch)]
+    writer = PlanWriter(first_step_id=step_id)  # a fresh writer: its first plan is a reset
     news = [
-        NewSequence(
+        writer.new_sequence(
             rid,
             [7] * (context + 1),
             context + 1,
             list(range(i * per_seq, (i + 1) * per_seq)),
             GREEDY,
+            num_computed_tokens=context,
         )
         for i, rid in enumerate(rids)
     ]
-    runner.batch.apply_plan(StepPlan(step_id, news, [], [], [], [], [], []))
+    runner.batch.apply_plan(writer.plan({}, news))  # held, nothing computed yet
+    held = list(runner.batch.held.seqs.values())
 
     def run() -> None:
-        plan = StepPlan(
-            step_id,
-            [],
-            rids,
-            [context] * batch,
-            [1] * batch,
-            [7] * batch,
-            [[] for _ in rids],
-            [True] * batch,
-        )
-        runner.execute(plan)
+        runner.execute(writer.plan(dict.fromkeys(rids, 1)))  # the steady decode plan
+        for seq in held:  # rewind: every run decodes at `context` again
+            seq.num_computed = context
+            del seq.token_ids[context + 1 :]
 
     return run
 
@@ -86,18 +82,9 @@ def ours_prefill(runner: ModelRunner, length: int) -> Callable:
     ids = [(i * 31) % 40000 + 10 for i in range(length)]
 
     def run() -> None:
-        plan = StepPlan(
-            0,
-            [NewSequence("prefill", ids, length, blocks, GREEDY)],
-            ["prefill"],
-            [0],
-            [length],
-            ids,
-            [[]],
-            [True],
-            released_rids=["prefill"],
-        )
-        runner.execute(plan)
+        writer = PlanWriter()  # a reset plan each time: the prompt alone in the batch
+        new = writer.new_sequence("prefill", ids, length, blocks, GREEDY)
+        runner.execute(writer.plan({"prefill": length}, [new]))
 
     return run
 

@@ -161,6 +161,7 @@ def _serve_loop(
     poller.register(monitor, zmq.POLLIN)
     num_steps = 0
     trimmed_at = 0  # num_steps when the heap was last trimmed
+    seq_log = _SequenceLog(log)
     while stop is None or not stop.is_set():
         events = dict(poller.poll(POLL_MS))
         if trim and not events and num_steps != trimmed_at:  # idle after steps: pages to the OS
@@ -174,7 +175,7 @@ def _serve_loop(
         outcome = guarded(
             log,
             "worker_message_failed",
-            lambda f: _on_frame(sock, runner, rank, log, f, max_frame_bytes),
+            lambda f: _on_frame(sock, runner, rank, log, f, max_frame_bytes, seq_log),
             frame,
             lambda exc: _send_failure(
                 sock, ErrorCode.INTERNAL, f"worker error: {type(exc).__name__}"
@@ -202,6 +203,7 @@ def _on_frame(
     log: Any,
     frame: bytes,
     max_frame_bytes: Optional[int],
+    seq_log: _SequenceLog,
 ) -> str:
     """One frame from the scheduler, answered: "step" (a plan ran), "shutdown", "group_lost"
     (this rank must exit for its group to restart) or "other"."""
@@ -219,7 +221,7 @@ def _on_frame(
         log.error("bad_message", message=message)
         sock.send(encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message)))
         return "other"
-    _log_sequences(msg, log)
+    seq_log.on_plan(msg)
     reply, fatal = _run_step(runner, msg, log)
     if fatal:  # no WorkerFailure: the exit itself tells the scheduler (its requests are retried)
         return "group_lost"
@@ -229,19 +231,35 @@ def _on_frame(
     return "step"
 
 
-def _log_sequences(plan: StepPlan, log: Any) -> None:
-    """One line per request joining or leaving this worker (`conveyor logs --rid` shows them)."""
-    for rid in plan.released_rids:
-        log.info("sequence_released", rid=rid, step_id=plan.step_id)
-    for seq in plan.new_seqs:
-        log.info(
-            "sequence_started",
-            rid=seq.rid,
-            step_id=plan.step_id,
-            num_tokens=len(seq.token_ids),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_blocks=len(seq.block_ids),
-        )
+class _SequenceLog:
+    """One line per request joining or leaving this worker's batch (`conveyor logs --rid` shows
+    them). Plans name released sequences by slot: the slot -> rid map they imply is kept here."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        self._rids: dict[int, str] = {}
+
+    def on_plan(self, plan: StepPlan) -> None:
+        """Called for each plan before it runs."""
+        log, step_id = self._log, plan.step_id
+        if plan.prev_step_id is None:  # a reset: the batch is dropped whole
+            for slot, rid in self._rids.items():
+                log.info("sequence_released", rid=rid, slot=slot, step_id=step_id, reset=True)
+            self._rids.clear()
+        for slot in plan.released_slots:
+            log.info("sequence_released", rid=self._rids.pop(slot, None), slot=slot,
+                     step_id=step_id)  # fmt: skip
+        for seq in plan.new_seqs:
+            self._rids[seq.slot] = seq.rid
+            log.info(
+                "sequence_started",
+                rid=seq.rid,
+                slot=seq.slot,
+                step_id=step_id,
+                num_tokens=len(seq.token_ids),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_blocks=len(seq.block_ids),
+            )
 
 
 def _run_step(

@@ -43,11 +43,18 @@ class SchedulerConfig:
     # Automatic prefix caching: full KV blocks are kept by content and a request whose prompt
     # starts with cached blocks computes only the rest (services/scheduler/block_pool.py).
     enable_prefix_caching: bool = True
+    # Overlap scheduling: plan N+1 is built and sent while step N runs, assuming every running
+    # request goes on (one that finished at step N computes one extra, discarded token).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         problems = config_problems(self)
         if problems:
             raise ValueError("invalid scheduler config: " + "; ".join(problems))
+
+    @property
+    def max_plans_in_flight(self) -> int:
+        return 2 if self.async_scheduling else 1
 
     @property
     def effective_batch_size(self) -> int:
@@ -84,8 +91,9 @@ def config_problems(c: SchedulerConfig) -> list[str]:
             out.append(f"{name} must be a number >= 0")
     if not _is_num(c.watermark) or not 0.0 <= c.watermark < 1.0:
         out.append("watermark must be in [0, 1)")
-    if not isinstance(c.enable_prefix_caching, bool):
-        out.append("enable_prefix_caching must be a bool")
+    for name in ("enable_prefix_caching", "async_scheduling"):
+        if not isinstance(getattr(c, name), bool):
+            out.append(f"{name} must be a bool")
     if c.policy not in POLICIES:
         out.append(f"policy must be one of {', '.join(POLICIES)}")
     if c.batching not in BATCHING_MODES:

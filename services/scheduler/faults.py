@@ -32,7 +32,8 @@ MAX_FAILED_STEPS = 16
 
 class WorkerFaults:
     """Mixed into Scheduler; uses its `_live`, `_waiting`, `_batch`, `pool`, `_clock`,
-    `_rules`, `_fresh_state` and `_mark_finished`. `_reset_faults` is called by its __init__."""
+    `_rules`, `_inflight`, `prefix_cache`, `config`, `_fresh_state` and `_mark_finished`.
+    `_reset_faults` is called by its __init__."""
 
     def _reset_faults(self) -> None:
         self._held: list[list[Request]] = []  # bisection's set-aside groups, next one first
@@ -41,19 +42,19 @@ class WorkerFaults:
 
     # ---- a failed step: bisection ------------------------------------------------------------
 
-    def bisect_failed_step(
-        self, rids: Iterable[str], code: str, message: str, released: Iterable[str] = ()
-    ) -> list[RequestOutput]:
-        """The worker failed the step in flight, whose requests are `rids`: the outputs of the
-        requests the failure is pinned on (see the module docstring); the others go back by
-        recompute. Waiting requests (not in the step) are untouched. `released`: the failed
-        plan's released_rids, sent again with the next plan (the worker may have failed
-        before dropping them; dropping is idempotent there)."""
-        pending = self._batch.released
-        pending.extend(r for r in dict.fromkeys(released) if r not in pending)
-        self._inflight = None
-        self._inflight_step = None
-        self._inflight_filled = []  # prefix caching: what the failed step filled is withdrawn
+    def bisect_failed_step(self, code: str, message: str) -> list[RequestOutput]:
+        """The worker failed the oldest step in flight: the outputs of the requests the failure
+        is pinned on (see the module docstring; the suspects are the requests of every step in
+        flight: with overlap the next plan was built on the failed one); the others go back by
+        recompute. Waiting requests (not in the steps) are untouched. The worker's batch needs a
+        reset: the next plan resets it and sends every running request again. With overlap,
+        blocks registered while the failed step was in flight may miss KV: the prefix cache is
+        emptied. What the failed steps filled is never registered."""
+        rids = [rid for flight in self._inflight for rid in flight.rids]
+        if len(self._inflight) > 1 or self.config.async_scheduling:
+            self.prefix_cache.reset()
+        self._inflight.clear()
+        self._batch.forget_worker()
         step = [self._live[r] for r in dict.fromkeys(rids)
                 if r in self._live and self._live[r].status is RequestStatus.RUNNING]  # fmt: skip
         counts = self._num_failed_steps
@@ -137,16 +138,13 @@ class WorkerFaults:
             outputs.append(req.output([], [], "error", code, message))
         self._fresh_state(self.pool.num_blocks)  # a new pool: the prefix cache is empty
         self._reset_faults()
-        self._inflight = None
-        self._inflight_step = None
+        self._inflight.clear()
         return outputs
 
     def fail_step(self, rids: Iterable[str], code: str, message: str) -> list[RequestOutput]:
         """A failure pinned on `rids`: they end with `code`; the worker drops their state with
-        the next plan. Waiting requests and requests outside `rids` go on."""
-        self._inflight = None
-        self._inflight_step = None
-        self._inflight_filled = []  # prefix caching: what the failed step filled is withdrawn
+        the next plan. Waiting requests and requests outside `rids` go on. Called by
+        `bisect_failed_step` (after it has cleared the plans in flight)."""
         now = self._clock()
         outputs = []
         for rid in rids:
@@ -167,13 +165,11 @@ class WorkerFaults:
         unless it already restarted `max_retries` times: then it ends with `code`. Waiting
         requests keep their places. The pool starts empty (the new worker's is)."""
         live = sorted(self._live.values(), key=lambda r: r.seq_no)
-        # A worker that only reconnected still holds these: the next plan releases them.
-        held = [r.rid for r in live if r.known_to_worker] + self._batch.take_released()
-        self._fresh_state(self.pool.num_blocks)  # and an empty prefix cache: the KV is gone
+        # and an empty prefix cache: the KV is gone. The first plan resets the worker's batch
+        # (a worker that only reconnected still holds the old one).
+        self._fresh_state(self.pool.num_blocks)
         self._reset_faults()  # held requests are live and waiting: they rejoin the queue below
-        self._batch.released.extend(held)
-        self._inflight = None
-        self._inflight_step = None
+        self._inflight.clear()
         now = self._clock()
         outputs = []
         for req in live:

@@ -41,7 +41,7 @@ class Request:
     prefill_len: int = 0  # len(token_ids) when (re)admitted: work up to here is prefill
     block_ids: list[int] = field(default_factory=list)  # its block table
     num_sent_blocks: int = 0  # how many of block_ids the worker already knows
-    known_to_worker: bool = False  # the worker holds state for it (sent, not yet released)
+    slot: Optional[int] = None  # its slot in the worker's batch (sent, not yet released)
     protected: bool = False  # just resumed after preemption: not the next victim
     padding: bool = False  # static batching: finished, but keeps its slot and is still computed
     preempted_at_step: Optional[int] = None  # the schedule() round that preempted it
@@ -57,6 +57,10 @@ class Request:
     first_token: Optional[float] = None
     finished: Optional[float] = None
     finish_reason: Optional[str] = None
+
+    @property
+    def known_to_worker(self) -> bool:
+        return self.slot is not None
 
     @property
     def num_output_tokens(self) -> int:
@@ -94,10 +98,11 @@ class Request:
         )
 
     def reset_for_recompute(self) -> None:
-        """Called on preemption after its blocks were freed: it restarts from token 0."""
+        """Called on preemption after its blocks and slot were released: it restarts from
+        token 0."""
         self.num_computed_tokens = 0
         self.prefill_len = len(self.token_ids)
         self.block_ids = []
         self.num_sent_blocks = 0
         self.num_registered_blocks = 0
-        self.known_to_worker = False
+        self.slot = None

@@ -16,6 +16,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import StepBuilder
+from services.scheduler.worker_view import WorkerView
 
 
 class RunningSet:
@@ -34,7 +35,7 @@ class RunningSet:
         self.policy = policy
         self.requeue = requeue
         self.requests: dict[str, Request] = {}  # batch order (admission order)
-        self.released: list[str] = []  # rids for the next plan's released_rids
+        self.worker = WorkerView()  # what the worker's persistent batch holds
         self.round = 0  # schedule() pass: a request preempted in this one waits for the next
         # Just-resumed requests are not taken from, unless nothing else could run at all.
         self.spare_protected = True
@@ -45,9 +46,19 @@ class RunningSet:
     def __contains__(self, rid: str) -> bool:
         return rid in self.requests
 
-    def take_released(self) -> list[str]:
-        released, self.released = self.released, []
-        return released
+    def release(self, req: Request) -> None:
+        """`req` leaves the worker's batch with the next plan (its slot is free for reuse)."""
+        if req.slot is not None:
+            self.worker.release(req.slot)
+            req.slot = None
+
+    def forget_worker(self) -> None:
+        """The worker's batch is lost or unknown: the next plan resets it and sends every
+        running request again, as new, from what it has computed."""
+        self.worker.reset()
+        for req in self.requests.values():
+            req.slot = None
+            req.num_sent_blocks = 0
 
     def start(self, req: Request) -> None:
         """`req` joins the batch; everything it holds is prefill until it samples."""
@@ -60,9 +71,7 @@ class RunningSet:
         del self.requests[req.rid]
         self.pool.free(req.block_ids)
         req.block_ids = []
-        if req.known_to_worker:
-            self.released.append(req.rid)
-            req.known_to_worker = False
+        self.release(req)
 
     def grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
         """Extend `req`'s table to cover `num_positions`, preempting requests ranked below it
@@ -105,10 +114,11 @@ class RunningSet:
         padding is only evicted: it keeps its slot and is never computed again."""
         step.drop(req)
         if self._register is not None and not req.padding:
-            self._register(req)  # nothing is in flight during schedule(): its KV is complete
+            # Its KV is complete, or (a plan in flight) will be before any later plan runs:
+            # the worker runs plans in order.
+            self._register(req)
         self.pool.free(req.block_ids)
-        if req.known_to_worker:
-            self.released.append(req.rid)
+        self.release(req)
         req.reset_for_recompute()
         if req.padding:
             return

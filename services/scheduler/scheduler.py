@@ -2,14 +2,17 @@
 
 Pure Python and single-threaded; the process loop (server.py) calls it: `add_request` and
 `abort_request` as messages arrive, then `schedule()` -> worker -> `update()`, one plan in flight
-at a time. Invariants kept after every call: services/scheduler/integrity.py (checked by
-`check_integrity()`); tokens per step <= the budget; a request is live (waiting or running)
-until its one final output has been returned.
+at a time, or two with `async_scheduling` (overlap: plan N+1 is built while step N runs,
+assuming every running request goes on; services/scheduler/inflight.py). Invariants kept after
+every call: services/scheduler/integrity.py (checked by `check_integrity()`); tokens per step
+<= the budget; a request is live (waiting or running) until its one final output has been
+returned.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Optional
 
@@ -18,6 +21,7 @@ from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.faults import WorkerFaults
+from services.scheduler.inflight import InFlightStep
 from services.scheduler.integrity import check_scheduler
 from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.prefix_cache import PrefixCache
@@ -67,8 +71,7 @@ class Scheduler(WorkerFaults):
         self._fresh_state(num_blocks)
         self._reset_faults()  # bisection of failed steps (faults.py)
         self._live: dict[str, Request] = {}  # waiting + running, not finished
-        self._inflight: Optional[dict[str, Request]] = None  # sampling requests of the plan
-        self._inflight_step: Optional[int] = None
+        self._inflight: deque[InFlightStep] = deque()  # plans sent, oldest first
         self._step_id = 0
         self._seq_no = 0
         self.counters = Counters()
@@ -138,7 +141,6 @@ class Scheduler(WorkerFaults):
         requeue = self._waiting if self._rules.preempts_to_queue else None
         register = self.prefix_cache.register_computed if self._caching else None
         self._batch = RunningSet(self.pool, config.policy, requeue, register)
-        self._inflight_filled: list[Request] = []
 
     def after_plan(self) -> None:
         """Called once the plan has left and the step's outputs were sent, while the worker
@@ -154,14 +156,14 @@ class Scheduler(WorkerFaults):
     # ---- one iteration -----------------------------------------------------------------------
 
     def schedule(self) -> Optional[StepPlan]:
-        """Called when no plan is in flight. Decides this step; None when nothing can run now.
+        """Called while `can_schedule()`. Decides this step; None when nothing can run now.
 
         Recipe: end a drained static batch; form a new dynamic/static batch if due; fill the
         step (`_fill_step`); if nothing live could run, fill it again letting just-resumed
         requests be preempted too (progress before anti-thrash); build the plan.
         """
-        if self._inflight_step is not None:
-            raise RuntimeError("schedule() called while a plan is in flight")
+        if len(self._inflight) >= self.config.max_plans_in_flight:
+            raise RuntimeError("schedule() called with every plan slot in flight")
         now = self._clock()
         if self._rules.keeps_finished_as_padding:
             self._batch.end_static_batch_if_done()
@@ -176,15 +178,13 @@ class Scheduler(WorkerFaults):
             self.last_step_record = None
             return None
         self._step_id += 1
-        built = step.build(self._step_id, self._batch.take_released())
+        built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
         self.counters.num_preemptions += step.num_preemptions
         for seq in built.plan.new_seqs:
             req = self._live.get(seq.rid)
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
-        self._inflight = built.sampled
-        self._inflight_step = self._step_id
-        self._inflight_filled = built.filled
+        self._inflight.append(InFlightStep(self._step_id, built.rids, built.sampled, built.filled))
         self._record_step(built, step, now)
         return built.plan
 
@@ -223,6 +223,8 @@ class Scheduler(WorkerFaults):
             if req.padding:
                 padding.append(req)
                 continue
+            if computed == len(req.token_ids) and computed + 1 >= req.max_len:
+                continue  # overlap: the sample in flight is its last (length), no extra step
             if computed >= len(req.block_ids) * block_size:  # its table is full: grow it
                 if self._caching:  # its decode-filled blocks become findable after the plan
                     self.prefix_cache.defer(req, len(req.block_ids))
@@ -344,28 +346,26 @@ class Scheduler(WorkerFaults):
         `logprobs` are the result's, possibly with entries of finished or ignored rids; the
         server keeps each frontend's own when it splits the batch.
         """
-        if self._inflight is None or result.step_id != self._inflight_step:
-            raise ValueError(
-                f"result for step {result.step_id} but step {self._inflight_step} is in flight"
-            )
+        if not self._inflight or result.step_id != self._inflight[0].step_id:
+            expected = self._inflight[0].step_id if self._inflight else None
+            raise ValueError(f"result for step {result.step_id} but step {expected} is next")
         if len(result.rids) != len(result.token_ids):
             raise ValueError("step result rids and token_ids differ in length")
-        inflight = self._inflight
-        self._inflight = None
-        self._inflight_step = None
-        if self._inflight_filled:  # the step completed: the blocks its chunks filled are valid
-            self._register_filled()
+        flight = self._inflight.popleft()
+        if flight.filled:  # the step completed: the blocks its chunks filled are valid
+            self._register_filled(flight.filled)
+        inflight = flight.sampled  # entries are taken out as tokens arrive: a dup finds none
         now = self._clock()
         running = RUNNING
         finished: list[RequestOutput] = []
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
-        num_applied = 0
         for i, (rid, token) in enumerate(zip(result.rids, result.token_ids, strict=True)):
-            req = inflight.get(rid)  # None: not sampled in this plan
-            if req is not None and len(req.token_ids) == req.num_computed_tokens:  # else a dup
+            req = inflight.pop(rid, None)  # None: not sampled in this plan, or a dup
+            # A sample lands at len(token_ids) while the request has computed that far (with a
+            # plan in flight behind this one, one further): else it was preempted meanwhile.
+            if req is not None and req.num_computed_tokens >= len(req.token_ids):
                 tokens = req.token_ids
                 if req.status is running:
-                    num_applied += 1
                     tokens.append(token)
                     req.protected = False
                     if req.first_token is None:
@@ -375,21 +375,19 @@ class Scheduler(WorkerFaults):
                     finished.append(self._finish_with(req, token, result.logprobs, now))
                 elif req.padding:  # static batching computes finished members
                     tokens.append(token)
-                    num_applied += 1
-                # else: aborted while the plan was in flight
+                # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
-        if num_applied < len(inflight):
+        if inflight:  # sampling requests the result has no token for
             finished.extend(self._fail_missing(inflight.values(), now))
         return self._output_batch(result, skipped, finished)
 
-    def _register_filled(self) -> None:
+    def _register_filled(self, filled: list[Request]) -> None:
         """Prefix caching: blocks filled by the completed step's prefill chunks are queued for
         registration (requests aborted while it ran are skipped: their blocks are free)."""
         batch, bs, defer = self._batch, self.block_size, self.prefix_cache.defer
-        for req in self._inflight_filled:
+        for req in filled:
             if req.rid in batch and batch.requests[req.rid] is req:
                 defer(req, min(req.num_computed_tokens // bs, len(req.block_ids)))
-        self._inflight_filled = []
 
     def _output_batch(
         self, result: StepResult, skipped: list[int], finished: list[RequestOutput]
@@ -434,8 +432,8 @@ class Scheduler(WorkerFaults):
         requests with an error rather than leave them waiting for a token forever."""
         outputs = []
         for req in list(sampled):
-            if len(req.token_ids) != req.num_computed_tokens:
-                continue
+            if req.num_computed_tokens < len(req.token_ids):
+                continue  # preempted since
             if req.padding and req.rid in self._batch:
                 self._batch.preempt(req, StepBuilder(0))  # evict: it only holds its slot now
             elif req.status is RUNNING:
@@ -473,6 +471,15 @@ class Scheduler(WorkerFaults):
         out.update(self.counters.as_stats())
         out.update(self.prefix_cache.stats())
         return out
+
+    @property
+    def num_plans_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def can_schedule(self) -> bool:
+        """True while another plan may be sent before a result arrives (one in flight at most,
+        two with async scheduling)."""
+        return len(self._inflight) < self.config.max_plans_in_flight
 
     def is_live(self, rid: str) -> bool:
         """True while `rid` waits or runs (not yet finished or aborted)."""

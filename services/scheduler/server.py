@@ -11,11 +11,14 @@ Sockets (both bound here, each behind its link; shared set-up in shared/transpor
 
 Loop: schedule -> send plan -> poll (frontends keep flowing while the plan runs) -> result ->
 update -> send the next plan -> emit this step's outputs (so the worker is already busy while
-outputs are encoded). One plan is in flight at a time. SIGTERM drains (see `request_drain`)."""
+outputs are encoded). One plan is in flight at a time; with `--async-scheduling` two: plan N+1
+leaves right after plan N, built while the worker runs step N, so the worker finds its next plan
+waiting (services/scheduler/inflight.py). SIGTERM drains (see `request_drain`)."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -73,7 +76,7 @@ class SchedulerServer:
         ctx = context or zmq.Context.instance()
         self.sched: Optional[SchedulerCore] = None
         self._engine_shape: Optional[tuple[Any, ...]] = None  # what the core was built for
-        self._in_flight: Optional[_InFlight] = None
+        self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
         self._worker_lost_at: Optional[float] = None  # monotonic; None while workers are up
         self._last_result_at: Optional[float] = None
         self.last_step_id = 0
@@ -118,7 +121,7 @@ class SchedulerServer:
 
     def _poll_timeout_ms(self) -> int:
         timeout = HOUSEKEEPING_S
-        if self.sched is not None and self._in_flight is None:
+        if self.sched is not None and not self._in_flight:
             core_timeout = self.sched.next_timeout()
             if core_timeout is not None:
                 timeout = min(timeout, max(core_timeout, MIN_POLL_S))
@@ -169,19 +172,22 @@ class SchedulerServer:
     # ---- plans and what the worker link reports (WorkerHost) ---------------------------------
 
     def _maybe_send_plan(self, back_to_back: bool) -> None:
-        if not self._workers_up() or self._in_flight is not None or self._stopped:
-            return
-        self.sched.release_held_if_idle()
-        plan = self.sched.schedule()
-        if plan is None:
-            return
-        frame = encode(plan)
-        sent_at = time.time()
-        if not self.workers.send_all(frame):
-            return
-        gap = sent_at - self._last_result_at if back_to_back and self._last_result_at else None
-        record = self.sched.last_step_record
-        self._in_flight = _InFlight(plan=plan, record=record, sent_at=sent_at, gap_s=gap)
+        """Send plans while the core may have another in flight (one; two with async
+        scheduling, the second built while the worker runs the first)."""
+        while self._workers_up() and not self._stopped and self.sched.can_schedule():
+            self.sched.release_held_if_idle()
+            plan = self.sched.schedule()
+            if plan is None:
+                return
+            frame = encode(plan)
+            sent_at = time.time()
+            if not self.workers.send_all(frame):
+                return
+            last = self._last_result_at
+            gap = sent_at - last if back_to_back and last else None
+            record = self.sched.last_step_record
+            self._in_flight.append(_InFlight(plan, record, sent_at, gap))
+            back_to_back = False
 
     def on_workers_ready(self) -> None:
         if self.workers.num_ready() < self.config.num_workers:
@@ -202,16 +208,17 @@ class SchedulerServer:
         )
 
     def on_result(self, result: StepResult, received_at: float) -> None:
-        flight = self._in_flight
+        flight = self._in_flight[0] if self._in_flight else None
         if self.sched is None or flight is None or flight.plan.step_id != result.step_id:
             self.log.warning("stale_result", step_id=result.step_id)
             return
-        self._in_flight = None
+        self._in_flight.popleft()
         self._last_result_at = received_at
         self.last_step_id = result.step_id
         self._num_steps += 1
         outputs = self.sched.update(result)
-        self.sched.step_completed(flight.plan.rids)  # no suspects of a failed step any more
+        if flight.record is not None:  # no suspects of a failed step any more
+            self.sched.step_completed(flight.record.rids)
         # The worker waits for the next plan: send it before logging and emitting outputs.
         self._maybe_send_plan(back_to_back=True)
         self._log_step(flight, result, received_at, len(outputs))
@@ -225,7 +232,7 @@ class SchedulerServer:
         fields.update(
             step_id=result.step_id,
             num_seqs=flight.plan.num_seqs,
-            total_tokens=flight.plan.total_tokens,
+            total_tokens=flight.plan.num_scheduled_tokens,
             num_outputs=n_out,
             t_plan=flight.sent_at,
             t_result=now,
@@ -237,23 +244,22 @@ class SchedulerServer:
         self._summary.on_step(now - flight.sent_at)
 
     def on_step_failed(self, failure: WorkerFailure) -> None:
-        """Only requests of the step in flight can fail, and only those the failure is pinned
-        on (bisection: services/scheduler/faults.py); the others recompute. A failure naming
-        another step is stale. A failure without a step id (the worker could not read the
-        plan) counts for the plan in flight, else is only logged."""
+        """Only requests of the steps in flight can fail (with overlap, the next plan was built
+        on the failed one), and only those the failure is pinned on (bisection:
+        services/scheduler/faults.py); the others recompute, and the next plan resets the
+        worker's batch. A failure naming another step is stale (with overlap, the plan sent
+        behind a failed one fails too). A failure without a step id (the worker could not read
+        the plan) counts for the oldest plan in flight, else is only logged."""
         self.log.error(
             "step_failed", step_id=failure.step_id, code=failure.code, message=failure.message
         )
-        flight = self._in_flight
+        flight = self._in_flight[0] if self._in_flight else None
         if flight is None or failure.step_id not in (None, flight.plan.step_id):
             return
-        self._in_flight = None
+        self._in_flight.clear()
         if self.sched is not None:
-            rids = [*flight.plan.rids, *(seq.rid for seq in flight.plan.new_seqs)]
             message = f"the worker failed the step: {failure.message}"
-            finals = self.sched.bisect_failed_step(
-                rids, ErrorCode.WORKER_FAILED, message, flight.plan.released_rids
-            )
+            finals = self.sched.bisect_failed_step(ErrorCode.WORKER_FAILED, message)
             # the rest recompute: held aside or back at the head of the queue
             failed = [out.rid for out in finals]
             self.log.warning("step_failure_pinned", step_id=flight.plan.step_id,
@@ -273,7 +279,7 @@ class SchedulerServer:
         if self.config.num_workers > 1:  # a tensor-parallel group restarts as a whole
             self.workers.restart_group(f"a rank of the group was lost: {reason}")
         self.workers.forget_ranks()
-        self._in_flight = None
+        self._in_flight.clear()
         if self._worker_lost_at is None:
             self._worker_lost_at = time.monotonic()
         self.frontends.broadcast(EngineNotReady(reason=reason))

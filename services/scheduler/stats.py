@@ -11,8 +11,8 @@ from services.scheduler.step import BuiltStep, StepBuilder
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """What one `schedule()` decided. The lists are parallel, in batch order, and shared with
-    the plan (read-only by convention)."""
+    """What one `schedule()` decided. The lists are parallel, in batch order (read-only by
+    convention)."""
 
     step_id: int
     time: float  # scheduler clock when the plan was built
@@ -105,18 +105,18 @@ def step_record(
     return StepRecord(
         step_id=plan.step_id,
         time=now,
-        rids=plan.rids,
-        num_tokens=plan.num_tokens,
+        rids=built.rids,
+        num_tokens=built.num_tokens,
         is_prefill=built.is_prefill,
         num_prefill_tokens=built.num_prefill_tokens,
-        num_decode_tokens=plan.total_tokens - built.num_prefill_tokens,
+        num_decode_tokens=plan.num_scheduled_tokens - built.num_prefill_tokens,
         num_waiting=num_waiting,
         num_running=num_running,
         batch_utilization=num_running / max_num_seqs,
         num_kv_blocks_used=pool.num_used,
         num_kv_blocks_total=pool.num_blocks,
         num_preemptions=step.num_preemptions,
-        num_released=len(plan.released_rids),
+        num_released=len(plan.released_slots),
         num_prefix_cache_queries=step.num_cache_queries,
         num_prefix_cache_hits=step.num_cache_hits,
     )

@@ -2,21 +2,27 @@
 
 Entries can be dropped again while the step is being built (a request scheduled earlier in the
 step may be preempted later in it); the columnar `StepPlan` is assembled once, at the end.
-Building the plan is where a request's view on the worker side advances: it becomes known to
-the worker, its sent-block count and its computed-token count move forward.
+Building the plan is where a request's view on the worker side advances: it takes a slot in the
+worker's batch, its sent-block count and its computed-token count move forward. The plan names
+only what changed (docs/design/step_contract.md): a decode of a held request with no new block
+costs nothing on the wire.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.request import Request
+from services.scheduler.worker_view import WorkerView
 from shared.protocol.worker_channel import NewSequence, StepPlan
 
 
 @dataclass(slots=True)
 class BuiltStep:
     plan: StepPlan
+    rids: list[str]  # [B] every request that computes, in batch order (the step record)
+    num_tokens: list[int]  # [B]
     is_prefill: list[bool]  # [B], for the step record
     num_prefill_tokens: int
     sampled: dict[str, Request]  # rid -> request for every sequence that samples
@@ -68,76 +74,79 @@ class StepBuilder:
         elif req in self.decodes:
             self.decodes.remove(req)
 
-    def build(self, step_id: int, released_rids: list[str]) -> BuiltStep:
-        """Assemble the columnar plan and advance each request's worker-side view.
+    def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
+        """Assemble the plan (only what changed in the worker's batch) and advance each
+        request's worker-side view. `held`: the running requests (those with a slot are in
+        the worker's batch); walked only when a held request does not compute this step.
 
-        A decode costs O(1) (plus the blocks it appended); a chunk O(its tokens), and a request
-        new to the worker also copies its token ids and block table into a `NewSequence`.
+        A decode costs O(1) and emits nothing unless its table grew; a chunk O(1) plus, for a
+        request new to the worker, a copy of its token ids and block table.
         """
-        decodes = self.decodes
-        rids: list[str] = []
-        starts: list[int] = []
-        token_ids: list[int] = []
-        new_block_ids: list[list[int]] = []
+        rids: list[str] = []  # for the step record
+        block_slots: list[int] = []
+        block_ids: list[int] = []
+        count_slots: list[int] = []
+        counts: list[int] = []
         sampled: dict[str, Request] = {}
-        no_blocks: list[int] = []  # shared by every decode that appended none (read-only)
+        new_seqs: list[NewSequence] = []
+        released = worker.take_released()
+        for r in self.decodes:  # one pass: the common case of a step, hundreds of times
+            rids.append(r.rid)
+            if r.slot is None:  # resent after the worker's batch was reset
+                new_seqs.append(_new_sequence(r, worker))
+            elif len(r.block_ids) != r.num_sent_blocks:
+                added = r.block_ids[r.num_sent_blocks :]
+                block_slots.extend([r.slot] * len(added))
+                block_ids.extend(added)
+                r.num_sent_blocks = len(r.block_ids)
+            sampled[r.rid] = r
+            r.num_computed_tokens += 1
+        num_tokens = [1] * len(self.decodes)
+        is_prefill = [False] * len(self.decodes)
         filled: list[Request] = []
         bs = self.block_size
-        for r in decodes:  # one pass: the common case of a step, hundreds of times
-            rid = r.rid
-            start = r.num_computed_tokens
-            blocks = r.block_ids
-            rids.append(rid)
-            starts.append(start)
-            token_ids.append(r.token_ids[start])
-            if len(blocks) == r.num_sent_blocks:
-                new_block_ids.append(no_blocks)
-            else:
-                new_block_ids.append(blocks[r.num_sent_blocks :])
-                r.num_sent_blocks = len(blocks)
-            sampled[rid] = r
-            r.num_computed_tokens = start + 1
-        num_tokens = [1] * len(decodes)
-        sample = [True] * len(decodes)
-        is_prefill = [False] * len(decodes)
-        new_seqs: list[NewSequence] = []
         for req, n in self._chunks.values():
             start = req.num_computed_tokens
             rids.append(req.rid)
-            starts.append(start)
             num_tokens.append(n)
             is_prefill.append(True)
-            token_ids.extend(req.token_ids[start : start + n])
-            if not req.known_to_worker:
-                seq = NewSequence(
-                    req.rid,
-                    list(req.token_ids),
-                    req.num_prompt_tokens,
-                    list(req.block_ids),
-                    req.sampling,
-                )
-                new_seqs.append(seq)
-                new_block_ids.append([])
-                req.known_to_worker = True
-            else:
-                new_block_ids.append(req.block_ids[req.num_sent_blocks :])
-            req.num_sent_blocks = len(req.block_ids)
+            if req.slot is None:
+                new_seqs.append(_new_sequence(req, worker))
+            elif len(req.block_ids) != req.num_sent_blocks:
+                added = req.block_ids[req.num_sent_blocks :]
+                block_slots.extend([req.slot] * len(added))
+                block_ids.extend(added)
+                req.num_sent_blocks = len(req.block_ids)
+            if n != 1:
+                count_slots.append(req.slot)
+                counts.append(n)
             req.num_computed_tokens = start + n
             if bs and (start + n) // bs > req.num_registered_blocks:
                 filled.append(req)
-            done = start + n == len(req.token_ids)
-            sample.append(done)
-            if done:
+            if start + n == len(req.token_ids):
                 sampled[req.rid] = req
+        if worker.num_held > len(rids):  # held requests that wait this step compute 0 tokens
+            scheduled = set(rids)
+            for req in held:
+                if req.slot is not None and req.rid not in scheduled:
+                    count_slots.append(req.slot)
+                    counts.append(0)
         plan = StepPlan(
-            step_id,
-            new_seqs,
-            rids,
-            starts,
-            num_tokens,
-            token_ids,
-            new_block_ids,
-            sample,
-            released_rids,
+            step_id, worker.prev_step_id, worker.num_held,
+            len(self.decodes) + self._num_chunk_tokens, new_seqs, released, block_slots,
+            block_ids, count_slots, counts,
+        )  # fmt: skip
+        worker.prev_step_id = step_id
+        return BuiltStep(
+            plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled, filled
         )
-        return BuiltStep(plan, is_prefill, self._num_chunk_tokens, sampled, filled)
+
+
+def _new_sequence(req: Request, worker: WorkerView) -> NewSequence:
+    """`req` joins the worker's batch in a free slot, with its history and whole table."""
+    req.slot = worker.take_slot()
+    req.num_sent_blocks = len(req.block_ids)
+    return NewSequence(
+        req.rid, list(req.token_ids), req.num_prompt_tokens, list(req.block_ids), req.sampling,
+        req.slot, req.num_computed_tokens,
+    )  # fmt: skip

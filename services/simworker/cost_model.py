@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from services.simworker.profiles import DeviceProfile, ModelShape
-from shared.protocol.worker_channel import StepPlan
+from shared.held_batch import ExpandedStep
 
 ACTIVATION_BYTES = 2  # bf16 activations and logits between tensor-parallel ranks
 
@@ -113,7 +113,7 @@ def step_work(
     )
 
 
-def plan_work(model: ModelShape, plan: StepPlan) -> StepWork:
+def plan_work(model: ModelShape, plan: ExpandedStep) -> StepWork:
     """`step_work` of a step plan (the sequences with `sample` true sample one token each)."""
     return step_work(model, plan.start_positions, plan.num_tokens, sum(plan.sample))
 
@@ -147,7 +147,7 @@ def tp_comm_seconds(device: DeviceProfile, work: StepWork) -> float:
     return work.num_allreduces * (device.link_latency_s + ring) + device.link_latency_s + gather
 
 
-def step_seconds(device: DeviceProfile, model: ModelShape, plan: StepPlan) -> float:
+def step_seconds(device: DeviceProfile, model: ModelShape, plan: ExpandedStep) -> float:
     """The modelled time of one plan; called by the runner once per step."""
     if device.zero_cost:  # skip the per-sequence loop: the zero-cost run measures the engine
         return 0.0

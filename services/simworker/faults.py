@@ -3,8 +3,8 @@ sequence whose prompt contains token ID fails, as a real worker fails on an inpu
 it (a kernel fault, a NaN). Tests use it to check that such a failure is pinned on that request
 alone (services/scheduler/faults.py) and that the worker drops every request the scheduler ends.
 
-The step fails before the inner runner sees the plan, so the runner's state is as before it;
-the scheduler then sends the plan's releases again (dropping is idempotent in every runner).
+The step fails before the inner runner sees the plan, so the runner's batch stays at the plan
+before; the scheduler's next plan resets the worker's batch (docs/design/step_contract.md).
 """
 
 from __future__ import annotations
@@ -26,19 +26,25 @@ class FaultInjectingRunner:
         self._inner = inner
         self._token = fail_token_id
         self._log = log
-        self._poisoned: set[str] = set()  # rids the scheduler has not released yet
+        self._rids: dict[int, str] = {}  # slot -> rid of the worker's batch, as plans tell it
+        self._poisoned: set[str] = set()  # held rids whose prompt holds the token
 
     def ready_message(self, rank: int = 0) -> WorkerReady:
         return self._inner.ready_message(rank=rank)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Called once per plan: raises SimulatedStepFault when a poisoned rid is in it."""
-        self._poisoned.difference_update(plan.released_rids)
-        poisoned = {seq.rid for seq in plan.new_seqs
-                    if self._token in seq.token_ids[: seq.num_prompt_tokens]}  # fmt: skip
-        in_step = (self._poisoned | poisoned) & set(plan.rids)
+        """Called once per plan: raises SimulatedStepFault when a poisoned rid computes in it."""
+        if plan.prev_step_id is None:
+            self._rids.clear()
+        for slot in plan.released_slots:
+            self._poisoned.discard(self._rids.pop(slot, ""))
+        for seq in plan.new_seqs:
+            self._rids[seq.slot] = seq.rid
+            if self._token in seq.token_ids[: seq.num_prompt_tokens]:
+                self._poisoned.add(seq.rid)
+        waiting = {slot for slot, n in zip(plan.count_slots, plan.counts, strict=True) if n == 0}
+        in_step = {rid for slot, rid in self._rids.items() if slot not in waiting} & self._poisoned
         if in_step:
-            self._poisoned |= poisoned
             self._log.warning("simulated_step_fault", step_id=plan.step_id, rids=sorted(in_step))
             raise SimulatedStepFault(f"simulated fault: token {self._token} in {sorted(in_step)}")
         return self._inner.execute(plan)

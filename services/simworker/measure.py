@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.protocol.worker_channel import NewSequence
 
 PROMPT_TOKEN_RANGE = (256, 32000)  # ordinary tokens: what real prompts are made of
 MAX_PREFILL_TOKENS = 4096  # per untimed set-up step
@@ -64,31 +65,19 @@ class StepTimer:
         self.block_size: int = ready.block_size
         self.num_blocks: int = ready.num_blocks
         self._rng = random.Random(0)
-        self._step_id = 0
+        self._writer = PlanWriter()  # plans carry only what changed, as the scheduler's do
         self._serial = 0
         self._next_block = 0  # blocks [0, _next_block) are held by live sequences
 
     def run(
         self,
         new_seqs: list[NewSequence],
-        rids: list[str],
-        starts: list[int],
-        token_chunks: list[list[int]],
+        scheduled: dict[str, int],
         released: Optional[list[str]] = None,
     ) -> tuple[float, dict[str, int]]:
-        """Execute one plan (every sequence samples); (wall seconds, rid -> sampled token)."""
-        self._step_id += 1
-        plan = StepPlan(
-            step_id=self._step_id,
-            new_seqs=new_seqs,
-            rids=rids,
-            start_positions=starts,
-            num_tokens=[len(c) for c in token_chunks],
-            token_ids=[t for c in token_chunks for t in c],
-            new_block_ids=[[] for _ in rids],
-            sample=[True] * len(rids),
-            released_rids=released or [],
-        )
+        """Execute one plan in which the rids of `scheduled` compute that many tokens each
+        (to the end of their histories: every one samples); (wall seconds, rid -> token)."""
+        plan = self._writer.plan(scheduled, new_seqs, released=released or [])
         start = time.perf_counter()
         result = self.runner.execute(plan)
         seconds = time.perf_counter() - start
@@ -106,15 +95,17 @@ class StepTimer:
             blocks = list(range(self._next_block, self._next_block + blocks_each))
             self._next_block += blocks_each
             params = SamplingParams(max_tokens=max_len, temperature=0.0, ignore_eos=True)
-            seqs.append(NewSequence(f"m{self._serial}", prompt, prompt_len, blocks, params))
+            seqs.append(
+                self._writer.new_sequence(f"m{self._serial}", prompt, prompt_len, blocks, params)
+            )
         return seqs
 
     def prefill(self, seqs: list[NewSequence]) -> tuple[float, dict[str, int]]:
-        return self.run(seqs, [s.rid for s in seqs], [0] * len(seqs), [s.token_ids for s in seqs])
+        return self.run(seqs, {s.rid: len(s.token_ids) for s in seqs})
 
     def release_all(self, rids: list[str]) -> None:
         """Release every live sequence (they must be exactly `rids`); blocks start over."""
-        self.run([], [], [], [], released=rids)
+        self.run([], {}, released=rids)
         self._next_block = 0
 
     def running(self, batch: int, ctx: int, extra: int) -> tuple[list[str], dict[str, int]]:
@@ -131,9 +122,8 @@ class StepTimer:
         the context grows by one token a step, which is noise next to `ctx`)."""
         rids, last = self.running(batch, ctx, repeats + 2)
         seconds = []
-        for step in range(repeats + 1):  # the first decode is a warm-up for this shape
-            starts = [ctx + step] * batch
-            t, sampled = self.run([], rids, starts, [[last[r]] for r in rids])
+        for _ in range(repeats + 1):  # the first decode is a warm-up for this shape
+            t, sampled = self.run([], dict.fromkeys(rids, 1))  # decodes of their own samples
             last.update(sampled)
             seconds.append(t)
         self.release_all(rids)
@@ -153,13 +143,11 @@ class StepTimer:
         timed `repeats` times (one sample)."""
         rids, last = self.running(batch, ctx, repeats + 2)
         seconds = []
-        for step in range(repeats + 1):  # the first is a warm-up for this shape
+        for _ in range(repeats + 1):  # the first is a warm-up for this shape
             (new,) = self.new_seqs(1, chunk, chunk + 1)
-            starts = [0] + [ctx + step] * batch
-            chunks = [new.token_ids] + [[last[r]] for r in rids]
-            t, sampled = self.run([new], [new.rid, *rids], starts, chunks)
+            t, sampled = self.run([new], {new.rid: chunk, **dict.fromkeys(rids, 1)})
             last.update(sampled)
-            self.run([], [], [], [], released=[new.rid])  # its blocks stay taken: no reuse
+            self.run([], {}, released=[new.rid])  # its blocks stay taken: no reuse
             seconds.append(t)
         self.release_all(rids)
         return _sample("mixed", [0] + [ctx + 1] * batch, [chunk] + [1] * batch, seconds[1:])

@@ -1,9 +1,10 @@
 """SimRunner: a worker that holds no model (SIMULATED).
 
 It answers every step plan after the time the cost model gives for that step on the configured
-device and model, with deterministic tokens. It keeps the same per-request state a real worker
-keeps (block table length, tokens in the KV cache) only to check the plans it receives, so it
-doubles as a checker of the scheduler's side of the step contract.
+device and model, with deterministic tokens. It keeps the same persistent batch a real worker
+keeps (shared/held_batch.py: token histories, block tables, computed counts) and so checks the
+plans it receives exactly as the real worker does: it doubles as a checker of the scheduler's
+side of the step contract.
 """
 
 from __future__ import annotations
@@ -19,14 +20,8 @@ from services.simworker.cost_model import step_seconds
 from services.simworker.overhead import GapRecorder
 from services.simworker.profiles import DeviceProfile, ModelShape
 from services.simworker.tokens import TokenSource, request_seed
-from shared.protocol.worker_channel import (
-    NewSequence,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-    WorkerReady,
-    check_plan,
-)
+from shared.held_batch import ExpandedStep, HeldBatch, HeldSeq
+from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 
 SPIN_S = 2e-4  # sleep until this close to the deadline, then spin: sleep() overshoots ~50-100 us
 ACTIVATION_RESERVE = 0.05  # share of usable memory kept for activations and workspace
@@ -37,8 +32,6 @@ SIM_LOGPROB_OTHERS = -100.0  # the simulated distribution is a point mass on the
 class _SimSeq:
     seed: int
     num_prompt_tokens: int
-    num_cached: Optional[int]  # tokens the (imaginary) KV cache holds; None: not yet scheduled
-    num_blocks: int  # length of the block table
     forbidden: frozenset[int]
     allow_eos: bool
     logprobs: Optional[int]
@@ -80,7 +73,9 @@ class SimRunner:
         self._tokens = TokenSource(
             config.token_id_low, high, tuple(self.model.eos_token_ids), config.eos_probability
         )
-        self._seqs: dict[str, _SimSeq] = {}
+        # the persistent batch (checks every plan) and, per slot, how its sequence samples
+        self._batch = HeldBatch(self.num_blocks, config.block_size, self.max_model_len)
+        self._seqs: dict[int, _SimSeq] = {}
         self._gaps = GapRecorder(config.report_every, self._log)
         self._log.info(
             "sim_worker_start",
@@ -109,73 +104,53 @@ class SimRunner:
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one plan: check it, wait the modelled step time, return the sampled tokens.
+        """Run one plan: apply it to the held batch (which checks it), wait the modelled step
+        time, return the sampled tokens.
 
-        Raises ValueError when the plan breaks the step contract (the worker loop reports it).
+        Raises ValueError when the plan breaks the step contract (the worker loop reports it);
+        the batch then accepts only a reset plan.
         """
         start = time.perf_counter()
-        pure_decode = plan.total_tokens == plan.num_seqs  # every chunk holds >= 1 token
-        self._gaps.step_started(start, plan.num_seqs, pure_decode)
-        check_plan(plan)
-        for rid in plan.released_rids:
-            self._seqs.pop(rid, None)
-        for seq in plan.new_seqs:
-            self._seqs[seq.rid] = self._new_state(seq)
-        rids, token_ids, logprobs = self._advance(plan)
-        _wait_until(start + step_seconds(self.device, self.model, plan))
+        pure_decode = not plan.counts and not plan.new_seqs
+        self._gaps.step_started(start, plan.num_scheduled_tokens, pure_decode)
+        step = self._batch.apply(plan)  # a plan that does not fit raises, and needs a reset
+        for seq in step.new_seqs:
+            self._seqs[seq.slot] = self._new_state(seq)
+        rids, token_ids, logprobs = self._sample(step)
+        _wait_until(start + step_seconds(self.device, self.model, step))
         end = time.perf_counter()
         self._gaps.step_finished(end)
         return StepResult(plan.step_id, rids, token_ids, logprobs, forward_s=end - start)
 
-    def _new_state(self, seq: NewSequence) -> _SimSeq:
+    def _new_state(self, seq: HeldSeq) -> _SimSeq:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         s = seq.sampling
         return _SimSeq(
             seed=request_seed(seq.rid, prompt, s),
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached=None,  # the first plan that schedules it says (a cached prefix may skip)
-            num_blocks=len(seq.block_ids),
             forbidden=self._tokens.forbidden_ids(s),
             allow_eos=not s.ignore_eos and self.config.eos_probability > 0.0,
             logprobs=s.logprobs,
         )
 
-    def _advance(self, plan: StepPlan) -> tuple[list[str], list[int], dict[str, TokenLogprobs]]:
-        """Check each scheduled sequence against its state, advance it, sample where asked.
-
-        The hot loop of a zero-cost run (one pass per sequence per step): columns are zipped
-        and the common case (a decode, no new block) touches no extra branch.
-        """
+    def _sample(self, step: ExpandedStep) -> tuple[list[str], list[int], dict[str, TokenLogprobs]]:
+        """A token for each sequence that samples, appended to its history (the next decode
+        computes it). The hot loop of a zero-cost run: one pass over the sampling sequences."""
         rids: list[str] = []
         token_ids: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
-        seqs, token = self._seqs, self._tokens.token
-        bs, max_len, num_blocks = self.config.block_size, self.max_model_len, self.num_blocks
-        columns = (plan.rids, plan.start_positions, plan.num_tokens, plan.new_block_ids,
-                   plan.sample)  # fmt: skip
-        for rid, start, n, new_blocks, sample in zip(*columns, strict=True):
-            st = seqs.get(rid)
-            if st is None:
-                raise ValueError(f"plan {plan.step_id} schedules unknown request {rid!r}")
-            if start != st.num_cached and st.num_cached is not None:
-                raise ValueError(
-                    f"plan {plan.step_id}: {rid!r} starts at {start}, cache holds {st.num_cached}"
-                )
-            if new_blocks:
-                if min(new_blocks) < 0 or max(new_blocks) >= num_blocks:
-                    raise ValueError(f"plan {plan.step_id}: {rid!r} gets a block id out of range")
-                st.num_blocks += len(new_blocks)
-            end = st.num_cached = start + n
-            if end > st.num_blocks * bs or end > max_len:
-                raise ValueError(
-                    f"plan {plan.step_id}: {rid!r} computes past its block table or max_model_len"
-                )
-            if sample:
-                tok = token(st.seed, end - st.num_prompt_tokens, st.forbidden, st.allow_eos)
-                rids.append(rid)
-                token_ids.append(tok)
-                if st.logprobs is not None:
-                    logprobs[rid] = self._logprobs(st, tok)
+        sims, token = self._seqs, self._tokens.token
+        for seq, sample in zip(step.seqs, step.sample, strict=True):
+            if not sample:
+                continue
+            st = sims[seq.slot]
+            history = seq.token_ids
+            tok = token(st.seed, len(history) - st.num_prompt_tokens, st.forbidden, st.allow_eos)
+            history.append(tok)
+            rids.append(seq.rid)
+            token_ids.append(tok)
+            if st.logprobs is not None:
+                logprobs[seq.rid] = self._logprobs(st, tok)
         return rids, token_ids, logprobs
 
     def _logprobs(self, st: _SimSeq, tok: int) -> TokenLogprobs:

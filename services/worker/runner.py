@@ -1,7 +1,7 @@
 """ModelRunner: the worker's engine room, usable in-process (the process loop wraps it).
 
 Start: resolve and (once) convert the model, load weights, size and allocate the KV pool.
-Step: apply the plan to per-request state, build flat tensors, run one forward over the mixed
+Step: apply the plan to the persistent batch, build flat tensors, run one forward over the mixed
 batch, sample at the rows that asked, return a StepResult.
 
 Tensor parallel (parallel.py): every rank runs every plan on its shard; rank 0 samples from the
@@ -23,7 +23,7 @@ import torch
 
 from services.worker.config import ParallelConfig, WorkerConfig, check_divides, resolve_dtype
 from services.worker.dtype_probe import resolve_auto_dtype
-from services.worker.input_batch import InputBatch, RequestState
+from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
@@ -31,6 +31,7 @@ from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
 from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.sampler import SampleRow, sample
 from services.worker.weights import ModelArgs, load_weights, model_args
+from shared.held_batch import ExpandedStep, HeldBatch
 from shared.model_files import eos_token_ids, model_name, prepare_model
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 from shared.worker_server import FatalWorkerError
@@ -122,6 +123,7 @@ class ModelRunner:
         del weights
         self.kv_cache = KVCache(local, num_blocks, config.block_size, self.dtype, config.device)
         self.batch = InputBatch(config.block_size, num_blocks, self.max_model_len, config.device)
+        self.last_tool_step: Optional[ExpandedStep] = None  # compute_logits' last plan
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
 
@@ -170,18 +172,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """One step: one forward over every scheduled token, then sampling. Raises ValueError
-        on a plan inconsistent with the worker's state (the loop reports a WorkerFailure; every
+        on a plan that does not fit the worker's batch (the loop reports a WorkerFailure; every
         rank sees the same plan, so all refuse it alike), FatalWorkerError when a rank of a
-        tensor-parallel group fails after the forward started."""
+        tensor-parallel group fails after the forward started. Any failure leaves the batch
+        needing a reset plan."""
         start = time.perf_counter()
-        states = self.batch.apply_plan(plan)
-        sampled = [s for s, flag in zip(states, plan.sample, strict=True) if flag]
-        if not states:
-            return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
-        step = self.batch.tensors(plan, states)
         try:
-            logits = self.model.forward(step, self.kv_cache.layers)  # [S, V] on rank 0
-            return self._finish(plan, sampled, logits, start)
+            step = self.batch.apply_plan(plan)
+            if not step.seqs:
+                return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
+            return self._run(step, start)
+        except BaseException:
+            self.batch.held.fail()
+            raise
+
+    def _run(self, step: ExpandedStep, start: float) -> StepResult:
+        """Forward and sampling of an applied step; with several ranks any error is fatal."""
+        try:
+            logits = self.model.forward(self.batch.tensors(step), self.kv_cache.layers)
+            return self._finish(step, logits, start)  # logits: [S, V] on rank 0, else None
         except FatalWorkerError:
             raise
         except Exception as exc:
@@ -191,24 +200,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> Optional[torch.Tensor]:
-        """Like `execute` without sampling: the float32 logits [S, V] of the sampling rows
-        (None on ranks other than 0). For tests and tools; it updates request state the same
-        way (histories excepted)."""
-        states = self.batch.apply_plan(plan)
-        logits = self.model.forward(self.batch.tensors(plan, states), self.kv_cache.layers)
+        """Like `execute` without sampling: the float32 logits [B, V] at the last computed
+        position of every sequence that computes (sampling or not), in batch order (None on
+        ranks other than 0). For tests and tools; the batch moves the same way (histories
+        excepted: a decode of a sequence after it needs a token, so only chunks of known tokens
+        may follow, unless `record_tokens` gives every rank the chosen tokens)."""
+        step = self.batch.apply_plan(plan)
+        self.last_tool_step = step
+        tensors = self.batch.tensors(step, every_row=True)
+        logits = self.model.forward(tensors, self.kv_cache.layers)
         return None if logits is None else logits.float()
 
+    def record_tokens(self, token_ids: list[int]) -> None:
+        """After `compute_logits`: append the tokens a tool chose for that plan's sequences that
+        reached the end of their histories (batch order), as `execute` appends its samples."""
+        if self.last_tool_step is None:
+            raise ValueError("record_tokens() without a compute_logits() before it")
+        HeldBatch.record_samples(self.last_tool_step.sampled(), token_ids)
+
     def _finish(
-        self,
-        plan: StepPlan,
-        sampled: list[RequestState],
-        logits: Optional[torch.Tensor],
-        start: float,
+        self, step: ExpandedStep, logits: Optional[torch.Tensor], start: float
     ) -> StepResult:
+        sampled = step.sampled()
         rows = [
             SampleRow(
                 params=s.sampling,
-                seed=s.seed,
+                seed=self.batch.seed(s),
                 output_index=s.num_output_tokens,
                 token_ids=s.token_ids,
                 num_prompt_tokens=s.num_prompt_tokens,
@@ -221,12 +238,12 @@ class ModelRunner:
             token_ids, logprobs = sample(logits, rows)
         # every rank holds the sampled tokens at the end of the step
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
-        self.batch.record_samples(sampled, token_ids)
+        HeldBatch.record_samples(sampled, token_ids)
         lp: dict[str, TokenLogprobs] = {
             s.rid: entry for s, entry in zip(sampled, logprobs, strict=True) if entry is not None
         }
         return StepResult(
-            step_id=plan.step_id,
+            step_id=step.step_id,
             rids=[s.rid for s in sampled],
             token_ids=token_ids,
             logprobs=lp,

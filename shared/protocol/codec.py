@@ -35,6 +35,9 @@ _Converter = Callable[[Any], Any]
 _TYPES: dict[str, type] = {}
 _TAGS: dict[type, str] = {}
 _FIELDS: dict[type, list[tuple[str, _Converter, _Converter, bool]]] = {}
+# Worker-channel fields that default to an empty list and are left out of the frame when empty:
+# a steady StepPlan is then a few dozen bytes (docs/design/step_contract.md).
+_OMIT_EMPTY: dict[type, frozenset[str]] = {}
 
 
 def register(tag: str, cls: type) -> None:
@@ -96,11 +99,24 @@ def _fields_of(cls: type) -> list[tuple[str, _Converter, _Converter, bool]]:
         enc, dec = _converters(hints[f.name])
         out.append((f.name, enc, dec, has_default))
     _FIELDS[cls] = out
+    if cls.__module__ == worker_channel.__name__:
+        _OMIT_EMPTY[cls] = frozenset(
+            f.name for f in dataclasses.fields(cls) if f.default_factory is list
+        )
     return out
 
 
 def _to_wire_map(obj: Any) -> dict[str, Any]:
-    return {name: enc(getattr(obj, name)) for name, enc, _, _ in _fields_of(type(obj))}
+    fields = _fields_of(type(obj))
+    omit = _OMIT_EMPTY.get(type(obj))
+    if not omit:
+        return {name: enc(getattr(obj, name)) for name, enc, _, _ in fields}
+    wire = {}
+    for name, enc, _, _ in fields:
+        value = getattr(obj, name)
+        if name not in omit or value:
+            wire[name] = enc(value)
+    return wire
 
 
 def _from_wire_map(cls: type, wire: Any, path: str) -> Any:

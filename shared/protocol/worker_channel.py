@@ -1,11 +1,10 @@
 """Scheduler <-> worker channel: the step contract (docs/design/step_contract.md).
 
 One `StepPlan` per iteration goes to every worker rank; rank 0 answers with one `StepResult`.
-The scheduler owns all scheduling state; the worker keeps only what a plan tells it:
-per-request token history, block table and sampling parameters, dropped on `released_rids`.
-
-Scheduled work is columnar (parallel lists, one entry per scheduled sequence, in batch order)
-because a plan with hundreds of decodes must be cheap to build, encode and decode.
+The scheduler owns all scheduling state; the worker keeps a persistent batch (shared/
+held_batch.py): per sequence its token history, block table, computed count and sampling
+parameters, in a slot, dropped on `released_slots`. A plan carries only what changed, so a
+steady step of hundreds of decodes is a few dozen bytes to build, encode and decode.
 Lists inside these frozen messages are read-only by convention.
 """
 
@@ -49,9 +48,11 @@ class WorkerReady:
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
-    """A request new to the worker: first scheduled, or resumed after preemption.
+    """A request new to the worker's batch: first scheduled, or resumed after preemption.
 
-    The worker forgets any earlier state of a resumed `rid` and starts from this.
+    It takes `slot` in the worker's persistent batch (a slot released by this plan or earlier
+    may be reused). `num_computed_tokens` of its tokens are in the KV cache already (a prefix
+    cache hit, else 0); computing starts there.
     """
 
     rid: str
@@ -59,38 +60,41 @@ class NewSequence:
     num_prompt_tokens: int  # token_ids[num_prompt_tokens:] are outputs (penalties, seed index)
     block_ids: list[int]  # its whole block table at this step
     sampling: SamplingParams
+    slot: int  # its place in the worker's batch until released
+    num_computed_tokens: int = 0  # tokens of token_ids whose KV its blocks hold already
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """Scheduler -> worker, one per iteration. Invariants (checked by `check_plan`):
+    """Scheduler -> worker, one per iteration: only what changed in the worker's batch.
 
-    * every scheduled rid is either in `new_seqs` of this plan or was scheduled before and not
-      released since; a rid appears at most once;
-    * `token_ids` is the concatenation of each sequence's tokens for this step
-      (len == sum(num_tokens)); sequence i computes positions
-      start_positions[i] .. start_positions[i] + num_tokens[i] - 1;
-    * after appending `new_block_ids[i]`, the block table covers every computed position;
-    * `sample[i]` is true for decodes and for the last chunk of a prompt.
+    The worker keeps a persistent batch of sequences, each in a slot, each with its token
+    history (its own samples appended), block table and computed-token count. Applying a plan:
+
+    1. with `prev_step_id` None the worker first drops every sequence it holds (a reset);
+       otherwise `prev_step_id` must be the last plan it applied (else: an error, never a guess);
+    2. drop the sequences in `released_slots`; add `new_seqs` in their slots;
+    3. append `block_ids[j]` to the table of the sequence in `block_slots[j]` (in order);
+    4. every held sequence computes 1 token (a decode of its last sample) unless it is listed in
+       `count_slots`, then `counts[j]` tokens (a prefill chunk; 0: it waits this step), from its
+       computed count on; it samples when that reaches the end of its token history.
+
+    Checked by `check_plan` (structure) and by the worker (state): after step 2 it holds exactly
+    `num_seqs` sequences and computes `num_scheduled_tokens` tokens; a sequence never computes
+    past its history, its block table or max_model_len. The list fields are omitted on the wire
+    when empty, so a steady step of decodes costs a few dozen bytes whatever the batch size.
     """
 
     step_id: int
-    new_seqs: list[NewSequence]
-    rids: list[str]  # [B]
-    start_positions: list[int]  # [B] == tokens already in the KV cache for that sequence
-    num_tokens: list[int]  # [B] tokens computed this step (1 for a decode)
-    token_ids: list[int]  # [sum(num_tokens)] flattened
-    new_block_ids: list[list[int]]  # [B] blocks appended since the previous plan
-    sample: list[bool]  # [B]
-    released_rids: list[str] = field(default_factory=list)  # drop their state first
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.rids)
-
-    @property
-    def total_tokens(self) -> int:
-        return len(self.token_ids)
+    prev_step_id: Optional[int]  # the plan this one extends; None: the worker's batch is reset
+    num_seqs: int  # sequences held after releases and new_seqs
+    num_scheduled_tokens: int  # tokens computed this step, over every held sequence
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    released_slots: list[int] = field(default_factory=list)  # drop these first
+    block_slots: list[int] = field(default_factory=list)  # [A] which sequence gets...
+    block_ids: list[int] = field(default_factory=list)  # [A] ...this block appended
+    count_slots: list[int] = field(default_factory=list)  # [C] sequences that do not...
+    counts: list[int] = field(default_factory=list)  # [C] ...compute exactly 1 token
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +110,7 @@ class TokenLogprobs:
 class StepResult:
     """Worker (rank 0) -> scheduler, one per plan, same `step_id`.
 
-    `rids[i]` sampled `token_ids[i]`; only sequences with `sample` true appear, in plan order.
+    `rids[i]` sampled `token_ids[i]`; only sequences that sampled appear, in batch order.
     """
 
     step_id: int
@@ -136,14 +140,23 @@ class WorkerShutdown:
 
 
 def check_plan(plan: StepPlan) -> None:
-    """Raise ValueError if the plan's columns disagree (cheap structural checks)."""
-    n = len(plan.rids)
-    cols = (plan.start_positions, plan.num_tokens, plan.new_block_ids, plan.sample)
-    if any(len(c) != n for c in cols):
-        raise ValueError("step plan columns have different lengths")
-    if sum(plan.num_tokens) != len(plan.token_ids):
-        raise ValueError("step plan token_ids length != sum(num_tokens)")
-    if len(set(plan.rids)) != n:
-        raise ValueError("step plan schedules a rid twice")
-    if any(t <= 0 for t in plan.num_tokens) or any(p < 0 for p in plan.start_positions):
-        raise ValueError("step plan has an empty chunk or a negative position")
+    """Raise ValueError if the plan contradicts itself (cheap structural checks; the worker's
+    persistent batch checks the plan against what it holds)."""
+    if len(plan.block_slots) != len(plan.block_ids):
+        raise ValueError("step plan block_slots and block_ids differ in length")
+    if len(plan.count_slots) != len(plan.counts):
+        raise ValueError("step plan count_slots and counts differ in length")
+    if len(set(plan.count_slots)) != len(plan.count_slots):
+        raise ValueError("step plan gives a slot two token counts")
+    if plan.num_seqs < 0 or plan.num_scheduled_tokens < 0 or any(c < 0 for c in plan.counts):
+        raise ValueError("step plan has a negative count")
+    slots = [s.slot for s in plan.new_seqs]
+    if len(set(slots)) != len(slots) or len(set(plan.released_slots)) != len(plan.released_slots):
+        raise ValueError("step plan adds or releases a slot twice")
+    if any(s < 0 for s in (*slots, *plan.released_slots, *plan.block_slots, *plan.count_slots)):
+        raise ValueError("step plan names a negative slot")
+    for seq in plan.new_seqs:
+        if not 0 <= seq.num_computed_tokens < len(seq.token_ids):
+            raise ValueError(f"new sequence {seq.rid!r}: num_computed_tokens out of range")
+        if not 0 < seq.num_prompt_tokens <= len(seq.token_ids):
+            raise ValueError(f"new sequence {seq.rid!r}: num_prompt_tokens out of range")

@@ -103,6 +103,8 @@ def test_every_rank_holds_the_sampled_tokens(world: int, sharded: dict, referenc
     for record in sharded[world]:
         assert record["greedy"] == want
         assert record["histories"] == reference["histories"]
+        for rid, history in record["histories"].items():  # the rank decoded its outputs
+            assert history[-len(want[rid]) :] == want[rid]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

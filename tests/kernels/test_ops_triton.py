@@ -16,8 +16,9 @@ import pytest
 from services.worker.config import WorkerConfig
 from services.worker.ops_triton import TritonOps
 from services.worker.runner import ModelRunner
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.protocol.worker_channel import StepPlan
 from tests.support.plan_driver import PlanDriver
 from tests.support.tiny_model import write_tiny_model
 
@@ -47,20 +48,20 @@ def make_runner(folder: Path, backend: str, dtype: str) -> ModelRunner:
 
 
 def plans(rng: random.Random) -> list[StepPlan]:
-    a = [rng.randrange(3, 265) for _ in range(23)]
-    b = [rng.randrange(3, 265) for _ in range(30)]
-    c = [rng.randrange(3, 265) for _ in range(9)]
+    # histories hold the decode tokens to come (compute_logits samples nothing)
+    a = [rng.randrange(3, 265) for _ in range(23)] + [5, 6]
+    b = [rng.randrange(3, 265) for _ in range(30)] + [8]
+    c = [rng.randrange(3, 265) for _ in range(9)] + [10]
+    w = PlanWriter()
+    new_ab = [w.new_sequence("a", a, 23, [7, 2], GREEDY), w.new_sequence("b", b, 30, [4], GREEDY)]
     return [
         # a whole prompt, and the first chunk of another
-        StepPlan(0, [NewSequence("a", a, 23, [7, 2], GREEDY), NewSequence("b", b, 30, [4], GREEDY)],
-                 ["a", "b"], [0, 0], [23, 12], a + b[:12], [[], []], [True, False]),
+        w.plan({"a": 23, "b": 12}, new_ab),
         # a decodes; b's second chunk sits on 12 cached tokens and crosses a block; c joins
-        StepPlan(1, [NewSequence("c", c, 9, [11], GREEDY)], ["a", "b", "c"], [23, 12, 0],
-                 [1, 18, 9], [5] + b[12:] + c, [[], [9], []], [True, True, True]),
+        w.plan({"a": 1, "b": 18, "c": 9}, [w.new_sequence("c", c, 9, [11], GREEDY)], {"b": [9]}),
         # all decode
-        StepPlan(2, [], ["a", "b", "c"], [24, 30, 9], [1, 1, 1], [6, 8, 10],
-                 [[], [], []], [True, True, True]),
-    ]  # fmt: skip
+        w.plan({"a": 1, "b": 1, "c": 1}),
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

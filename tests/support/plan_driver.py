@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult
+from shared.protocol.worker_channel import StepPlan, StepResult
 
 
 class BlockAllocator:
@@ -71,6 +72,7 @@ class PlanDriver:
         self.blocks = BlockAllocator(num_blocks, shuffle_seed)
         self.seqs: dict[str, DriverSeq] = {}
         self.released: list[str] = []
+        self.writer = PlanWriter()  # what the worker holds; plans carry only changes
         self.step_id = 0
         self.results: list[StepResult] = []
 
@@ -81,8 +83,9 @@ class PlanDriver:
         """Free the sequence's blocks; it is recomputed (prompt + outputs) from scratch."""
         seq = self.seqs[rid]
         self.blocks.give_back(seq.block_ids)
+        if seq.sent:
+            self.released.append(rid)
         seq.block_ids, seq.num_computed, seq.sent = [], 0, False
-        self.released.append(rid)
 
     def active(self) -> list[str]:
         return [rid for rid, s in self.seqs.items() if not s.done]
@@ -90,7 +93,7 @@ class PlanDriver:
     def step(self, rids: Optional[list[str]] = None) -> StepResult:
         """Schedule `rids` (default: every unfinished sequence), execute, record tokens."""
         chosen = [self.seqs[r] for r in (rids if rids is not None else self.active())]
-        new_seqs, starts, counts, tokens, new_blocks, sample = [], [], [], [], [], []
+        new_seqs, scheduled, appended = [], {}, {}
         for seq in chosen:
             n = min(self.chunk_size, len(seq.token_ids) - seq.num_computed)
             need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
@@ -98,36 +101,24 @@ class PlanDriver:
             seq.block_ids.extend(added)
             if not seq.sent:
                 new_seqs.append(
-                    NewSequence(
+                    self.writer.new_sequence(
                         seq.rid,
-                        list(seq.token_ids),
+                        seq.token_ids,
                         seq.num_prompt_tokens,
-                        list(seq.block_ids),
+                        seq.block_ids,
                         seq.sampling,
-                    )
+                        seq.num_computed,
+                    )  # fmt: skip
                 )
-                added = []
-            starts.append(seq.num_computed)
-            counts.append(n)
-            tokens.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
-            new_blocks.append(added)
-            sample.append(seq.num_computed + n == len(seq.token_ids))
-        plan = StepPlan(
-            step_id=self.step_id,
-            new_seqs=new_seqs,
-            rids=[s.rid for s in chosen],
-            start_positions=starts,
-            num_tokens=counts,
-            token_ids=tokens,
-            new_block_ids=new_blocks,
-            sample=sample,
-            released_rids=self.released,
-        )
-        self.step_id += 1
+            elif added:
+                appended[seq.rid] = added
+            scheduled[seq.rid] = n
+        plan = self.writer.plan(scheduled, new_seqs, appended, self.released)
+        self.step_id = self.writer.next_step_id
         self.released = []
         result = self.execute(plan)
-        for seq, n in zip(chosen, counts, strict=True):
-            seq.num_computed += n
+        for seq in chosen:
+            seq.num_computed += scheduled[seq.rid]
             seq.sent = True
         for rid, tok in zip(result.rids, result.token_ids, strict=True):
             self.seqs[rid].token_ids.append(tok)

@@ -56,22 +56,32 @@ def run_work(
     logits: list[torch.Tensor] = []
 
     def teacher(plan: StepPlan) -> StepResult:
-        out = runner.compute_logits(plan)
+        out = runner.compute_logits(plan)  # [B, V] on rank 0, None on the others
+        step = runner.last_tool_step
+        assert step is not None
         if out is not None:
-            logits.append(out)
-        rids = [r for r, s in zip(plan.rids, plan.sample, strict=True) if s]
+            logits.append(out[torch.tensor(step.sample, dtype=torch.bool)])  # [S, V]
+        rids = [s.rid for s in step.sampled()]
         forced = [(plan.step_id * 31 + 7 * i) % (vocab - 3) + 3 for i in range(len(rids))]
+        runner.record_tokens(forced)  # every rank: the next decodes compute these tokens
         return StepResult(step_id=plan.step_id, rids=rids, token_ids=forced)
 
     forced = PlanDriver(teacher, NUM_BLOCKS, runner.kv_cache.block_size, 8, shuffle_seed=3)
     for rid, ids in _prompts(vocab, 0, prompt_lens).items():
         forced.add(rid, ids, greedy)
     forced.run()
-    sampled = PlanDriver(runner.execute, NUM_BLOCKS, runner.kv_cache.block_size, 8, 4)
+    histories: dict[str, list[int]] = {}
+
+    def execute(plan: StepPlan) -> StepResult:
+        result = runner.execute(plan)
+        # each request's history as this rank holds it after the step (released ones last)
+        histories.update({s.rid: list(s.token_ids) for s in runner.batch.held.seqs.values()})
+        return result
+
+    sampled = PlanDriver(execute, NUM_BLOCKS, runner.kv_cache.block_size, 8, 4)
     for rid, ids in _prompts(vocab, 1, prompt_lens).items():
         sampled.add(rid, ids, greedy)
     outputs = sampled.run()
-    histories = {rid: list(s.token_ids) for rid, s in runner.batch.requests.items()}
     return {
         "ready": dataclasses.asdict(runner.ready_message(rank=runner.group.rank)),
         "logits": logits,

@@ -11,8 +11,8 @@ from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult, To
 
 
 def _plan() -> StepPlan:
-    seq = NewSequence("r1", [1, 2, 3], 3, [0], SamplingParams(temperature=0.0, seed=7))
-    return StepPlan(4, [seq], ["r1", "r0"], [0, 9], [3, 1], [1, 2, 3, 42], [[], [5]], [True, True])
+    seq = NewSequence("r1", [1, 2, 3], 3, [0], SamplingParams(temperature=0.0, seed=7), 1)
+    return StepPlan(4, 3, 2, 4, [seq], [1], [0], [5], [1], [3])
 
 
 def test_round_trip_plan_and_result() -> None:
@@ -67,20 +67,31 @@ def test_frame_size_limit() -> None:
 @pytest.mark.parametrize(
     ("column", "bad"),
     [
-        ("new_block_ids", [[1], "2"]),  # not a list of lists
-        ("new_block_ids", [[1], [2, "3"]]),  # a block id that is not an int
-        ("new_block_ids", [[1], [True]]),  # bool is not int on the wire
-        ("sample", [True, 1]),
-        ("rids", ["a", None]),
+        ("block_ids", [1, "2"]),  # a block id that is not an int
+        ("block_ids", [1, True]),  # bool is not int on the wire
+        ("block_slots", [0, None]),
+        ("counts", [2, 1.5]),
+        ("released_slots", "01"),
     ],
 )
 def test_columns_are_checked_element_by_element(column: str, bad: list) -> None:
-    plan = StepPlan(1, [], ["a", "b"], [0, 0], [1, 1], [5, 6], [[1], [2]], [True, True])
+    plan = StepPlan(1, 0, 2, 3, [], [3], [0, 1], [1, 2], [1], [2])
     wire = msgpack.unpackb(codec.encode(plan))
     wire[column] = bad
     with pytest.raises(codec.DecodeError) as info:
         codec.decode(msgpack.packb(wire))
     assert info.value.code == ErrorCode.INVALID_FIELD and column in info.value.message
+
+
+def test_a_steady_plan_of_256_decodes_is_a_few_dozen_bytes() -> None:
+    """Nothing new, nothing finished: the plan names no sequence (issue 18: < 200 bytes)."""
+    steady = StepPlan(1_000_000, 999_999, 256, 256)
+    frame = codec.encode(steady)
+    assert len(frame) < 200 and codec.decode(frame) == steady
+    # the empty columns are left out of the frame, and default to empty on decode
+    assert set(msgpack.unpackb(frame)) == {
+        "type", "step_id", "prev_step_id", "num_seqs", "num_scheduled_tokens"
+    }  # fmt: skip
 
 
 def test_output_batch_round_trip_and_column_check() -> None:

@@ -260,8 +260,8 @@ def test_hits_happen_and_count_in_the_step_log() -> None:
     sched.add_request(SubmitRequest("b", prefix + [3, 4, 5], sampling))
     plan = sched.schedule()
     assert plan is not None
-    i = plan.rids.index("b")
-    assert plan.start_positions[i] == 20 and plan.num_tokens[i] == 3
+    i = worker.peek(plan).rids.index("b")
+    assert worker.peek(plan).start_positions[i] == 20 and worker.peek(plan).num_tokens[i] == 3
     rec = sched.last_step_record
     assert rec is not None
     assert rec.num_prefix_cache_queries == 23 and rec.num_prefix_cache_hits == 20
@@ -354,7 +354,7 @@ def test_caching_off_never_shares_and_counts_nothing() -> None:
             plan = sched.schedule()
             assert plan is not None
             if first_start is None:
-                first_start = plan.start_positions[plan.rids.index(rid)]
+                first_start = worker.peek(plan).start_positions[worker.peek(plan).rids.index(rid)]
             run.add(sched.update(worker.execute(plan)))
             sched.check_integrity()
         assert first_start == 0  # the same prompt again: computed from scratch

@@ -161,8 +161,9 @@ def test_abort_waiting_running_and_unknown_is_idempotent() -> None:
     sched.add_request(submit("run", 4, 5))
     sched.add_request(submit("wait", 4, 5))
     plan = sched.schedule()
-    assert plan is not None and plan.rids == ["run"]
+    assert plan is not None
     sched.update(worker.execute(plan))
+    assert worker.steps[-1].rids == ["run"]
     out = sched.abort_request("wait")
     assert out is not None and out.finish_reason == "abort" and out.timings is not None
     out = sched.abort_request("run")
@@ -183,8 +184,9 @@ def test_abort_while_plan_in_flight_ignores_its_token_and_releases_it() -> None:
     outs = sched.update(worker.execute(plan))
     assert [o.rid for o in outs.as_outputs()] == ["b"]
     plan2 = sched.schedule()
-    assert plan2 is not None and plan2.released_rids == ["a"] and plan2.rids == ["b"]
+    assert plan2 is not None and plan2.released_slots == [plan.new_seqs[0].slot]
     sched.update(worker.execute(plan2))
+    assert worker.steps[-1].released_rids == ["a"] and worker.steps[-1].rids == ["b"]
     sched.check_integrity()
 
 
@@ -217,7 +219,7 @@ def test_result_for_the_wrong_step_is_refused() -> None:
     sched.add_request(submit("a", 4, 5))
     plan = sched.schedule()
     assert plan is not None
-    with pytest.raises(ValueError, match="in flight"):
+    with pytest.raises(ValueError, match="but step 1 is next"):
         sched.update(StepResult(plan.step_id + 1, [], []))
     with pytest.raises(RuntimeError):
         sched.schedule()
@@ -226,7 +228,7 @@ def test_result_for_the_wrong_step_is_refused() -> None:
 # ---- the plan --------------------------------------------------------------------------------
 
 
-def test_running_requests_send_only_new_blocks_and_the_last_token() -> None:
+def test_running_requests_send_only_new_blocks_and_no_tokens() -> None:
     sched, worker, _ = make(block_size=4)
     sched.add_request(submit("a", 6, 8))
     plans = []
@@ -237,12 +239,17 @@ def test_running_requests_send_only_new_blocks_and_the_last_token() -> None:
         outs = sched.update(worker.execute(plan))
     first = plans[0]
     assert [s.rid for s in first.new_seqs] == ["a"] and first.new_seqs[0].block_ids == [0, 1]
-    assert first.num_tokens == [6] and first.new_block_ids == [[]]
+    slot = first.new_seqs[0].slot
+    assert first.prev_step_id is None  # the first plan resets the worker's batch
+    assert first.count_slots == [slot] and first.counts == [6] and first.block_ids == []
     # positions 6, 7 fit in block 1; position 8 needs a new block, sent once
-    assert [p.new_block_ids for p in plans[1:]] == [[[]], [[]], [[2]], [[]]]
-    assert all(p.new_seqs == [] for p in plans[1:])
-    assert [p.start_positions for p in plans[1:]] == [[6], [7], [8], [9]]
-    assert plans[2].token_ids == [token_for("a", 1, 1000)]
+    assert [p.block_ids for p in plans[1:]] == [[], [], [2], []]
+    assert [p.block_slots for p in plans[1:]] == [[], [], [slot], []]
+    # a decode is the default: no new sequence, no count, no token (the worker's own sample)
+    assert all(p.new_seqs == [] and p.count_slots == [] for p in plans[1:])
+    assert [p.prev_step_id for p in plans[1:]] == [p.step_id for p in plans[:-1]]
+    assert [s.start_positions for s in worker.steps[1:]] == [[6], [7], [8], [9]]
+    assert worker.steps[2].token_ids() == [token_for("a", 1, 1000)]
     assert outs.rids == ["a"] and outs.token_ids == [token_for("a", 4, 1000)] and not outs.finished
 
 
@@ -253,9 +260,9 @@ def test_chunked_prefill_samples_only_after_the_last_chunk() -> None:
     for _ in range(3):
         plan = sched.schedule()
         assert plan is not None
-        sizes.append(plan.num_tokens[0])
-        samples.append(plan.sample[0])
         sched.update(worker.execute(plan))
+        sizes.append(worker.steps[-1].num_tokens[0])
+        samples.append(worker.steps[-1].sample[0])
     assert sizes == [4, 4, 2] and samples == [False, False, True]
 
 

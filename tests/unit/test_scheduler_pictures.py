@@ -74,17 +74,17 @@ def test_dynamic_partial_batch_forms_after_the_timeout() -> None:
     assert sched.schedule() is None
     clock.advance(0.25)
     plan = sched.schedule()
-    assert plan is not None and plan.rids == ["a"]
+    assert plan is not None and worker.peek(plan).rids == ["a"]
     sched.update(worker.execute(plan))
 
 
 def test_dynamic_full_batch_forms_at_once() -> None:
-    sched, _, _ = make(max_num_seqs=4, batch_size=2, batching="dynamic", batch_timeout=10.0)
+    sched, worker, _ = make(max_num_seqs=4, batch_size=2, batching="dynamic", batch_timeout=10.0)
     sched.add_request(submit("a", 4, 2))
     sched.add_request(submit("b", 4, 2))
     sched.add_request(submit("c", 4, 2))
     plan = sched.schedule()
-    assert plan is not None and plan.rids == ["a", "b"]
+    assert plan is not None and worker.peek(plan).rids == ["a", "b"]
 
 
 def test_mixed_step_holds_a_prefill_chunk_and_every_running_decode() -> None:
@@ -105,11 +105,11 @@ def test_mixed_step_holds_a_prefill_chunk_and_every_running_decode() -> None:
         assert rec is not None
         decodes = [r for r, p in zip(rec.rids, rec.is_prefill, strict=True) if not p]
         assert sorted(decodes) == ["x", "y", "z"]  # every running decode, every step
-        assert plan.total_tokens <= 12
-        i = plan.rids.index("long")
-        chunks.append(plan.num_tokens[i])
+        assert plan.num_scheduled_tokens <= 12
+        i = worker.peek(plan).rids.index("long")
+        chunks.append(worker.peek(plan).num_tokens[i])
         run.add(sched.update(worker.execute(plan)))
-        if plan.sample[i]:
+        if worker.peek(plan).sample[i]:
             break
     assert sum(chunks) == 40 and len(chunks) == 5 and max(chunks) <= 8
     assert chunks[:4] == [8, 8, 8, 8]  # 12-token budget: 3 decodes + an 8-token chunk
@@ -127,7 +127,7 @@ def _kv_workload(sched_kw: dict[str, object], num_blocks: int) -> tuple[Run, obj
         sched.check_integrity()
         if plan is None:
             break
-        for rid in plan.released_rids:  # a preempted request was just resumed: thrash
+        for rid in worker.peek(plan).released_rids:  # a preempted request was just resumed: thrash
             # released while still live means preempted (not finished)
             preempted = sched.is_live(rid)
             assert not (preempted and rid in resumed_not_sampled), f"{rid} preempted at once"
@@ -172,7 +172,7 @@ def _long_prompt_wait(max_wait: float, step_time: float = 0.05) -> float:
         sched.add_request(submit(f"short-{i}", 4, 1))
         plan = sched.schedule()
         assert plan is not None
-        if "long" in plan.rids:
+        if "long" in worker.peek(plan).rids:
             return clock() - arrival
         clock.advance(step_time)
         sched.update(worker.execute(plan))
@@ -224,7 +224,7 @@ def test_a_resumed_request_reaches_the_worker_as_new_with_all_its_tokens(caching
         plan = sched.schedule()
         if plan is None:
             break
-        if "late" in plan.released_rids and released_at is None:
+        if "late" in worker.peek(plan).released_rids and released_at is None:
             released_at = i
             assert sched.is_live("late")  # preempted, not finished
             rec = sched.last_step_record
@@ -234,7 +234,7 @@ def test_a_resumed_request_reaches_the_worker_as_new_with_all_its_tokens(caching
             resumed = new[0]
             # with caching its full blocks were kept when it was preempted: the ones that
             # "early" did not need since (deepest evicted first) are hits
-            start = plan.start_positions[plan.rids.index("late")]
+            start = worker.peek(plan).start_positions[worker.peek(plan).rids.index("late")]
             if caching:
                 assert 0 < start <= len(new[0].token_ids) - 1 and start % 4 == 0
             else:
@@ -260,8 +260,12 @@ def test_priority_a_full_batch_of_low_priority_does_not_hold_back_a_high_one() -
         run.add(sched.update(worker.execute(plan)))
     sched.add_request(submit("high", 4, 3, priority=0))
     plan = sched.schedule()
-    assert plan is not None and "high" in plan.rids and "low-a" not in plan.rids
-    assert "low-b" in plan.rids  # only the worst one yields its slot
+    assert (
+        plan is not None
+        and "high" in worker.peek(plan).rids
+        and "low-a" not in worker.peek(plan).rids
+    )
+    assert "low-b" in worker.peek(plan).rids  # only the worst one yields its slot
     run.add(sched.update(worker.execute(plan)))
     run = drive(sched, worker, clock, run=run)
     assert run.num_preemptions("low-a") == 1 and run.num_preemptions("low-b") == 0

@@ -12,6 +12,7 @@ draw, so recomputation after preemption must reproduce every output.
 
 from __future__ import annotations
 
+import copy
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +21,11 @@ from typing import Any, Optional
 import pytest
 
 from services.scheduler import Scheduler, SchedulerConfig
+from shared.held_batch import ExpandedStep, HeldBatch
+from shared.plan_writer import PlanWriter
 from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import StepPlan, StepResult, check_plan
+from shared.protocol.worker_channel import StepPlan, StepResult
 
 
 def token_for(rid: str, index: int, vocab_size: int) -> int:
@@ -47,54 +50,67 @@ class _Seq:
 
 
 class CheckingWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, vocab_size: int = 1000, max_model_len: int = 1 << 20
+    ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv: list[Optional[tuple[int, int]]] = [None] * (num_blocks * block_size)
         self.seqs: dict[str, _Seq] = {}
+        self.held = HeldBatch(num_blocks, block_size, max_model_len)
+        self.steps: list[ExpandedStep] = []  # every plan, explicit (tests look at them)
+        self._by_step: dict[int, ExpandedStep] = {}
         self.num_steps = 0
 
     def _slot(self, seq: _Seq, pos: int) -> int:
         return seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> StepResult:
-        check_plan(plan)
+        """Apply `plan` to the persistent batch (shared/held_batch.py checks it against what
+        is held), write the KV of every computed token, check every context, sample."""
+        step = self.held.apply(plan)
+        if plan.prev_step_id is None:  # a reset: the worker's batch starts empty
+            self.seqs.clear()
+        self.steps.append(step)
+        self._by_step[plan.step_id] = step
         self.num_steps += 1
-        for rid in plan.released_rids:
-            assert rid in self.seqs, f"released {rid} that the worker does not hold"
-            del self.seqs[rid]
-        for ns in plan.new_seqs:
-            assert ns.rid in plan.rids, "a new sequence that is not scheduled"
-            assert ns.rid not in self.seqs, f"{ns.rid} sent as new while the worker holds it"
-            start = plan.start_positions[plan.rids.index(ns.rid)]  # > 0: a prefix-cache hit
-            seq = _Seq(list(ns.token_ids), ns.num_prompt_tokens, list(ns.block_ids), start)
-            self.seqs[ns.rid] = seq
-        offset = 0
-        for i, rid in enumerate(plan.rids):  # every sequence writes its KV first, as per layer
-            seq = self.seqs[rid]
-            start, n = plan.start_positions[i], plan.num_tokens[i]
-            assert start == seq.num_cached, f"{rid}: start {start} != cached {seq.num_cached}"
-            seq.block_ids.extend(plan.new_block_ids[i])
-            chunk = plan.token_ids[offset : offset + n]
-            offset += n
-            assert chunk == seq.token_ids[start : start + n], f"{rid}: wrong tokens"
-            assert len(seq.block_ids) * self.block_size >= start + n, f"{rid}: table too short"
+        for held in step.released:
+            assert held.rid in self.seqs, f"released {held.rid} that the worker does not hold"
+            del self.seqs[held.rid]
+        starts = {h.rid: st for h, st in zip(step.seqs, step.start_positions, strict=True)}
+        for held in step.new_seqs:  # > 0 cached: a prefix-cache hit
+            assert held.rid not in self.seqs, f"{held.rid} sent as new while the worker holds it"
+            cached = starts.get(held.rid, held.num_computed)
+            self.seqs[held.rid] = _Seq(
+                list(held.token_ids), held.num_prompt_tokens, held.block_ids, cached
+            )
+        for held, start, n in zip(step.seqs, step.start_positions, step.num_tokens, strict=True):
+            seq = self.seqs[held.rid]  # every sequence writes its KV first, as per layer
+            assert start == seq.num_cached, f"{held.rid}: start {start} != cached {seq.num_cached}"
+            assert len(seq.block_ids) * self.block_size >= start + n, f"{held.rid}: table short"
             for pos in range(start, start + n):
                 self.kv[self._slot(seq, pos)] = (pos, seq.digest(pos))
             seq.num_cached = start + n
         rids: list[str] = []
         tokens: list[int] = []
-        for i, rid in enumerate(plan.rids):  # then attention reads, then sampling
-            seq = self.seqs[rid]
-            self._check_context(rid, seq)
-            if plan.sample[i]:
-                assert seq.num_cached == len(seq.token_ids), f"{rid}: samples too early"
+        for held, sample in zip(step.seqs, step.sample, strict=True):  # attention, sampling
+            seq = self.seqs[held.rid]
+            self._check_context(held.rid, seq)
+            if sample:
+                assert seq.num_cached == len(seq.token_ids), f"{held.rid}: samples too early"
                 index = len(seq.token_ids) - seq.num_prompt_tokens
-                token = token_for(rid, index, self.vocab_size)
+                token = token_for(held.rid, index, self.vocab_size)
                 seq.token_ids.append(token)
-                rids.append(rid)
+                rids.append(held.rid)
                 tokens.append(token)
+        HeldBatch.record_samples(step.sampled(), tokens)
         return StepResult(plan.step_id, rids, tokens)
+
+    def peek(self, plan: StepPlan) -> ExpandedStep:
+        """`plan` made explicit (what it runs), before or after `execute`; peeking first does
+        not change what the worker holds."""
+        step = self._by_step.get(plan.step_id)
+        return step if step is not None else copy.deepcopy(self.held).apply(plan)
 
     def _check_context(self, rid: str, seq: _Seq) -> None:
         """Attention reads every cached position through the table: each must hold the KV of
@@ -130,7 +146,7 @@ class Run:
     """What a driven run produced: per rid its outputs, in order."""
 
     outputs: dict[str, list[RequestOutput]] = field(default_factory=dict)
-    plans: list[StepPlan] = field(default_factory=list)
+    plans: list[ExpandedStep] = field(default_factory=list)  # each plan, as the worker saw it
     records: list[object] = field(default_factory=list)
 
     def add(self, outs: OutputBatch | list[RequestOutput]) -> None:
@@ -180,11 +196,12 @@ def drive(
             assert timeout is not None, "work left, nothing scheduled and no timer: stuck"
             clock.advance(max(timeout, step_time))
             continue
-        assert plan.total_tokens <= sched.config.max_num_batched_tokens
-        run.plans.append(plan)
+        assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
         run.records.append(sched.last_step_record)
         clock.advance(step_time)
-        run.add(sched.update(worker.execute(plan)))
+        result = worker.execute(plan)
+        run.plans.append(worker.steps[-1])
+        run.add(sched.update(result))
         sched.check_integrity()
     if sched.has_work():
         raise AssertionError(f"not done after {max_steps} steps")
@@ -203,27 +220,21 @@ def make(
     clock = FakeClock()
     sched_config = SchedulerConfig(**config)
     sched = Scheduler(sched_config, num_blocks, block_size, max_model_len, list(eos), clock=clock)
-    return sched, CheckingWorker(num_blocks, block_size), clock
+    return sched, CheckingWorker(num_blocks, block_size, max_model_len=max_model_len), clock
 
 
 # ---- tests of the checking worker itself: it must catch what it is there to catch ------------
 
 
 def test_worker_detects_a_block_shared_by_two_requests() -> None:
-    from shared.protocol.worker_channel import NewSequence
-
     worker = CheckingWorker(num_blocks=2, block_size=4)
     sp = SamplingParams(temperature=0.0)
-    plan = StepPlan(
-        1,
-        [NewSequence("a", [1, 2], 2, [0], sp), NewSequence("b", [3, 4], 2, [0], sp)],
-        ["a", "b"],
-        [0, 0],
-        [2, 2],
-        [1, 2, 3, 4],
-        [[], []],
-        [True, True],
-    )
+    writer = PlanWriter()
+    new = [
+        writer.new_sequence("a", [1, 2], 2, [0], sp),
+        writer.new_sequence("b", [3, 4], 2, [0], sp),
+    ]
+    plan = writer.plan({"a": 2, "b": 2}, new)
     with pytest.raises(AssertionError, match="KV holds"):
         worker.execute(plan)
 

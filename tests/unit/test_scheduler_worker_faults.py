@@ -5,8 +5,6 @@ told to drop every request that ends."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from test_scheduler_support import CheckingWorker, Run, drive, make, submit
 
@@ -42,8 +40,8 @@ def test_requeue_recomputes_to_the_same_tokens_and_frees_every_block() -> None:
     assert sched.schedule() is not None  # a plan in flight when the worker dies: never answered
     assert sched.requeue_all(3, ErrorCode.WORKER_FAILED, "lost") == []
     assert sched.pool.num_used == 0
-    # The same worker reconnecting still holds the old state: the next plan releases it (the
-    # checking worker asserts a rid is never sent as new while it holds it).
+    # The same worker reconnecting still holds the old state: the next plan resets its batch
+    # (the checking worker asserts a rid is never sent as new while it holds it).
     drive(sched, worker, clock, run=run)
     for rid in RIDS:
         assert run.tokens(rid) == want.tokens(rid), rid  # nothing lost, nothing repeated
@@ -60,9 +58,8 @@ def test_a_fresh_worker_gets_every_requeued_request_as_new() -> None:
     sched.requeue_all(3, ErrorCode.WORKER_FAILED, "lost")
     fresh = CheckingWorker(64, worker.block_size)
     plan = sched.schedule()
-    assert plan is not None
-    # a fresh worker ignores releases of rids it never held (the real ones do: pop(rid, None))
-    fresh.seqs.update({rid: worker.seqs[rid] for rid in plan.released_rids})
+    assert plan is not None and plan.prev_step_id is None  # a reset: any worker may take it
+    assert sorted(s.rid for s in plan.new_seqs) == sorted(fresh.peek(plan).rids)
     run.add(sched.update(fresh.execute(plan)))
     drive(sched, fresh, clock, run=run)
     for rid in RIDS:
@@ -83,30 +80,31 @@ def test_retries_exhausted_fail_only_requests_the_worker_held() -> None:
         assert run.final(rid).error_code is None and len(run.tokens(rid)) == 12
 
 
-def test_a_failed_step_fails_its_requests_only_and_releases_them() -> None:
-    sched, worker, clock = make(max_num_seqs=2, max_num_batched_tokens=64)
+def test_a_failed_step_of_one_request_fails_it_and_resets_the_worker_batch() -> None:
+    sched, worker, clock = make(max_num_seqs=1, max_num_batched_tokens=64)
     _submit_all(sched)
     run = Run()
     _steps(sched, worker, run, 2)
     plan = sched.schedule()
-    assert plan is not None and sorted(plan.rids) == ["r0", "r1"]
-    outs = sched.fail_step(plan.rids, ErrorCode.WORKER_FAILED, "step failed")
-    assert sorted(o.rid for o in outs) == ["r0", "r1"]
+    assert plan is not None and worker.peek(plan).rids == ["r0"]
+    worker.held.fail()  # the worker failed the step: its batch needs a reset
+    outs = sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "step failed")
+    assert [o.rid for o in outs] == ["r0"]
     assert sched.pool.num_used == 0
     nxt = sched.schedule()
-    assert nxt is not None and sorted(nxt.released_rids) == ["r0", "r1"]
+    assert nxt is not None and nxt.prev_step_id is None  # the next plan resets the batch
+    assert "r0" not in {s.rid for s in nxt.new_seqs}
     run.add(outs)
     run.add(sched.update(worker.execute(nxt)))
     drive(sched, worker, clock, run=run)
-    for rid in RIDS[2:]:
+    for rid in RIDS[1:]:
         assert run.final(rid).error_code is None and len(run.tokens(rid)) == 12
-    assert not {"r0", "r1"} & set(worker.seqs)  # the worker dropped the failed ones
+    assert "r0" not in worker.seqs  # the worker dropped the failed one
 
 
 class _FaultyWorker(CheckingWorker):
-    """A checking worker that fails every step holding one of `poisoned` (from `from_token`
-    generated tokens on), before touching its state, and drops releases of rids it does not
-    hold, as the real workers do (`pop(rid, None)`)."""
+    """A checking worker that fails every step computing one of `poisoned` (from `from_token`
+    generated tokens on), before touching its state (the next plan resets its batch)."""
 
     def __init__(self, poisoned: set[str], from_token: int = 0, **kw: int) -> None:
         super().__init__(**kw)
@@ -115,7 +113,7 @@ class _FaultyWorker(CheckingWorker):
         self.num_failed = 0
 
     def fails(self, plan) -> bool:  # type: ignore[no-untyped-def]
-        for rid in set(plan.rids) & self.poisoned:
+        for rid in set(self.peek(plan).rids) & self.poisoned:
             seq = self.seqs.get(rid)
             num_generated = 0 if seq is None else len(seq.token_ids) - seq.num_prompt_tokens
             if num_generated >= self.from_token:
@@ -126,12 +124,10 @@ class _FaultyWorker(CheckingWorker):
         """One plan through the worker, or its failure through bisection."""
         if self.fails(plan):
             self.num_failed += 1
-            run.add(sched.bisect_failed_step(plan.rids, ErrorCode.WORKER_FAILED, "boom",
-                                             plan.released_rids))  # fmt: skip
+            run.add(sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom"))
             return
-        held = [r for r in dict.fromkeys(plan.released_rids) if r in self.seqs]
-        run.add(sched.update(self.execute(dataclasses.replace(plan, released_rids=held))))
-        sched.step_completed(plan.rids)
+        run.add(sched.update(self.execute(plan)))
+        sched.step_completed(self.steps[-1].rids)
 
 
 def _drive_with_faults(sched, worker: _FaultyWorker, clock) -> Run:  # type: ignore[no-untyped-def]
@@ -182,9 +178,10 @@ def test_a_held_request_can_be_aborted() -> None:
     sched, _, _ = make(max_num_seqs=4, max_num_batched_tokens=64)
     _submit_all(sched)
     plan = sched.schedule()
-    assert plan is not None and len(plan.rids) == 4
-    assert sched.bisect_failed_step(plan.rids, ErrorCode.WORKER_FAILED, "boom", []) == []
-    held = [rid for rid in plan.rids if sched.is_held(sched._live[rid])]
+    record = sched.last_step_record
+    assert plan is not None and record is not None and len(record.rids) == 4
+    assert sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom") == []
+    held = [rid for rid in record.rids if sched.is_held(sched._live[rid])]
     assert len(held) == 2 and sched.num_held == 2
     assert sched.abort_request(held[0]) is not None
     assert sched.num_held == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from services.simworker.config import SimConfig
 from services.simworker.cost_model import step_seconds
 from services.simworker.profiles import DEVICES, MODELS
 from services.simworker.runner import SimRunner, kv_capacity_blocks
+from shared.held_batch import HeldBatch
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult
 from tests.bounds import SLOW_HOST_MARGIN_S
@@ -21,34 +23,29 @@ ZERO = SimConfig(device="none", model="smollm2-135m")
 
 
 def _new(rid: str, prompt: Sequence[int], blocks: list[int], **params) -> NewSequence:
-    return NewSequence(rid, list(prompt), len(prompt), blocks, SamplingParams(**params))
+    """A new sequence for a batch of its own (slot 0; `_prefill` renumbers batches of more)."""
+    return NewSequence(rid, list(prompt), len(prompt), blocks, SamplingParams(**params), 0)
 
 
 def _prefill(step: int, seqs: list[NewSequence]) -> StepPlan:
-    return StepPlan(
-        step_id=step,
-        new_seqs=seqs,
-        rids=[s.rid for s in seqs],
-        start_positions=[0] * len(seqs),
-        num_tokens=[len(s.token_ids) for s in seqs],
-        token_ids=[t for s in seqs for t in s.token_ids],
-        new_block_ids=[[] for _ in seqs],
-        sample=[True] * len(seqs),
-    )
+    """A reset plan: `seqs` are the whole batch, each computing its whole prompt."""
+    seqs = [dataclasses.replace(s, slot=i) for i, s in enumerate(seqs)]
+    total = sum(len(s.token_ids) for s in seqs)
+    counts = [len(s.token_ids) for s in seqs]
+    return StepPlan(step, None, len(seqs), total, seqs, count_slots=list(range(len(seqs))),
+                    counts=counts)  # fmt: skip
 
 
-def _decode(step: int, rids: list[str], starts: list[int], last: list[int]) -> StepPlan:
-    n = len(rids)
-    return StepPlan(step, [], rids, starts, [1] * n, last, [[] for _ in rids], [True] * n)
+def _decode(step: int, num_seqs: int) -> StepPlan:
+    """The steady plan: every held sequence decodes its own last sample."""
+    return StepPlan(step, step - 1, num_seqs, num_seqs)
 
 
 def _generate(runner: SimRunner, seq: NewSequence, max_tokens: int) -> list[int]:
     """Drive one request as a scheduler would: one prefill, then decodes, max_tokens in all."""
     out = runner.execute(_prefill(0, [seq])).token_ids
-    pos = len(seq.token_ids)
     while len(out) < max_tokens:
-        out += runner.execute(_decode(len(out), [seq.rid], [pos], [out[-1]])).token_ids
-        pos += 1
+        out += runner.execute(_decode(len(out), 1)).token_ids
     return out
 
 
@@ -99,10 +96,9 @@ def test_resumed_request_reproduces_its_tokens() -> None:
     prompt = list(range(100, 112))
     first = _generate(runner, _new("r", prompt, [0, 1]), 6)
     # preempted after 4 outputs: resumed with prompt + 4 outputs, recomputed in one chunk
-    resumed = NewSequence("r", prompt + first[:4], len(prompt), [3], SamplingParams())
-    again = runner.execute(
-        StepPlan(9, [resumed], ["r"], [0], [16], resumed.token_ids, [[]], [True], ["r"])
-    )
+    resumed = NewSequence("r", prompt + first[:4], len(prompt), [3], SamplingParams(), 1)
+    plan = StepPlan(9, 5, 1, 16, [resumed], released_slots=[0], count_slots=[1], counts=[16])
+    again = runner.execute(plan)
     assert again.token_ids == [first[4]]
 
 
@@ -134,14 +130,15 @@ def test_execute_takes_the_modelled_time(tmp_path) -> None:
     runner = SimRunner(SimConfig(profile_path=path, model="smollm2-135m"))
     seqs = [_new(f"t{i}", [7, 8], [i]) for i in range(3)]
     plan = _prefill(0, seqs)
-    assert step_seconds(runner.device, runner.model, plan) == pytest.approx(0.06)  # 30 + 3 * 10 ms
+    step = HeldBatch(16, 16, 1024).apply(plan)  # the plan made explicit, as the runner does
+    assert step_seconds(runner.device, runner.model, step) == pytest.approx(0.06)  # 30 + 3 * 10 ms
     # The runner promises to return at the modelled deadline, never before; a busy host can
     # only make it later, so the ceiling is the promise plus the slow-host margin.
     elapsed, res = _timed(runner, plan)
     assert 0.06 - 1e-4 <= elapsed < 0.06 + SLOW_HOST_MARGIN_S
     assert res.forward_s >= 0.06 - 1e-4
     zero = SimRunner(ZERO)
-    assert step_seconds(zero.device, zero.model, plan) == 0.0
+    assert step_seconds(zero.device, zero.model, step) == 0.0
     elapsed, _ = _timed(zero, plan)
     assert elapsed < SLOW_HOST_MARGIN_S
 
@@ -156,25 +153,41 @@ def test_logprobs_point_mass() -> None:
 @pytest.mark.parametrize(
     "plan, message",
     [
-        (_decode(1, ["ghost"], [0], [5]), "unknown request"),
-        (_decode(1, ["a"], [2], [5]), "starts at 2"),
-        (StepPlan(1, [], ["a"], [3], [14], [5] * 14, [[]], [True]), "past its block table"),
-        (StepPlan(1, [], ["a"], [3], [1], [5], [[10**6]], [True]), "out of range"),
+        (StepPlan(2, 0, 1, 1), "extends step 0, this worker holds step 1"),
+        (StepPlan(2, 1, 2, 2), "for 2 sequences, this worker holds 1"),
+        (StepPlan(2, 1, 1, 2), "schedules 2 tokens, this worker's batch computes 1"),
+        (StepPlan(2, 1, 1, 2, count_slots=[0], counts=[2]), "past 5 tokens held"),
+        (StepPlan(2, 1, 1, 1, count_slots=[3], counts=[0]), "token count to an empty slot"),
+        (StepPlan(2, 1, 1, 1, block_slots=[0], block_ids=[10**6]), "outside"),
+        (StepPlan(2, 1, 1, 1, released_slots=[4]), "releases slot 4, which holds nothing"),
+        (StepPlan(2, 1, 2, 2, new_seqs=[_new("b", [1], [1])]), "takes slot 0, which is held"),
     ],
 )
 def test_plans_that_break_the_contract_are_refused(plan: StepPlan, message: str) -> None:
     runner = SimRunner(ZERO)
     runner.execute(_prefill(0, [_new("a", [1, 2, 3], [0])]))
+    runner.execute(_decode(1, 1))  # "a" holds 5 tokens (two sampled), 4 computed
     with pytest.raises(ValueError, match=message):
         runner.execute(plan)
+    with pytest.raises(ValueError, match="holds no batch"):  # until a reset plan
+        runner.execute(_decode(2, 1))
+    runner.execute(_prefill(3, [_new("a", [1, 2, 3], [0])]))
+
+
+def test_a_decode_past_the_block_table_is_refused() -> None:
+    runner = SimRunner(SimConfig(device="none", model="smollm2-135m", block_size=4))
+    runner.execute(_prefill(0, [_new("a", [1, 2, 3], [0])]))
+    runner.execute(_decode(1, 1))  # position 3: the block's last slot
+    with pytest.raises(ValueError, match="past a block table of 1 blocks"):
+        runner.execute(_decode(2, 1))
 
 
 def test_released_requests_are_forgotten() -> None:
     runner = SimRunner(ZERO)
     runner.execute(_prefill(0, [_new("a", [1, 2, 3], [0])]))
-    runner.execute(StepPlan(1, [], [], [], [], [], [], [], released_rids=["a"]))
-    with pytest.raises(ValueError, match="unknown request"):
-        runner.execute(_decode(2, ["a"], [3], [5]))
+    assert runner.execute(StepPlan(1, 0, 0, 0, released_slots=[0])).rids == []
+    with pytest.raises(ValueError, match="for 1 sequences, this worker holds 0"):
+        runner.execute(_decode(2, 1))
 
 
 def test_engine_gaps_are_summarized_per_batch_size() -> None:
@@ -184,7 +197,7 @@ def test_engine_gaps_are_summarized_per_batch_size() -> None:
         runner.execute(_prefill(0, seqs))  # a prefill: not a pure decode step
         for step in range(4):
             time.sleep(0.002)  # the "engine" between two steps
-            runner.execute(_decode(step + 1, ["g0", "g1"], [2 + step] * 2, [300, 300]))
+            runner.execute(_decode(step + 1, 2))
     gaps = [x for x in logs if x["event"] == "sim_engine_gap"]
     assert len(gaps) == 1  # 4 decode steps, 3 per summary
     assert gaps[0]["num_seqs"] == 2 and gaps[0]["steps"] == 3 and gaps[0]["simulated"] is True

@@ -17,8 +17,9 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from shared.model_files import prepare_model
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.protocol.worker_channel import StepPlan
 from tests.greedy_reference import compare_greedy
 from tests.support.plan_driver import PlanDriver
 
@@ -129,21 +130,14 @@ def test_mixed_batch_logits_equal_alone(runner, prompts) -> None:
     base = 10_000  # block ids far from other tests' sequences
 
     def plan(step: int, rids: list[str], chunks: list[list[int]]) -> StepPlan:
+        writer = PlanWriter(first_step_id=step)  # a fresh writer: a reset plan
         news = [
-            NewSequence(r, c, len(c), [base + 40 * k + j for j in range(-(-len(c) // 16))], greedy)
+            writer.new_sequence(
+                r, c, len(c), [base + 40 * k + j for j in range(-(-len(c) // 16))], greedy
+            )
             for k, (r, c) in enumerate(zip(rids, chunks, strict=True))
         ]
-        return StepPlan(
-            step,
-            news,
-            rids,
-            [0] * len(rids),
-            [len(c) for c in chunks],
-            [t for c in chunks for t in c],
-            [[] for _ in rids],
-            [True] * len(rids),
-            released_rids=rids,
-        )
+        return writer.plan({r: len(c) for r, c in zip(rids, chunks, strict=True)}, news)
 
     if runner.kv_cache.num_blocks < base + 40 * 4:
         base = runner.kv_cache.num_blocks - 40 * 4

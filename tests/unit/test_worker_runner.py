@@ -13,8 +13,8 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
+from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan
 from tests.support.plan_driver import BlockAllocator, PlanDriver
 from tests.support.tiny_model import write_tiny_model
 
@@ -83,7 +83,7 @@ def _run_script(
     done = {rid: 0 for rid in seqs}
     tables: dict[str, list[int]] = {rid: [] for rid in seqs}
     out: dict[tuple[str, int], torch.Tensor] = {}
-    step = 0
+    writer = PlanWriter()
     order = [[rid] for rid in seqs] if not together else None
     while any(done[r] < len(seqs[r]) for r in seqs):
         live = [r for r in seqs if done[r] < len(seqs[r])]
@@ -91,24 +91,22 @@ def _run_script(
         if not together and done[group[0]] >= len(seqs[group[0]]):
             order.pop(0)  # type: ignore[union-attr]
             continue
-        new, counts, toks, added, starts = [], [], [], [], []
+        new, counts, added = [], {}, {}
         for rid in group:
             n = min(rng.randint(1, 20), len(seqs[rid]) - done[rid])
             more = blocks.take(max(0, -(-(done[rid] + n) // bs) - len(tables[rid])))
             tables[rid].extend(more)
             if done[rid] == 0:
-                new.append(NewSequence(rid, seqs[rid], len(seqs[rid]), list(tables[rid]), GREEDY))
-                more = []
-            starts.append(done[rid])
-            counts.append(n)
-            toks.extend(seqs[rid][done[rid] : done[rid] + n])
-            added.append(more)
-        plan = StepPlan(step, new, group, starts, counts, toks, added, [True] * len(group))
-        logits = runner.compute_logits(plan)
-        for i, rid in enumerate(group):
-            done[rid] += counts[i]
+                new.append(writer.new_sequence(rid, seqs[rid], len(seqs[rid]), tables[rid], GREEDY))
+            elif more:
+                added[rid] = more
+            counts[rid] = n
+        plan = writer.plan(counts, new, added)
+        logits = runner.compute_logits(plan)  # [B, V] in the worker's batch order
+        in_batch = [seq.rid for seq in runner.batch.held.seqs.values() if seq.rid in counts]
+        for i, rid in enumerate(in_batch):
+            done[rid] += counts[rid]
             out[(rid, done[rid] - 1)] = logits[i]
-        step += 1
     return out
 
 
@@ -130,20 +128,23 @@ def test_permuting_blocks_and_tables_leaves_logits_unchanged(tiny: Path) -> None
     runner = make_runner(tiny, block_size=16)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 265) for _ in range(40)]
-    first = StepPlan(
-        0, [NewSequence("a", prompt, 40, [5, 9, 2], GREEDY)], ["a"], [0], [40], prompt, [[]], [True]
-    )
-    runner.compute_logits(first)
-    probe = StepPlan(1, [], ["a"], [40], [1], [7], [[]], [True])
-    before = runner.compute_logits(probe)
+    writer = PlanWriter()
+    # the probe token 7 at position 40 is part of the history: the worker never gets tokens
+    # any other way than in a NewSequence (or by sampling them)
+    seq = writer.new_sequence("a", [*prompt, 7], 40, [5, 9, 2], GREEDY)
+    runner.compute_logits(writer.plan({"a": 40}, [seq]))
+    before = runner.compute_logits(writer.plan({"a": 1}))
     n = runner.kv_cache.num_blocks
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     runner.kv_cache.permute_blocks(order)  # new slot i holds old block order[i]
     where = {int(old): new for new, old in enumerate(order.tolist())}
-    runner.batch.requests["a"].block_ids = [where[b] for b in (5, 9, 2)]
-    after = runner.compute_logits(probe)
+    moved = [where[b] for b in (5, 9, 2)]
+    assert moved != [5, 9, 2]
+    # the same history again, its first 40 positions found in the moved blocks (as a prefix
+    # cache hit is sent), the probe position recomputed
+    again = writer.new_sequence("b", [*prompt, 7], 40, moved, GREEDY, num_computed_tokens=40)
+    after = runner.compute_logits(writer.plan({"b": 1}, [again], released=["a"]))
     assert torch.allclose(before, after, atol=1e-6, rtol=0)
-    assert runner.batch.requests["a"].block_ids != [5, 9, 2]
 
 
 def _generate(
@@ -203,17 +204,12 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny: Path) -> None:
 def test_logprobs_reported_for_requests_that_ask(tiny: Path) -> None:
     runner = make_runner(tiny)
     asks = SamplingParams(temperature=0.0, logprobs=3, max_tokens=2)
-    plan = StepPlan(
-        0,
-        [NewSequence("a", [5, 6, 7], 3, [0], asks), NewSequence("b", [8, 9], 2, [1], GREEDY)],
-        ["a", "b"],
-        [0, 0],
-        [3, 2],
-        [5, 6, 7, 8, 9],
-        [[], []],
-        [True, True],
-    )
-    res = runner.execute(plan)
+    writer = PlanWriter()
+    new = [
+        writer.new_sequence("a", [5, 6, 7], 3, [0], asks),
+        writer.new_sequence("b", [8, 9], 2, [1], GREEDY),
+    ]
+    res = runner.execute(writer.plan({"a": 3, "b": 2}, new))
     assert list(res.logprobs) == ["a"]
     lp = res.logprobs["a"]
     assert lp.top_token_ids[0] == res.token_ids[0] and len(lp.top_logprobs) == 3
@@ -230,9 +226,8 @@ def test_forward_matches_transformers(tmp_path: Path, overrides: dict) -> None:
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]  # [37, V]
     runner = make_runner(folder)
-    plan = StepPlan(
-        0, [NewSequence("a", ids, 37, [0, 1, 2], GREEDY)], ["a"], [0], [37], ids, [[]], [True]
-    )
+    writer = PlanWriter()
+    plan = writer.plan({"a": 37}, [writer.new_sequence("a", ids, 37, [0, 1, 2], GREEDY)])
     got = runner.compute_logits(plan)[0]
     assert (got - want[-1]).abs().max().item() < 1e-4
 

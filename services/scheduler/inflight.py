@@ -1,0 +1,31 @@
+"""What the scheduler remembers of each plan in flight (one, or two with async scheduling).
+
+With overlap (SGLang's overlap scheduler, vLLM's async scheduling) plan N+1 is built before the
+result of step N arrives, assuming every running request goes on. What keeps the bookkeeping
+exact (tested against a worker answering out of phase, tests/unit/test_async_scheduling.py):
+
+* the worker runs plans in order, so a block freed while building plan N+1 (a preemption) or
+  after result N (a finish, an abort) may be handed out again in any later plan: whatever
+  still writes to it runs first;
+* a request samples into `token_ids[len(token_ids)]`; a result's token is applied only while
+  the request has computed at least that far (a preempted request restarted from 0 drops the
+  sample, and recomputes the same token: samples depend on the rid and the output index);
+* a request that finished at step N is in plan N+1 already: it computes one extra token, which
+  result N+1 drops (the request is no longer running); its slot and blocks were released with
+  the first plan built after result N. A request whose sample in flight is its last by length
+  (max_tokens, max_model_len) is not scheduled again: that costs no extra step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    step_id: int
+    rids: list[str]  # every request that computes in it (a failed step fails these)
+    sampled: dict[str, Request]  # rid -> request, for every sequence that samples
+    filled: list[Request]  # prefill chunks that fill blocks (prefix caching), see BuiltStep
