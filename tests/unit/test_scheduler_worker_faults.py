@@ -194,7 +194,8 @@ def test_dynamic_batching_fails_the_whole_step() -> None:
                        batch_size=4)  # fmt: skip
     _submit_all(sched)
     plan = sched.schedule()
-    assert plan is not None and len(plan.rids) == 4
-    outs = sched.bisect_failed_step(plan.rids, ErrorCode.WORKER_FAILED, "boom", [])
-    assert sorted(o.rid for o in outs) == sorted(plan.rids) and sched.num_held == 0
+    record = sched.last_step_record
+    assert plan is not None and record is not None and len(record.rids) == 4
+    outs = sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom")
+    assert sorted(o.rid for o in outs) == sorted(record.rids) and sched.num_held == 0
     sched.check_integrity()
