@@ -28,6 +28,7 @@ from services.scheduler.request import Request
 from shared.prefix_hash import block_key
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import NewSequence, StepPlan
 
 VOCAB = 50
 
@@ -276,6 +277,11 @@ def test_hits_happen_and_count_in_the_step_log() -> None:
     assert sched.reset_prefix_cache() == stats["prefix_cache_blocks"] > 0
 
 
+def _new_seq(plan: StepPlan, rid: str) -> NewSequence:
+    """The sequence `rid` joining the worker's batch in `plan` (its cached prefix is skipped)."""
+    return next(seq for seq in plan.new_seqs if seq.rid == rid)
+
+
 def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     """Blocks a completed step filled are queued for registration (flushed by `after_plan()`,
     off the result -> plan path). A lookup that no queued block can extend (a prompt nobody
@@ -295,7 +301,7 @@ def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     assert sched.stats()["prefix_cache_blocks"] == 0
     sched.add_request(SubmitRequest("c", list(range(40, 62)), sampling))  # shares nothing
     plan = sched.schedule()
-    assert plan is not None and plan.start_positions[plan.rids.index("c")] == 0
+    assert plan is not None and _new_seq(plan, "c").num_computed_tokens == 0
     assert sched.stats()["prefix_cache_blocks"] == 0  # that lookup flushed nothing
     sched.after_plan()
     assert sched.stats()["prefix_cache_blocks"] == 5
@@ -303,7 +309,7 @@ def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     sched.add_request(SubmitRequest("d", list(range(40, 60)) + [7], sampling))  # c's prefix
     plan = sched.schedule()
     assert plan is not None
-    assert plan.start_positions[plan.rids.index("d")] == 20  # found the queued blocks
+    assert _new_seq(plan, "d").num_computed_tokens == 20  # found the queued blocks
     assert sched.stats()["prefix_cache_blocks"] == 10
     sched.check_integrity()
 
