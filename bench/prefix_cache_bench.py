@@ -82,6 +82,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    # one workload for both conversation scenarios: "chat" only sizes its turns from it
+    multi_turn = WorkloadConfig(
+        name="multi-turn",
+        num_prompts=args.conversations * args.num_turns,
+        num_turns=args.num_turns,
+        input_len=args.turn_len,
+        output_len=args.output_len,
+        prefix_len=args.system_len,
+    )
     all_ = {
         "shared-prefix": Scenario(
             "shared-prefix",
@@ -96,26 +105,12 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         ),
         "multi-turn": Scenario(
             "multi-turn",
-            WorkloadConfig(
-                name="multi-turn",
-                num_prompts=args.conversations * args.num_turns,
-                num_turns=args.num_turns,
-                input_len=args.turn_len,
-                output_len=args.output_len,
-                prefix_len=args.system_len,
-            ),
+            multi_turn,
             args.conversations,
         ),
         "chat": Scenario(  # the workload only sizes it: _chat() draws and sends the turns
             "chat",
-            WorkloadConfig(
-                name="multi-turn",
-                num_prompts=args.conversations * args.num_turns,
-                num_turns=args.num_turns,
-                input_len=args.turn_len,
-                output_len=args.output_len,
-                prefix_len=args.system_len,
-            ),
+            multi_turn,
             args.conversations,
         ),
         "no-sharing": Scenario(

@@ -244,15 +244,20 @@ def test_shared_prefix_workloads_keep_every_invariant(
             assert cached % block_size == 0 and cached < len(_prompt(a, rid))
 
 
+def _family_setup() -> tuple[Scheduler, CheckingWorker, SamplingParams, list[int]]:
+    """A small caching scheduler, its checking worker, greedy 3-token sampling, and a 20-token
+    prefix (5 full blocks of 4) that requests of one family share."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64)
+    sched = Scheduler(config, 32, 4, 128, [], clock=FakeClock(), cache_namespace=b"m")
+    worker = CheckingWorker(32, 4, vocab_size=VOCAB)
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    return sched, worker, sampling, list(range(10, 30))
+
+
 def test_hits_happen_and_count_in_the_step_log() -> None:
     """A fixed picture: the second request of a family hits the first one's full blocks and
     computes only the rest; the step record and the counters say so."""
-    clock = FakeClock()
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64)
-    sched = Scheduler(config, 32, 4, 128, [], clock=clock, cache_namespace=b"m")
-    worker = CheckingWorker(32, 4, vocab_size=VOCAB)
-    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    prefix = list(range(10, 30))  # 20 tokens: 5 full blocks
+    sched, worker, sampling, prefix = _family_setup()
     sched.add_request(SubmitRequest("a", prefix + [1, 2], sampling))
     run = Run()
     plan = sched.schedule()
@@ -287,12 +292,7 @@ def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     off the result -> plan path). A lookup that no queued block can extend (a prompt nobody
     shares) leaves the queue alone; one that a queued block extends registers it first, so no
     completed block is missed."""
-    clock = FakeClock()
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64)
-    sched = Scheduler(config, 32, 4, 128, [], clock=clock, cache_namespace=b"m")
-    worker = CheckingWorker(32, 4, vocab_size=VOCAB)
-    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    prefix = list(range(10, 30))  # 20 tokens: 5 full blocks
+    sched, worker, sampling, prefix = _family_setup()
     sched.add_request(SubmitRequest("a", prefix + [1, 2], sampling))
     run = Run()
     plan = sched.schedule()
