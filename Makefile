@@ -10,7 +10,7 @@ COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real soak
+.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real soak peer-bench
 
 venv: $(STAMP)
 
@@ -66,6 +66,15 @@ soak: model
 
 bench: model
 	$(BIN)/python -m conveyor bench --compare-batching --out results/bench
+
+# Peers on this CPU (docs/PERFORMANCE.md §8, bench/README.md): builds llama.cpp's llama-server
+# once into .cache/peers/ (under the shared lock), then the 64-request burst through
+# llama-server, Conveyor, transformers' static generate() and the linear-layer floor, one
+# after the other under the exclusive lock (~10-15 min on 2 cores); results in results/peers-*.
+CPU_LOCK := /tmp/conveyor-cpu.lock
+peer-bench: model
+	flock -s $(CPU_LOCK) bash bench/peer_llama_server.sh build
+	flock -x $(CPU_LOCK) bash bench/peer_llama_server.sh run
 
 # The pack a GPU machine needs (bench/gpu_e2e.sh): wheels of the engine's dependencies that its
 # image lacks, for Python 3.12 manylinux x86_64, and SmolLM2's tokenizer files, in .gpu/
