@@ -4,6 +4,7 @@
 #
 #   bench/peer_llama_server.sh build            # build llama-server once (run under flock -s)
 #   bench/peer_llama_server.sh run [--out DIR]  # the burst through every engine (flock -x)
+#       [--engines llama-server,conveyor,hf-static,roofline] [--num-prompts 64] [--scale 1]
 #
 # `make peer-bench` does both with the right locks. The build comes from the llama.cpp source
 # vendored in the llama-cpp-python sdist (one pinned version), cached in .cache/peers/ (ignored);
@@ -196,7 +197,8 @@ run_all() {
 }
 
 usage() {
-    echo "usage: $0 build | run [--out DIR] [--engines llama-server,conveyor,hf-static,roofline]" >&2
+    echo "usage: $0 build | run [--out DIR] [--engines llama-server,conveyor,hf-static,roofline]" \
+        "[--num-prompts 64] [--scale 1]" >&2
     exit 2
 }
 
@@ -207,6 +209,8 @@ main() {
         case $1 in
             --out) OUT=$2; shift 2 ;;
             --engines) ENGINES=$2; shift 2 ;;
+            --num-prompts) NUM_PROMPTS=$2; shift 2 ;;  # a smoke run: e.g. 4 prompts, scale 0.1
+            --scale) SCALE=$2; shift 2 ;;
             *) usage ;;
         esac
     done
