@@ -16,6 +16,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
+SELF=$ROOT/bench/peer_llama_server.sh
 PY=${PY:-$ROOT/.venv/bin/python}
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 CACHE=${PEER_CACHE:-$ROOT/.cache/peers}
@@ -25,11 +26,11 @@ SERVER_BIN=$BUILD/bin/llama-server
 JOBS=${PEER_BUILD_JOBS:-2}
 
 # Workload (docs/PERFORMANCE.md §8): 64 requests at once, the mixed scenario, EOS ignored, greedy.
-NUM_PROMPTS=64
-SCALE=1
+NUM_PROMPTS=${NUM_PROMPTS:-64}
+SCALE=${SCALE:-1}
 BATCH_SIZE=32
 THREADS=2
-OUT=""
+OUT=${OUT:-}
 ENGINES="llama-server,conveyor,hf-static,roofline"
 
 log() { echo "[peer-bench $(date -u +%H:%M:%S)] $*" >&2; }
@@ -92,16 +93,22 @@ build_server() {
     log "built $SERVER_BIN"
 }
 
-free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
+}
+
+http_ok() {  # exit status 0 when GET $1 answers 200
+    "$PY" -c 'import sys, httpx
+sys.exit(httpx.get(sys.argv[1], timeout=2, trust_env=False).status_code != 200)' "$1" 2>/dev/null
+}
 
 # Poll an HTTP URL until it answers 200 (or the server process died, or `limit` seconds passed).
 wait_http() {
     local url=$1 pid=$2 limit=$3 start=$SECONDS
     while ((SECONDS - start < limit)); do
         kill -0 "$pid" 2>/dev/null || { log "server (pid $pid) exited before ready"; return 1; }
-        if "$PY" -c "import sys, httpx; sys.exit(httpx.get('$url', timeout=2, trust_env=False).status_code != 200)" 2>/dev/null; then
-            return 0
-        fi
+        http_ok "$url" && return 0
         sleep 1
     done
     log "no answer from $url within ${limit}s"
@@ -111,7 +118,7 @@ wait_http() {
 SERVER_PID=""
 stop_server() {
     [[ -n $SERVER_PID ]] || return 0
-    kill -INT "$SERVER_PID" 2>/dev/null || true
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
     for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
     kill -KILL "$SERVER_PID" 2>/dev/null || true
     wait "$SERVER_PID" 2>/dev/null || true
@@ -183,17 +190,30 @@ run_all() {
         lscpu | grep -E '^(Model name|CPU\(s\)|Vendor ID)'
         echo "ggml: $(cpu_cmake_flags)"
     } >"$OUT/machine.txt"
-    local engine
+    # Each engine in a process of its own: one that fails is reported and the others still run
+    # (`set -e` does not act inside a function called from an `if`).
+    local engine failed=()
     for engine in ${ENGINES//,/ }; do
-        case $engine in
-            llama-server) run_llama_server ;;
-            conveyor) run_conveyor ;;
-            hf-static) run_hf_static ;;
-            roofline) run_roofline ;;
-            *) log "unknown engine $engine"; exit 2 ;;
-        esac
+        if ! OUT=$OUT NUM_PROMPTS=$NUM_PROMPTS SCALE=$SCALE bash "$SELF" engine "$engine"; then
+            log "engine $engine FAILED (see $OUT/$engine.log / $engine.txt)"
+            failed+=("$engine")
+        fi
     done
     "$PY" bench/peer_table.py --dir "$OUT"
+    if ((${#failed[@]})); then
+        log "failed: ${failed[*]}"
+        return 1
+    fi
+}
+
+run_engine() {
+    case $1 in
+        llama-server) run_llama_server ;;
+        conveyor) run_conveyor ;;
+        hf-static) run_hf_static ;;
+        roofline) run_roofline ;;
+        *) log "unknown engine $1"; exit 2 ;;
+    esac
 }
 
 usage() {
@@ -205,6 +225,10 @@ usage() {
 main() {
     local action=${1:-}
     shift || true
+    if [[ $action == engine ]]; then  # internal: one engine, called by run_all
+        ENGINE=${1:-}
+        shift || true
+    fi
     while (($#)); do
         case $1 in
             --out) OUT=$2; shift 2 ;;
@@ -217,6 +241,7 @@ main() {
     case $action in
         build) build_server ;;
         run) run_all ;;
+        engine) run_engine "${ENGINE:?}" ;;
         *) usage ;;
     esac
 }
