@@ -54,13 +54,25 @@ cpu_cmake_flags() {
 
 # cmake and ninja: the machine's, else pip's wheels into the cache folder (not the runtime deps).
 ensure_build_tools() {
+    # pip --target puts the wheels' entry points in tools/bin; they import from tools/.
+    export PATH="$CACHE/tools/bin:$PATH" PYTHONPATH="$CACHE/tools${PYTHONPATH:+:$PYTHONPATH}"
     local missing=()
     command -v cmake >/dev/null || missing+=(cmake)
     command -v ninja >/dev/null || missing+=(ninja)
     if ((${#missing[@]})); then
         log "installing ${missing[*]} from pip into $CACHE/tools"
         "$PY" -m pip install -q --target "$CACHE/tools" "${missing[@]}"
-        export PATH="$CACHE/tools/bin:$PATH"
+    fi
+}
+
+# Run a build step with its output in a log; on failure show the log's end and stop.
+logged() {
+    local logfile=$1
+    shift
+    if ! "$@" >"$logfile" 2>&1; then
+        log "FAILED: $* (last lines of $logfile below)"
+        tail -n 40 "$logfile" >&2
+        exit 1
     fi
 }
 
@@ -83,13 +95,14 @@ build_server() {
     local cpu_flags
     cpu_flags=$(cpu_cmake_flags)
     log "configuring llama.cpp ($cpu_flags)"
+    # No web UI (it would be fetched from the network) and no OpenSSL: a local benchmark server.
     # shellcheck disable=SC2086  # cpu_flags is a list of -D options
-    cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-        -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=ON $cpu_flags >"$CACHE/configure.log"
+    logged "$CACHE/configure.log" cmake -S "$SRC" -B "$BUILD" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_OPENMP=ON $cpu_flags
     log "building llama-server with -j$JOBS (log: $CACHE/build.log)"
-    cmake --build "$BUILD" --target llama-server -j "$JOBS" >"$CACHE/build.log"
+    logged "$CACHE/build.log" cmake --build "$BUILD" --target llama-server -j "$JOBS"
     log "built $SERVER_BIN"
 }
 
