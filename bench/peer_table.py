@@ -1,10 +1,11 @@
 """The side-by-side table of `bench/peer_llama_server.sh run`: every engine on one burst.
 
-Reads what the script left in `--dir`: `llama-server/result.json` and `conveyor/result.json`
-(`conveyor bench --backend openai`), `hf-static.json` (bench/hf_static_burst.py) and
-`roofline.txt` (bench/roofline.py's printout; its floor line is parsed, since roofline.py writes
-no JSON). Prints a markdown table (output tok/s, TTFT p50, fraction of the linear-layer floor,
-Conveyor's throughput and TTFT against each engine) and writes `peers.json` beside the inputs.
+Reads what the script left in `--dir`: each OpenAI engine's `<engine>/result.json`
+(llama-server, conveyor; `conveyor bench --backend openai`), `hf-static.json`
+(bench/hf_static_burst.py) and `roofline.txt` (bench/roofline.py's printout; its floor line is
+parsed, since roofline.py writes no JSON). Prints a markdown table (output tok/s, TTFT p50,
+fraction of the linear-layer floor, Conveyor's throughput and TTFT against each engine) and
+writes `peers.json` beside the inputs.
 
     PYTHONPATH=. python bench/peer_table.py --dir results/peers-20261201-080000
 """
