@@ -2,8 +2,9 @@
 
 `--max-num-seqs 8` sets `max_num_seqs`; when the flag is absent, `CONVEYOR_MAX_NUM_SEQS` is used,
 and when that is unset too, the dataclass default stands (the flag is left out of the namespace,
-so the dataclass stays the one place defaults live). Values are validated by the dataclass's
-own `__post_init__`; `config_from_args` turns its ValueError into an argparse error.
+so the dataclass stays the one place defaults live). A field's `metadata["help"]`, when given,
+is the flag's help text. Values are validated by the dataclass's own `__post_init__`;
+`config_from_args` turns its ValueError into an argparse error.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def add_config_flags(
             # argparse applies `type` to string defaults, so the environment is parsed too.
             default=env_value if env_value is not None else argparse.SUPPRESS,
             metavar=None if choices else f.name.upper(),
-            help=f"default {default!r}" + (" ('none' for None)" if nullable else ""),
+            help=_help(f, default, nullable),
             # a bool: `--flag` alone means true, `--flag false` still works, `--no-flag` too
             **({"nargs": "?", "const": True} if is_switch else {}),
         )
@@ -67,6 +68,13 @@ def add_config_flags(
             )
         added.append(f.name)
     return added
+
+
+def _help(f: dataclasses.Field, default: Any, nullable: bool) -> str:
+    """A field's `metadata["help"]` (when it has one) and its default."""
+    text = f"default {default!r}" + (" ('none' for None)" if nullable else "")
+    what = f.metadata.get("help")
+    return f"{what} ({text})" if what else text
 
 
 def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, cls: type) -> Any:

@@ -10,7 +10,7 @@ prefilled beside it. 32 sequences is where llama.cpp's own server peaks on this 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
 Policy = Literal["fcfs", "priority", "short-first", "lpm"]
@@ -44,8 +44,18 @@ class SchedulerConfig:
     # starts with cached blocks computes only the rest (services/scheduler/block_pool.py).
     enable_prefix_caching: bool = True
     # Overlap scheduling: plan N+1 is built and sent while step N runs, assuming every running
-    # request goes on (one that finished at step N computes one extra, discarded token).
-    async_scheduling: bool = False
+    # request goes on (one that finished at step N computes one extra, discarded token). On by
+    # default: outputs are the same either way (tests/e2e/test_async_scheduling.py, the whole
+    # e2e suite runs with it), and the worker no longer waits for the scheduler between steps
+    # (docs/PERFORMANCE.md §12). `--no-async-scheduling`: one plan in flight at a time.
+    async_scheduling: bool = field(
+        default=True,
+        metadata={
+            "help": "overlap scheduling: send plan N+1 while the worker runs step N (a finished "
+            "request runs one extra, discarded step; same outputs); --no-async-scheduling: one "
+            "plan in flight at a time"
+        },
+    )
 
     def __post_init__(self) -> None:
         problems = config_problems(self)

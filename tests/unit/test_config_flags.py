@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
@@ -19,6 +19,7 @@ class Demo:
     watermark: float = 0.01
     kv_cache_memory: Optional[int] = None
     ignore: bool = False
+    overlap: bool = field(default=True, metadata={"help": "overlap the steps"})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -41,7 +42,7 @@ def test_flags_parse_each_type() -> None:
     argv = ["--max-num-seqs", "4", "--batch-size", "2", "--policy", "priority"]
     argv += ["--watermark", "0.5", "--kv-cache-memory", "1GiB", "--ignore", "yes"]
     got = _parse(argv)
-    assert got == Demo(4, 2, "priority", 0.5, 1 << 30, True)
+    assert got == Demo(4, 2, "priority", 0.5, 1 << 30, True, True)
     assert _parse(["--batch-size", "none"]).batch_size is None
 
 
@@ -49,6 +50,24 @@ def test_environment_then_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONVEYOR_MAX_NUM_SEQS", "8")
     assert _parse([]).max_num_seqs == 8
     assert _parse(["--max-num-seqs", "3"]).max_num_seqs == 3
+
+
+def test_a_switch_on_by_default_turns_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_OVERLAP", raising=False)
+    assert _parse([]).overlap is True
+    assert _parse(["--no-overlap"]).overlap is False
+    assert _parse(["--overlap", "false"]).overlap is False
+    monkeypatch.setenv("CONVEYOR_OVERLAP", "0")
+    assert _parse([]).overlap is False
+    assert _parse(["--overlap"]).overlap is True  # the flag beats the environment
+
+
+def test_a_field_help_goes_into_the_flag_help() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, Demo)
+    text = " ".join(parser.format_help().split())
+    assert "--overlap [OVERLAP] overlap the steps (default True)" in text
+    assert "--max-num-seqs MAX_NUM_SEQS default 32" in text
 
 
 def test_invalid_values_exit_like_bad_flags() -> None:

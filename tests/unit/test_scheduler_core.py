@@ -214,13 +214,18 @@ def test_missing_token_from_the_worker_fails_that_request() -> None:
     sched.check_integrity()
 
 
-def test_result_for_the_wrong_step_is_refused() -> None:
-    sched, _, _ = make()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_result_for_the_wrong_step_is_refused(overlap: bool) -> None:
+    """Also: schedule() refuses to send more plans than may be in flight (one without async
+    scheduling, two with it)."""
+    sched, _, _ = make(async_scheduling=overlap)
     sched.add_request(submit("a", 4, 5))
     plan = sched.schedule()
     assert plan is not None
     with pytest.raises(ValueError, match="but step 1 is next"):
         sched.update(StepResult(plan.step_id + 1, [], []))
+    for _ in range(sched.config.max_plans_in_flight - 1):
+        assert sched.schedule() is not None  # async: plan 2 assumes "a" goes on
     with pytest.raises(RuntimeError):
         sched.schedule()
 

@@ -11,6 +11,7 @@ import pytest
 from conveyor.up import WORKER_SKIP, add_up_commands, settings_from_args
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
+from shared.config_flags import add_config_flags, config_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -47,6 +48,23 @@ def test_given_flags_reach_their_service() -> None:
 def test_an_invalid_engine_setting_fails_before_start() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         settings_from_args(_parse("--max-num-seqs", "64", "--max-num-batched-tokens", "32"))
+
+
+def test_async_scheduling_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlap scheduling is the scheduler's default (issue 18); `--no-async-scheduling` or
+    CONVEYOR_ASYNC_SCHEDULING=0 turn it off, and the scheduler process reads what `up` passes."""
+    monkeypatch.delenv("CONVEYOR_ASYNC_SCHEDULING", raising=False)
+    assert SchedulerConfig().async_scheduling and SchedulerConfig().max_plans_in_flight == 2
+    assert "async_scheduling" not in settings_from_args(_parse()).scheduler_flags
+    off = settings_from_args(_parse("--no-async-scheduling")).scheduler_flags["async_scheduling"]
+    scheduler = argparse.ArgumentParser()
+    add_config_flags(scheduler, SchedulerConfig)
+    argv = ["--async-scheduling", off]
+    config = config_from_args(scheduler, scheduler.parse_args(argv), SchedulerConfig)
+    assert config.async_scheduling is False and config.max_plans_in_flight == 1
+    monkeypatch.setenv("CONVEYOR_ASYNC_SCHEDULING", "0")
+    flags = settings_from_args(_parse()).scheduler_flags
+    assert flags == {"async_scheduling": "False"}
 
 
 def test_data_parallel_flags() -> None:
