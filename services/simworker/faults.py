@@ -4,12 +4,15 @@ it (a kernel fault, a NaN). Tests use it to check that such a failure is pinned 
 alone (services/scheduler/faults.py) and that the worker drops every request the scheduler ends.
 
 The step fails before the inner runner sees the plan, so the runner's batch stays at the plan
-before; the scheduler's next plan resets the worker's batch (docs/design/step_contract.md).
+before; the scheduler's next plan resets the worker's batch (docs/design/step_contract.md). A
+plan that the batch would refuse anyway (with async scheduling, the plan sent before the failure
+was known, built on the failed step) is not a step: it goes to the inner runner, which refuses
+it, as a real worker refuses it without computing; it neither faults nor moves the rid map.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from shared.protocol.worker_channel import StepPlan, StepResult, WorkerReady
 from shared.worker_server import StepRunner
@@ -28,12 +31,16 @@ class FaultInjectingRunner:
         self._log = log
         self._rids: dict[int, str] = {}  # slot -> rid of the worker's batch, as plans tell it
         self._poisoned: set[str] = set()  # held rids whose prompt holds the token
+        self._last_step_id: Optional[int] = None  # the plan the batch is at; None: needs a reset
 
     def ready_message(self, rank: int = 0) -> WorkerReady:
         return self._inner.ready_message(rank=rank)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Called once per plan: raises SimulatedStepFault when a poisoned rid computes in it."""
+        if plan.prev_step_id is not None and plan.prev_step_id != self._last_step_id:
+            return self._inner.execute(plan)  # refused there: the batch is not at prev_step_id
+        self._last_step_id = None  # until the inner runner has run it
         if plan.prev_step_id is None:
             self._rids.clear()
         for slot in plan.released_slots:
@@ -47,4 +54,6 @@ class FaultInjectingRunner:
         if in_step:
             self._log.warning("simulated_step_fault", step_id=plan.step_id, rids=sorted(in_step))
             raise SimulatedStepFault(f"simulated fault: token {self._token} in {sorted(in_step)}")
-        return self._inner.execute(plan)
+        result = self._inner.execute(plan)
+        self._last_step_id = plan.step_id
+        return result
