@@ -5,6 +5,11 @@ SmolLM2 in fp32, and the HTTP gateway when services.gateway exists) on free loop
 stops it at the end of the session. Tests that must break an engine (kill its worker, drain it)
 start their own instead of using this one.
 
+`reference_engine` is a second real engine with the two engine-level optimisations off
+(`--no-async-scheduling --no-enable-prefix-caching`): what the session engine, which has both
+on, must match token for token (test_async_scheduling.py, test_prefix_caching.py). One per
+session: a model load costs ~20-60 s on the shared 2-core machine.
+
 `hf_reference` loads transformers' fp32 model from the same converted folder, once per session.
 """
 
@@ -19,7 +24,7 @@ from typing import Any, Optional
 import pytest
 
 from conveyor.launcher import LocalStack
-from tests.e2e.stack_tools import engine_settings
+from tests.e2e.stack_tools import ENGINE_WORKER_FLAGS, engine_settings
 
 READY_TIMEOUT_S = 600.0  # model load on a busy 2-core machine; normally ~15-40 s
 
@@ -50,6 +55,29 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     try:
         stack.wait_ready(timeout=READY_TIMEOUT_S)
         yield Engine(stack.frontend_address, stack.http_url, stack.log_dir, stack)
+    finally:
+        stack.stop()
+
+
+# The reference engine's KV pool: the tests that use it run a few short requests at once
+# (~1k tokens in all); 128 MiB is ~2.9k tokens in fp32, and leaves memory to the other engines.
+REFERENCE_KV_CACHE_MEMORY = "128MiB"
+
+
+@pytest.fixture(scope="session")
+def reference_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """The session engine's settings without overlap scheduling and prefix caching."""
+    settings = engine_settings(
+        tmp_path_factory.mktemp("reference-engine-logs"),
+        gateway=False,
+        scheduler_flags={"async_scheduling": "false", "enable_prefix_caching": "false"},
+        worker_flags={**ENGINE_WORKER_FLAGS, "kv_cache_memory": REFERENCE_KV_CACHE_MEMORY},
+    )
+    stack = LocalStack(settings)
+    stack.start()
+    try:
+        stack.wait_ready(timeout=READY_TIMEOUT_S)
+        yield Engine(stack.frontend_address, None, stack.log_dir, stack)
     finally:
         stack.stop()
 

@@ -1,17 +1,20 @@
-"""Issue 18: overlap scheduling (`--async-scheduling`) changes no output of the real model.
+"""Issue 18: overlap scheduling (`--async-scheduling`, on by default) changes no output of the
+real model.
 
 Eight requests at once (so they share steps: prefill chunks beside decodes), 32 tokens each,
-greedy, fp32: chat requests that end on the model's EOS, a stop token id and a stop string that
-fire mid-generation (taken from a first run, so they are known to occur), plain length-limited
-prompts. The session engine (one plan in flight) and a second engine with
-`--async-scheduling` must give identical token ids, text and finish reasons; the async engine's
-step log must show plans sent before the previous step's result (real overlap). The extra
-engine's model load dominates the runtime (~20-60 s on the shared 2-core machine).
+greedy, fp32 on both engines: chat requests that end on the model's EOS, a stop token id and a
+stop string that fire mid-generation (taken from a first run, so they are known to occur),
+plain length-limited prompts. The session engine (overlap on, the default) and the session's
+reference engine (conftest.py: `--no-async-scheduling`, one plan in flight; also no prefix
+caching, which changes no output either: test_prefix_caching.py) must give identical token ids,
+text and finish reasons; the session engine's step log must show plans sent before the previous
+step's result (real overlap). Both engines are shared with other tests: this test itself costs
+three runs of 8 x 32 tokens (~5-15 s on the shared 2-core machine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,10 +22,8 @@ from typing import Any
 import pytest
 
 from conveyor.bench.steplog import read_step_log
-from conveyor.launcher import LocalStack
 from shared.client import Client, Completion
-from tests.e2e.conftest import READY_TIMEOUT_S
-from tests.e2e.stack_tools import engine_settings
+from tests.e2e.conftest import Engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -41,27 +42,16 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def async_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """(frontend address, scheduler log) of an engine with `--async-scheduling`."""
-    settings = engine_settings(
-        tmp_path_factory.mktemp("async-engine-logs"),
-        gateway=False,
-        scheduler_flags={"async_scheduling": "true"},
-    )
-    stack = LocalStack(settings)
-    stack.start()
-    try:
-        stack.wait_ready(timeout=READY_TIMEOUT_S)
-        yield stack.frontend_address, Path(settings.log_dir) / "scheduler.log"
-    finally:
-        stack.stop()
-
-
-def _num_overlapped(log: Path) -> int:
-    """Steps whose plan left before the previous step's result arrived."""
-    steps = read_step_log(log)
+def _num_overlapped(log: Path, t_start: float, t_end: float) -> int:
+    """Steps between `t_start` and `t_end` whose plan left before the previous step's result
+    arrived (the session engine's log also holds other tests' steps)."""
+    steps = [s for s in read_step_log(log) if t_start <= s.t_plan and s.t_result <= t_end]
     return sum(b.t_plan < a.t_result for a, b in zip(steps, steps[1:], strict=False))
+
+
+def _dtype(engine: Engine) -> str:
+    ready = [r for r in engine.log_records("scheduler") if r.get("event") == "worker_ready"]
+    return str(ready[-1]["dtype"])
 
 
 def _run_all(address: str, requests: list[dict[str, Any]]) -> list[Completion]:
@@ -90,16 +80,20 @@ def _requests(first: list[Completion]) -> tuple[list[dict[str, Any]], list[int]]
     return requests, [a, b]
 
 
-def test_async_scheduling_changes_no_output(engine, async_engine: tuple[str, Path]) -> None:
-    address, log = async_engine
-    first = _run_all(engine.frontend_address, [{"prompt": p} for p in PROMPTS])
+def test_async_scheduling_changes_no_output(engine: Engine, reference_engine: Engine) -> None:
+    # token equality needs the same dtype on both, named (not `auto`): fp32
+    assert _dtype(engine) == _dtype(reference_engine) == "float32"
+    first = _run_all(reference_engine.frontend_address, [{"prompt": p} for p in PROMPTS])
     requests, (a, b) = _requests(first)
-    want = _run_all(engine.frontend_address, requests)
-    got = _run_all(address, requests)
+    want = _run_all(reference_engine.frontend_address, requests)
+    t_start = time.time()
+    got = _run_all(engine.frontend_address, requests)
+    t_end = time.time()
     for kw, w, g in zip(requests, want, got, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
     reasons = [w.finish_reason for w in want]
     assert reasons.count("stop") >= 3, reasons  # the stop id, the stop string, EOS
     assert len(want[a].token_ids) < len(first[a].token_ids)  # the stop token fired
     assert len(want[b].text) < len(first[b].text)  # the stop string fired
-    assert _num_overlapped(log) > MAX_TOKENS // 2  # the async engine really overlapped
+    # the session engine really overlapped (async scheduling is its default)
+    assert _num_overlapped(engine.log_dir / "scheduler.log", t_start, t_end) > MAX_TOKENS // 2

@@ -9,7 +9,8 @@
 * `reset_prefix_cache` answers with the blocks dropped, and the next request misses.
 
 The caching-on engine is the shared session engine (caching is on by default); the caching-off
-one is started here (`--no-enable-prefix-caching`, no gateway). Rough runtime: ~40 s on an idle
+one is the session's `reference_engine` (conftest.py: `--no-enable-prefix-caching`, and
+`--no-async-scheduling`, no gateway). Rough runtime: ~40 s on an idle
 2-core machine, minutes when it is busy.
 """
 
@@ -17,15 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from conveyor.launcher import LocalStack
 from shared.client import AsyncClient, Client
-from tests.e2e.conftest import READY_TIMEOUT_S, Engine
-from tests.e2e.stack_tools import engine_settings
+from tests.e2e.conftest import Engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -61,19 +59,10 @@ CHAT_TURNS = (
 
 
 @pytest.fixture(scope="module")
-def engine_off(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    settings = engine_settings(
-        tmp_path_factory.mktemp("engine-off-logs"),
-        gateway=False,
-        scheduler_flags={"enable_prefix_caching": "False"},
-    )
-    stack = LocalStack(settings)
-    stack.start()
-    try:
-        stack.wait_ready(timeout=READY_TIMEOUT_S)
-        yield Engine(stack.frontend_address, None, stack.log_dir, stack)
-    finally:
-        stack.stop()
+def engine_off(reference_engine: Engine) -> Engine:
+    """Caching off: the session's reference engine (conftest.py; also without overlap
+    scheduling, which changes no output either)."""
+    return reference_engine
 
 
 def _block_size(engine: Engine) -> int:
