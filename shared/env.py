@@ -65,6 +65,8 @@ KNOWN: dict[str, str] = {
     "BATCH_SIZE": "scheduler: dynamic/static batch size",
     "POLICY": "scheduler: fcfs | priority | short-first",
     "BATCHING": "scheduler: continuous | dynamic | static",
+    "ASYNC_SCHEDULING": "scheduler: overlap scheduling, plan N+1 sent while step N runs (default "
+    "1; 0: one plan in flight)",
     "DTYPE": "worker: float32 | bfloat16 | ...",
     "AUTO_DTYPE": "worker: what --dtype auto becomes on CPU (float32 | bfloat16), instead of "
     "the GEMM probe's choice (tests pin it to run the suite as another CPU would)",
