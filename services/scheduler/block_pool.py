@@ -6,12 +6,18 @@ A block is in exactly one of three states:
 * owned: ref count >= 1, in that many tables (several when a cached prefix is shared);
 * free: ref count 0, holds nothing findable, on the free stack;
 * cached: ref count 0 but holds a full block registered under its content key (see
-  shared/prefix_hash.py); findable by `find_prefix` until it is evicted, on the eviction list.
+  shared/prefix_hash.py); findable by `find_prefix` until it is evicted, on the eviction list;
+* held: ref count 0, released by `hold()` (a finishing request's table, on the result -> plan
+  path) but not yet free or cached: its registration waits for `release_held()` (the scheduler's
+  `after_plan()`, off that path), which then moves it to the free stack or the eviction list, in
+  the order `free()` would have. It counts as free; registered held blocks stay findable (a
+  hit takes them back).
 
 An owned block may be registered too (it is findable while in use). Allocation takes free
-blocks first, then evicts the least recently released cached block. A table's blocks are
-released deepest first, so among blocks released together the deepest is evicted first and a
-prefix's shared root lives longest. All operations are O(blocks touched); only
+blocks first, then evicts the least recently released cached block, and only then releases the
+held blocks (the most recently released; their pending registrations are dropped). A table's
+blocks are released deepest first, so among blocks released together the deepest is evicted
+first and a prefix's shared root lives longest. All operations are O(blocks touched); only
 `check_integrity()` walks the pool (tests call it after every step).
 """
 
@@ -37,6 +43,11 @@ class BlockPool:
         # cached blocks (ref count 0, registered), least recently released first; dict as an
         # ordered set: O(1) append, removal and pop of the oldest
         self._evictable: dict[int, None] = {}
+        # held blocks (ref count 0, registration pending) -> the `hold()` that released them,
+        # in release order. A block that left that state since (taken by a hit, released) is
+        # not registered by that hold's registration, even if another hold holds it again.
+        self._held: dict[int, int] = {}
+        self._num_holds = 0
         self.num_evicted = 0  # cached blocks reused for something else, since start
         # since start: registered keys dropped (evictions and resets), and registrations; a
         # caller that found a prefix cached knows it still is while num_dropped stays the same
@@ -45,12 +56,16 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation may take: free plus cached (evicted on demand)."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation may take: free plus cached (evicted on demand) plus held."""
+        return len(self._free) + len(self._evictable) + len(self._held)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._evictable)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     @property
     def num_cached(self) -> int:
@@ -68,11 +83,14 @@ class BlockPool:
     def allocate(self, num: int) -> Optional[list[int]]:
         """Take `num` blocks (ref count 1 each), or None (and take nothing) if too few.
 
-        Never-registered free blocks go first; then cached blocks are evicted, oldest first.
+        Never-registered free blocks go first; then cached blocks are evicted, oldest first;
+        held blocks (the newest releases) only when those do not suffice.
         """
         free = self._free
         if num > len(free) + len(self._evictable):
-            return None
+            if num > len(free) + len(self._evictable) + len(self._held):
+                return None
+            self.release_held()  # their registrations are dropped: the blocks are needed
         if num == 1:  # the common case: one decode crossed a block boundary
             block = free.pop() if free else self._evict_oldest(1)[0]
             self._ref_counts[block] = 1
@@ -119,6 +137,36 @@ class BlockPool:
                 else:
                     self._evictable[block] = None
 
+    def hold(self, block_ids: Iterable[int]) -> int:
+        """`free()` for a finishing table whose registration waits for `after_plan()`: a block
+        with no reference left becomes held (registered or not) instead of free or cached.
+        Returns the hold's id for `register_held()`; `release_held()` ends the state."""
+        refs = self._ref_counts
+        held = self._held
+        self._num_holds += 1
+        hold_id = self._num_holds
+        for block in reversed(list(block_ids)):
+            if refs[block] <= 0:
+                raise ValueError(f"block {block} freed but not allocated")
+            refs[block] -= 1
+            if refs[block] == 0:
+                held[block] = hold_id
+        return hold_id
+
+    def release_held(self) -> None:
+        """Held blocks become cached (registered) or free, in the order they were released.
+        Called after their registrations (`register_held`), off the result -> plan path, or
+        by an allocation that needs them (their registrations are dropped)."""
+        if not self._held:
+            return
+        free, evictable, key_of = self._free, self._evictable, self._key_of
+        for block in self._held:
+            if key_of[block] is None:
+                free.append(block)
+            else:
+                evictable[block] = None
+        self._held.clear()
+
     # ---- the prefix cache ----------------------------------------------------------------------
 
     def find_prefix(self, keys: Sequence[bytes], num_max: int) -> list[int]:
@@ -152,10 +200,13 @@ class BlockPool:
     def take_cached(self, block_ids: Iterable[int]) -> None:
         """A hit: one more reference to each (registered) block; cached ones leave the
         eviction list."""
-        refs = self._ref_counts
+        refs, evictable = self._ref_counts, self._evictable
         for block in block_ids:
             if refs[block] == 0:
-                del self._evictable[block]
+                if block in evictable:
+                    del evictable[block]
+                else:
+                    del self._held[block]  # registered, released by a finishing table
             refs[block] += 1
 
     def register(self, block: int, key: bytes) -> bool:
@@ -186,14 +237,33 @@ class BlockPool:
             by_key[key] = block
             self.num_registrations += 1
 
+    def register_held(self, block_ids: Sequence[int], keys: Sequence[bytes], start: int,
+                      end: int, hold_id: int) -> None:  # fmt: skip
+        """`register_blocks` for a table given to `hold()` (which returned `hold_id`): only its
+        blocks still held by that hold are registered (a block taken or released since may hold
+        other KV now)."""
+        key_of, by_key, held = self._key_of, self._by_key, self._held
+        for i in range(start, end):
+            block, key = block_ids[i], keys[i]
+            if held.get(block) != hold_id or key_of[block] is not None or key in by_key:
+                continue
+            key_of[block] = key
+            by_key[key] = block
+            self.num_registrations += 1
+
     def key_of(self, block: int) -> Optional[bytes]:
         return self._key_of[block]
+
+    def held_by(self, block: int) -> Optional[int]:
+        """The `hold()` id that holds `block`, None unless it is held."""
+        return self._held.get(block)
 
     def reset_cache(self) -> int:
         """Forget every registered key (owned blocks stay owned but are no longer findable);
         cached blocks become free. Returns the number of keys dropped."""
         dropped = len(self._by_key)
         self.num_dropped += dropped
+        self.release_held()  # their pending registrations are dropped too
         for block in self._by_key.values():
             self._key_of[block] = None
         self._by_key.clear()
@@ -203,8 +273,9 @@ class BlockPool:
 
     def check_integrity(self, tables: Iterable[list[int]], shared_ok: bool = False) -> None:
         """Raise AssertionError unless every block is in exactly one state (owned, free,
-        cached), each state's bookkeeping agrees (ref counts equal owners, the free stack and the
-        eviction list hold each of their blocks once, key maps are inverse), and (unless
+        cached, held), each state's bookkeeping agrees (ref counts equal owners, the free stack,
+        the eviction list and the held set hold each of their blocks once, key maps are
+        inverse), and (unless
         `shared_ok`) no block is owned twice. O(num_blocks): for tests and debugging only."""
         owners = [0] * self.num_blocks
         for table in tables:
@@ -213,10 +284,13 @@ class BlockPool:
                     raise AssertionError(f"block id {block} outside the pool")
                 owners[block] += 1
         free_set = set(self._free)
+        held = self._held
         if len(free_set) != len(self._free):
             raise AssertionError("a block is on the free list twice")
         if free_set & self._evictable.keys():
             raise AssertionError("a block is both free and cached")
+        if held.keys() & (free_set | self._evictable.keys()):
+            raise AssertionError("a block is both held and free or cached")
         num_owned = sum(1 for n in owners if n > 0)
         if num_owned + self.num_free != self.num_blocks:
             raise AssertionError(
@@ -233,7 +307,7 @@ class BlockPool:
             key = self._key_of[block]
             if key is not None and self._by_key.get(key) != block:
                 raise AssertionError(f"block {block}: key maps disagree")
-            unowned = block in free_set or block in self._evictable
+            unowned = block in free_set or block in self._evictable or block in held
             if (n == 0) != unowned:
                 raise AssertionError(f"block {block} is both unowned and owned, or neither")
             if block in self._evictable and key is None:

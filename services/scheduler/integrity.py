@@ -1,7 +1,11 @@
 """The scheduler's invariants, checked by tests after every step (O(total blocks)).
 
 * the block pool's own bookkeeping (services/scheduler/block_pool.py `check_integrity`): every
-  block owned, free or cached, ref counts equal owners, nothing both cached and owned-free;
+  block owned, free, cached or held, ref counts equal owners, nothing both cached and
+  owned-free;
+* a held block (a finished request's, its registration pending until `after_plan()`) is in
+  the table of the finished request whose hold holds it, and those of its registered blocks
+  still held hold what its keys claim (the pending registration continues them);
 * a block is shared by several tables only with prefix caching on, and a table's registered
   blocks hold the content its request's keys claim (no request reads another prefix's KV);
 * the `lpm` policy's remembered cached lengths: while no cached block was dropped since, the
@@ -38,6 +42,7 @@ def check_scheduler(
         for i in range(req.num_registered_blocks):
             key = sched.pool.key_of(req.block_ids[i])
             assert key in (None, req.block_keys[i]), f"{req.rid}: block {i} holds other KV"
+    _check_held(sched)
     _check_lpm_memo(sched, waiting)
     assert len(batch) <= sched.config.max_num_seqs, "too many running"
     num_live = 0
@@ -54,6 +59,21 @@ def check_scheduler(
     assert len(waiting) + sched.num_held + sum(not r.padding for r in running) == num_live, (
         "live requests are neither waiting nor running"
     )
+
+
+def _check_held(sched: Scheduler) -> None:
+    pool = sched.pool
+    tables = sched.prefix_cache.held_tables()
+    for block in range(pool.num_blocks):
+        hold_id = pool.held_by(block)
+        if hold_id is not None:
+            assert block in tables.get(hold_id, ()), f"held block {block} is in no held table"
+    for req, table, num_full, hold_id in sched.prefix_cache.pending_holds():
+        assert req.num_registered_blocks <= num_full <= len(table)
+        for i in range(req.num_registered_blocks):
+            if pool.held_by(table[i]) == hold_id:  # else released (and maybe reused) since
+                key = pool.key_of(table[i])
+                assert key in (None, req.block_keys[i]), f"{req.rid}: block {i} holds other KV"
 
 
 def _check_lpm_memo(sched: Scheduler, waiting: WaitingQueue) -> None:

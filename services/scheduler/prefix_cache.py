@@ -9,14 +9,16 @@ keyed by content (shared/prefix_hash.py). This module decides what is looked up 
   (len(tokens) - 1) // block_size blocks are looked up, so at least one token is always computed
   (the last position must produce logits) and a hit block is never written to.
 * registration: a full block becomes findable only once the step that computed its last slot
-  has completed. Blocks filled by prefill chunks are queued when the step's result arrives,
-  blocks filled by decodes when the request's table next grows; `flush()` registers the queue
-  after the next plan has left (the server calls `after_plan()` off the result -> plan path),
-  or earlier, at a lookup whose first miss a queued block may hold (so no lookup misses a
-  completed block, and lookups that cannot hit, e.g. of prompts no one shares, flush nothing).
-  A finishing or preempted request registers at once (its blocks are freed next). A failed
-  step registers nothing, and a worker failure or (re)handshake replaces the pool, which
-  empties the cache.
+  has completed. Blocks filled by prefill chunks are queued when the step's result arrives
+  (`defer`), blocks filled by decodes when the request's table next grows (the scheduler
+  appends the request to `grown`: one list append, resolved here), a finishing request's
+  blocks when it finishes (`hold`: its table goes to the pool's held state, counted as free,
+  registered and released here). `flush()` does all of it after the next plan has left (the
+  server calls `after_plan()` off the result -> plan path), or earlier, at a lookup whose first
+  miss a queued block may hold (so no lookup misses a completed block, and lookups that cannot
+  hit, e.g. of prompts no one shares, flush nothing). A preempted request registers at once
+  (its blocks are freed next). A failed step registers nothing, and a worker failure or
+  (re)handshake replaces the pool, which empties the cache.
 
 Keys cost ~1-2 us per block, so they are computed off the result -> plan path where possible:
 a prompt's at `add_request` (which the server runs while the worker computes), a decode-filled
@@ -31,6 +33,8 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import StepBuilder
 from shared.prefix_hash import extend_block_keys
+
+RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(slots=True)
@@ -65,6 +69,13 @@ class PrefixCache:
         # (request, its preemption count, blocks of its table whose KV is complete), queued on
         # the result -> plan path and registered by `flush()`
         self._pending: list[tuple[Request, int, int]] = []
+        # decoding requests whose full table grew by a block in this schedule(): the scheduler
+        # appends them (the cheapest thing on its per-decode path); `flush()` registers the
+        # blocks before the new one (see `_grown_full`)
+        self.grown: list[Request] = []
+        # finished requests: (request, its table, its full blocks, the pool's hold id), the
+        # table held in the pool until `flush()` registers and releases it
+        self._finished: list[tuple[Request, list[int], int, int]] = []
 
     def prepare(self, req: Request) -> None:
         """A request arrived: compute the keys of its prompt's full blocks now (the server
@@ -87,11 +98,7 @@ class PrefixCache:
         if len(keys) < num_full:
             extend_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
         hits = self.pool.find_prefix(keys, num_full)
-        if (
-            len(hits) < num_full
-            and self._pending
-            and self._pending_holds(keys[len(hits)], len(hits))
-        ):
+        if len(hits) < num_full and self._pending_holds(keys[len(hits)], len(hits)):
             self.flush()  # a completed block not registered yet would extend the hit
             hits = self.pool.find_prefix(keys, num_full)
         return hits
@@ -102,10 +109,17 @@ class PrefixCache:
         (with no shared prefix, never). True when unsure (keys of decode-filled blocks are
         computed by `flush()`)."""
         for req, _, num_full in self._pending:
-            if req.num_registered_blocks <= depth < num_full:
-                keys = req.block_keys
-                if depth >= len(keys) or keys[depth] == key:
-                    return True
+            if req.num_registered_blocks <= depth < num_full and _may_be(req, depth, key):
+                return True
+        bs = self.block_size
+        for req in self.grown:
+            if req.num_registered_blocks <= depth < _grown_full(req, bs) and _may_be(
+                req, depth, key
+            ):
+                return True
+        for req, _, num_full, _ in self._finished:
+            if req.num_registered_blocks <= depth < num_full and _may_be(req, depth, key):
+                return True
         return False
 
     def version(self) -> tuple[int, int]:
@@ -125,7 +139,7 @@ class PrefixCache:
         if len(keys) < num_full:
             extend_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
         depth = self.pool.num_prefix(keys, num_full, known_len // bs)
-        if depth < num_full and self._pending and self._pending_holds(keys[depth], depth):
+        if depth < num_full and self._pending_holds(keys[depth], depth):
             self.flush()
             depth = self.pool.num_prefix(keys, num_full, depth)
         return depth * bs
@@ -163,7 +177,8 @@ class PrefixCache:
     def register_computed(self, req: Request) -> None:
         """Make `req`'s full blocks findable, up to what completed steps computed. Called only
         when no step that writes into them is in flight (see the module docstring)."""
-        self._register(req, min(req.num_computed_tokens // self.block_size, len(req.block_ids)))
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        self._register(req, req.block_ids, num_full)
 
     def defer(self, req: Request, num_full: int) -> None:
         """The first `num_full` blocks of `req`'s table hold KV computed by completed steps:
@@ -171,32 +186,92 @@ class PrefixCache:
         if num_full > req.num_registered_blocks:
             self._pending.append((req, req.num_preemptions, num_full))
 
-    def flush(self) -> None:
-        """Register what `defer` queued. A request preempted or finished since registered at
-        that moment, and one no longer running holds other blocks now: both are skipped."""
-        pending, self._pending = self._pending, []
-        for req, num_preemptions, num_full in pending:
-            if req.status is RequestStatus.RUNNING and req.num_preemptions == num_preemptions:
-                self._register(req, num_full)
+    def hold(self, req: Request) -> None:
+        """`req` finished (its last step completed): its table moves to the pool's held state
+        (counted as free at once) and `req` holds no blocks any more; `flush()` registers its
+        full blocks and releases them, off the result -> plan path."""
+        table = req.block_ids
+        req.block_ids = []
+        num_full = min(req.num_computed_tokens // self.block_size, len(table))
+        self._finished.append((req, table, num_full, self.pool.hold(table)))
 
-    def _register(self, req: Request, num_full: int) -> None:
+    def flush(self) -> None:
+        """Register what was queued: `defer`red chunks (a request preempted or finished since
+        registered at that moment, and one no longer running holds other blocks now: both are
+        skipped), `grown` decodes, and `hold`-ed finished tables, which are released then."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for req, num_preemptions, num_full in pending:
+                if req.status is RUNNING and req.num_preemptions == num_preemptions:
+                    self._register(req, req.block_ids, num_full)
+        if self.grown:  # cleared in place: the scheduler may hold its `append`
+            bs = self.block_size
+            for req in self.grown:
+                self._register(req, req.block_ids, _grown_full(req, bs))
+            self.grown.clear()
+        if self._finished:
+            finished, self._finished = self._finished, []
+            for req, table, num_full, hold_id in finished:
+                if self._extend_keys(req, num_full):
+                    start = req.num_registered_blocks
+                    self.pool.register_held(table, req.block_keys, start, num_full, hold_id)
+                    req.num_registered_blocks = num_full
+            self.pool.release_held()
+
+    def _register(self, req: Request, table: list[int], num_full: int) -> None:
+        """Register `table`'s blocks [req.num_registered_blocks, num_full) under `req`'s keys."""
+        if self._extend_keys(req, num_full):
+            self.pool.register_blocks(table, req.block_keys, req.num_registered_blocks, num_full)
+            req.num_registered_blocks = num_full
+
+    def _extend_keys(self, req: Request, num_full: int) -> bool:
+        """Whether `req` has blocks to register up to `num_full`; computes their keys."""
         if num_full <= req.num_registered_blocks:
-            return
+            return False
         if len(req.block_keys) < num_full:
             bs = self.block_size
             extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
-        self.pool.register_blocks(
-            req.block_ids, req.block_keys, req.num_registered_blocks, num_full
-        )
-        req.num_registered_blocks = num_full
+        return True
 
     def reset(self) -> int:
-        """Empty the cache (the `reset_prefix_cache` command); the number of keys dropped."""
+        """Empty the cache (the `reset_prefix_cache` command, and after a failed step with
+        overlap); the number of keys dropped. Queued registrations are dropped too (held blocks
+        are released free by the next `flush()`)."""
         self.counters.num_resets += 1
+        self._pending.clear()
+        self.grown.clear()
+        self._finished.clear()
         return self.pool.reset_cache()
+
+    def pending_holds(self) -> list[tuple[Request, list[int], int, int]]:
+        """(request, table, full blocks, hold id) of each finished request `hold()` queued."""
+        return list(self._finished)
+
+    def held_tables(self) -> dict[int, list[int]]:
+        """hold id -> table, of the finished requests whose registration is pending (for the
+        integrity checks: every held block is in the table of the hold that holds it)."""
+        return {hold_id: table for _, table, _, hold_id in self._finished}
 
     def stats(self) -> dict[str, float]:
         out = self.counters.as_stats()
         out["prefix_cache_blocks"] = self.pool.num_cached
         out["num_prefix_cache_evictions"] = self.pool.num_evicted
         return out
+
+
+def _may_be(req: Request, depth: int, key: bytes) -> bool:
+    """Whether `req`'s block at `depth` may have content `key` (unknown keys: maybe)."""
+    keys = req.block_keys
+    return depth >= len(keys) or keys[depth] == key
+
+
+def _grown_full(req: Request, block_size: int) -> int:
+    """How many blocks of a `grown` request's table its completed steps filled: all but the
+    new one, while it decodes. 0 (nothing to register) once it was preempted since: then its
+    blocks were registered at that moment, and a request readmitted since is in prefill (the
+    blocks of a chunk in flight wait for its result); the same request decoding again after a
+    readmission (a queue not flushed since) has computed everything but its new last block."""
+    computed = req.num_computed_tokens
+    if req.status is not RUNNING or computed <= req.prefill_len:
+        return 0
+    return min(computed // block_size, len(req.block_ids) - 1)

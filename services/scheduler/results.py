@@ -101,12 +101,14 @@ class StepResults:
         return req.output([token], lps, reason)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
-        if self._caching:  # its last step completed: what it computed stays findable
-            self.prefix_cache.register_computed(req)
         self._mark_finished(req, reason, now)
         if self._rules.keeps_finished_as_padding:
+            if self._caching:  # its last step completed: what it computed stays findable
+                self.prefix_cache.register_computed(req)
             req.padding = True  # keeps its slot and blocks until the whole batch is done
         else:
+            if self._caching:  # its blocks are registered and freed by after_plan()
+                self.prefix_cache.hold(req)  # takes them: drop() frees none
             self._batch.drop(req)
 
     def _mark_finished(self, req: Request, reason: str, now: float) -> None:

@@ -210,6 +210,7 @@ class Scheduler(StepResults, WorkerFaults):
         padding: list[Request] = []
         prefills: list[Request] = []
         append = step.decodes.append
+        caching, grown = self._caching, self.prefix_cache.grown.append
         for req in list(self._batch.requests.values()):
             computed = req.num_computed_tokens
             if computed < req.prefill_len:
@@ -222,10 +223,10 @@ class Scheduler(StepResults, WorkerFaults):
             if computed == len(req.token_ids) and computed + 1 >= req.max_len:
                 continue  # overlap: the sample in flight is its last (length), no extra step
             if computed >= len(req.block_ids) * block_size:  # its table is full: grow it
-                if self._caching:  # its decode-filled blocks become findable after the plan
-                    self.prefix_cache.defer(req, len(req.block_ids))
                 if not self._batch.grow(req, computed + 1, step):
                     continue  # no block and nobody ranked below it to take one from: it waits
+                if caching:  # its decode-filled blocks become findable in after_plan()
+                    grown(req)
             append(req)
         for req in padding:
             self._schedule_padding(req, step)

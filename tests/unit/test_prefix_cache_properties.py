@@ -34,29 +34,53 @@ VOCAB = 50
 
 # ---- the pool alone --------------------------------------------------------------------------
 
-pool_ops = st.lists(
-    st.tuples(st.sampled_from(["alloc", "free", "register", "hit", "reset"]), st.integers(0, 99)),
-    max_size=60,
-)
+POOL_OPS = ["alloc", "free", "register", "hit", "reset", "hold", "register_held", "release"]
+pool_ops = st.lists(st.tuples(st.sampled_from(POOL_OPS), st.integers(0, 99)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(1, 12), ops=pool_ops)
 def test_pool_states_stay_consistent_under_random_operations(
     num_blocks: int, ops: list[tuple[str, int]]
 ) -> None:
-    """Tables as lists of blocks; every operation the scheduler uses, in any order."""
+    """Tables as lists of blocks; every operation the scheduler uses, in any order. A held
+    table (`hold`, a finished request's) is registered by `register_held` only where its blocks
+    are still held by that hold: never a block that was taken, released or reused since."""
     pool = BlockPool(num_blocks, block_size=2)
     tables: list[list[int]] = []
+    held: list[tuple[list[int], int]] = []  # (table, hold id) given to hold(), not yet released
     content: dict[int, bytes] = {}  # block -> the key it was registered under (while it is)
     for op, x in ops:
         if op == "alloc":
+            before = pool.num_held
             got = pool.allocate(1 + x % 3)
             if got is not None:
                 assert all(pool.key_of(b) is None for b in got)  # evicted: no key any more
+                assert pool.num_held in (0, before)  # held blocks are taken only all at once
                 tables.append(got)
-        elif op == "free" and tables:
-            pool.free(tables.pop(x % len(tables)))
+        elif op in ("free", "hold") and tables:
+            table = tables.pop(x % len(tables))
+            if op == "free":
+                pool.free(table)
+            else:
+                held.append((table, pool.hold(table)))
+                assert all(pool.held_by(b) is not None for b in table if pool.num_reviving([b]))
+        elif op == "register_held" and held:
+            table, hold_id = held[x % len(held)]
+            was_held = {b for b in table if pool.held_by(b) == hold_id and pool.key_of(b) is None}
+            before = {b: pool.key_of(b) for b in range(num_blocks)}
+            keys = [block_key(None, [x, i], b"ns") for i in range(len(table))]
+            pool.register_held(table, keys, 0, len(table), hold_id)
+            for b in range(num_blocks):
+                if b in was_held and pool.key_of(b) is not None:
+                    assert pool.key_of(b) == keys[table.index(b)]
+                    content[b] = keys[table.index(b)]
+                else:  # taken, released or reused since the hold: never registered here
+                    assert pool.key_of(b) == before[b]
+        elif op == "release":
+            pool.release_held()
+            held.clear()
+            assert pool.num_held == 0
         elif op == "register" and tables:
             table = tables[x % len(tables)]
             key = block_key(None, [x, x], b"ns")
@@ -74,14 +98,17 @@ def test_pool_states_stay_consistent_under_random_operations(
                 tables.append(found)
         elif op == "reset":
             dropped = pool.reset_cache()
-            assert dropped >= 0 and pool.num_cached == 0
+            assert dropped >= 0 and pool.num_cached == 0 and pool.num_held == 0
         pool.check_integrity(tables, shared_ok=True)
-        # used + free (plain and cached) is the whole pool
+        # used + free (plain, cached and held) is the whole pool
         assert pool.num_used + pool.num_free == num_blocks
+        for table, hold_id in held:  # a held block is in the table of the hold that holds it
+            assert all(b in table for b in range(num_blocks) if pool.held_by(b) == hold_id)
     for table in tables:
         pool.free(table)
+    pool.release_held()
     pool.check_integrity([], shared_ok=True)
-    assert pool.num_free == num_blocks
+    assert pool.num_free == num_blocks and pool.num_held == 0
 
 
 def test_eviction_takes_plain_free_blocks_first_then_lru_deepest_first() -> None:
@@ -312,6 +339,70 @@ def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     assert _new_seq(plan, "d").num_computed_tokens == 20  # found the queued blocks
     assert sched.stats()["prefix_cache_blocks"] == 10
     sched.check_integrity()
+
+
+def _step(sched: Scheduler, worker: CheckingWorker, run: Run) -> StepPlan:
+    """One schedule() and its result, without after_plan() (the tests call it when they mean
+    to); the invariants hold after each."""
+    plan = sched.schedule()
+    assert plan is not None
+    sched.check_integrity()
+    run.add(sched.update(worker.execute(plan)))
+    sched.check_integrity()
+    return plan
+
+
+def test_a_finished_request_is_held_until_after_plan_or_a_lookup_that_needs_it() -> None:
+    """A finishing request's blocks are not registered and freed on the result -> plan path:
+    they are held (counted as free) until after_plan() registers them, or until a lookup whose
+    first miss they may hold flushes first (so it still finds them); a lookup of a prompt
+    nobody shares leaves them held."""
+    sched, worker, sampling, prefix = _family_setup()  # max_tokens 3, 5 prompt blocks of 4
+    run = Run()
+    sched.add_request(SubmitRequest("a", prefix + [1, 2], sampling))
+    _step(sched, worker, run)  # the prompt: its 5 full blocks are queued
+    sched.after_plan()
+    assert sched.stats()["prefix_cache_blocks"] == 5
+    _step(sched, worker, run)
+    _step(sched, worker, run)  # a finishes: 24 positions computed, 6 full blocks
+    assert run.final("a").finish_reason == "length"
+    assert sched.pool.num_held == 6 and sched.pool.num_free == 32 and sched.pool.num_used == 0
+    assert sched.stats()["prefix_cache_blocks"] == 5  # its 6th (decode-filled) block: pending
+    sched.add_request(SubmitRequest("c", list(range(40, 62)), sampling))  # shares nothing
+    _step(sched, worker, run)
+    assert sched.pool.num_held == 6 and sched.stats()["prefix_cache_blocks"] == 5
+    history = prefix + [1, 2] + run.tokens("a")[:2]  # what a computed: 24 tokens
+    sched.add_request(SubmitRequest("b", history + [9], sampling))
+    plan = _step(sched, worker, run)  # b's lookup misses at a's 6th block: flushed first
+    assert _new_seq(plan, "b").num_computed_tokens == 24
+    assert sched.pool.num_held == 0
+    sched.after_plan()
+    sched.check_integrity()
+
+
+def test_after_plan_registers_finished_and_decode_filled_blocks() -> None:
+    """after_plan() registers what the step's result and plan queued: a finished request's
+    held table (then free or cached), and the blocks a decode filled before its table grew."""
+    sched, worker, sampling, prefix = _family_setup()
+    run = Run()
+    long = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sched.add_request(SubmitRequest("a", list(range(60, 67)), long))  # 1 full block + 3
+    sched.add_request(SubmitRequest("b", prefix + [1, 2], sampling))
+    _step(sched, worker, run)
+    sched.after_plan()  # a's 1 and b's 5 prompt blocks
+    assert sched.stats()["prefix_cache_blocks"] == 6
+    for _ in range(2):  # a decodes positions 7, 8: its table (2 blocks) grows for position 8
+        _step(sched, worker, run)
+    assert sched.stats()["prefix_cache_blocks"] == 6
+    assert run.final("b").finish_reason == "length" and sched.pool.num_held == 6
+    sched.after_plan()  # a's 2nd block (positions 4-7, filled by a decode), b's 6th
+    assert sched.stats()["prefix_cache_blocks"] == 8 and sched.pool.num_held == 0
+    sched.check_integrity()
+    # a request sharing a's history finds its decode-filled block
+    history = list(range(60, 67)) + run.tokens("a")[:2]
+    sched.add_request(SubmitRequest("d", history, sampling))
+    plan = _step(sched, worker, run)
+    assert _new_seq(plan, "d").num_computed_tokens == 8
 
 
 def _waiting(rid: str, seq_no: int, prompt: list[int]) -> Request:
