@@ -7,6 +7,12 @@ changes the KV of the same tokens (the model and its dtype today, LoRA or multim
 later). The scheduler's block pool keys its cache with these, and a data-parallel router that
 wants to know which rank holds a prefix computes the very same keys from the same function.
 
+The scheduler keeps its keys as Python ints (`extend_int_block_keys`: the same digest, read
+little-endian): a 128-bit int is a 48-byte object, while a 16-byte `bytes` is 49 bytes and lands
+in the allocator's 64-byte size class together with every list header. A pool holds ~10^5 keys;
+as bytes they spread the lists the scheduler touches per decode (token ids, block tables) over
+more memory, which measurably slowed its per-step path (docs/PERFORMANCE.md §9, third round).
+
 Why BLAKE2b with a 16-byte digest: a collision would make a request silently read another
 prompt's KV, so the key must be collision resistant even against prompts chosen by an adversary
 (Python's `hash()` is 64 bits and, for ints, not randomized; vLLM moved from it to SHA-256 for
@@ -59,3 +65,14 @@ def extend_block_keys(
     for i in range(len(keys), num_full):  # a hot loop only while a prompt arrives
         parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], namespace)
         keys.append(parent)
+
+
+def extend_int_block_keys(
+    keys: list[int], token_ids: Sequence[int], block_size: int, namespace: bytes, num_full: int
+) -> None:
+    """`extend_block_keys` with each key as the integer of its digest (little-endian), the form
+    the scheduler's block pool keeps (see the module docstring for why)."""
+    parent = keys[-1].to_bytes(DIGEST_BYTES, "little") if keys else None
+    for i in range(len(keys), num_full):
+        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], namespace)
+        keys.append(int.from_bytes(parent, "little"))

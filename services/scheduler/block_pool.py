@@ -38,8 +38,8 @@ class BlockPool:
         # A stack: the lowest ids come out first, which keeps test output readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_counts: list[int] = [0] * num_blocks
-        self._key_of: list[Optional[bytes]] = [None] * num_blocks  # registered content key
-        self._by_key: dict[bytes, int] = {}  # content key -> the block registered under it
+        self._key_of: list[Optional[int]] = [None] * num_blocks  # registered content key
+        self._by_key: dict[int, int] = {}  # content key -> the block registered under it
         # cached blocks (ref count 0, registered), least recently released first; dict as an
         # ordered set: O(1) append, removal and pop of the oldest
         self._evictable: dict[int, None] = {}
@@ -169,7 +169,7 @@ class BlockPool:
 
     # ---- the prefix cache ----------------------------------------------------------------------
 
-    def find_prefix(self, keys: Sequence[bytes], num_max: int) -> list[int]:
+    def find_prefix(self, keys: Sequence[int], num_max: int) -> list[int]:
         """The blocks registered under keys[0], keys[1], ... up to the first miss, at most
         `num_max`. Changes nothing: call `take_cached` once the caller will use them."""
         found: list[int] = []
@@ -181,7 +181,7 @@ class BlockPool:
             found.append(block)
         return found
 
-    def num_prefix(self, keys: Sequence[bytes], num_max: int, start: int = 0) -> int:
+    def num_prefix(self, keys: Sequence[int], num_max: int, start: int = 0) -> int:
         """len(find_prefix(keys, num_max)), given that keys[:start] are registered: only the
         keys from `start` on are looked up."""
         by_key = self._by_key
@@ -209,7 +209,7 @@ class BlockPool:
                     del self._held[block]  # registered, released by a finishing table
             refs[block] += 1
 
-    def register(self, block: int, key: bytes) -> bool:
+    def register(self, block: int, key: int) -> bool:
         """Called once the step that filled owned `block` completed: it becomes findable under
         `key`. False (and nothing changes) when another block already holds that content (two
         requests computed the same prefix in one step) or this one is registered already."""
@@ -222,7 +222,7 @@ class BlockPool:
         self.num_registrations += 1
         return True
 
-    def register_blocks(self, block_ids: Sequence[int], keys: Sequence[bytes], start: int,
+    def register_blocks(self, block_ids: Sequence[int], keys: Sequence[int], start: int,
                         end: int) -> None:  # fmt: skip
         """`register(block_ids[i], keys[i])` for i in [start, end), in one loop (the same rules:
         a block or key registered already is skipped)."""
@@ -237,7 +237,7 @@ class BlockPool:
             by_key[key] = block
             self.num_registrations += 1
 
-    def register_held(self, block_ids: Sequence[int], keys: Sequence[bytes], start: int,
+    def register_held(self, block_ids: Sequence[int], keys: Sequence[int], start: int,
                       end: int, hold_id: int) -> None:  # fmt: skip
         """`register_blocks` for a table given to `hold()` (which returned `hold_id`): only its
         blocks still held by that hold are registered (a block taken or released since may hold
@@ -251,7 +251,7 @@ class BlockPool:
             by_key[key] = block
             self.num_registrations += 1
 
-    def key_of(self, block: int) -> Optional[bytes]:
+    def key_of(self, block: int) -> Optional[int]:
         return self._key_of[block]
 
     def held_by(self, block: int) -> Optional[int]:

@@ -2,7 +2,8 @@
 cache, and when its own full blocks become findable.
 
 The cache itself lives in the block pool (services/scheduler/block_pool.py): registered blocks
-keyed by content (shared/prefix_hash.py). This module decides what is looked up and registered:
+keyed by content (shared/prefix_hash.py; kept as ints, see there why). This module decides what
+is looked up and registered:
 
 * lookup: when a request is scheduled for the first time, or resumes after preemption, its
   longest prefix of cached full blocks goes into its table and only the rest is computed. At most
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import StepBuilder
-from shared.prefix_hash import extend_block_keys
+from shared.prefix_hash import extend_int_block_keys
 
 RUNNING = RequestStatus.RUNNING
 
@@ -83,7 +84,7 @@ class PrefixCache:
         the result -> plan path are dictionary operations."""
         if self.enabled:
             bs = self.block_size
-            extend_block_keys(
+            extend_int_block_keys(
                 req.block_keys, req.token_ids, bs, self.namespace, (len(req.token_ids) - 1) // bs
             )
 
@@ -96,14 +97,14 @@ class PrefixCache:
         num_full = (len(req.token_ids) - 1) // bs
         keys = req.block_keys
         if len(keys) < num_full:
-            extend_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
+            extend_int_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
         hits = self.pool.find_prefix(keys, num_full)
         if len(hits) < num_full and self._pending_holds(keys[len(hits)], len(hits)):
             self.flush()  # a completed block not registered yet would extend the hit
             hits = self.pool.find_prefix(keys, num_full)
         return hits
 
-    def _pending_holds(self, key: bytes, depth: int) -> bool:
+    def _pending_holds(self, key: int, depth: int) -> bool:
         """Whether a queued registration may be the block `key` at table index `depth` (the
         first miss of a lookup): only then must the queue be flushed on the result -> plan path
         (with no shared prefix, never). True when unsure (keys of decode-filled blocks are
@@ -137,7 +138,7 @@ class PrefixCache:
         num_full = (len(req.token_ids) - 1) // bs
         keys = req.block_keys
         if len(keys) < num_full:
-            extend_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
+            extend_int_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
         depth = self.pool.num_prefix(keys, num_full, known_len // bs)
         if depth < num_full and self._pending_holds(keys[depth], depth):
             self.flush()
@@ -230,7 +231,7 @@ class PrefixCache:
             return False
         if len(req.block_keys) < num_full:
             bs = self.block_size
-            extend_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
+            extend_int_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
         return True
 
     def reset(self) -> int:
@@ -259,7 +260,7 @@ class PrefixCache:
         return out
 
 
-def _may_be(req: Request, depth: int, key: bytes) -> bool:
+def _may_be(req: Request, depth: int, key: int) -> bool:
     """Whether `req`'s block at `depth` may have content `key` (unknown keys: maybe)."""
     keys = req.block_keys
     return depth >= len(keys) or keys[depth] == key

@@ -50,7 +50,7 @@ class Request:
     # prefix caching: content keys of its full blocks (tokens only decide them, so they are
     # kept across preemption), how many of its table's blocks are registered or were hits,
     # and the prompt tokens found cached when it was first scheduled
-    block_keys: list[bytes] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)  # shared/prefix_hash.py, as ints
     num_registered_blocks: int = 0
     num_cached_tokens: Optional[int] = None
     first_scheduled: Optional[float] = None

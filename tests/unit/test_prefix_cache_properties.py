@@ -25,12 +25,30 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.policy import WaitingQueue
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
-from shared.prefix_hash import block_key
+from shared.prefix_hash import block_key, extend_block_keys, extend_int_block_keys
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
 
 VOCAB = 50
+
+
+def _key(token_ids: list[int], namespace: bytes) -> int:
+    """A first block's content key, as the scheduler's pool keeps it (an int)."""
+    return int.from_bytes(block_key(None, token_ids, namespace), "little")
+
+
+def test_int_keys_are_the_digests_of_the_shared_keys() -> None:
+    """The scheduler's int keys are the shared key function's digests (the router's form)."""
+    tokens = list(range(100, 150))
+    as_bytes: list[bytes] = []
+    as_ints: list[int] = []
+    extend_block_keys(as_bytes, tokens, 16, b"ns", 2)
+    extend_int_block_keys(as_ints, tokens, 16, b"ns", 2)
+    extend_int_block_keys(as_ints, tokens, 16, b"ns", 3)  # continues from an int parent
+    extend_block_keys(as_bytes, tokens, 16, b"ns", 3)
+    assert as_ints == [int.from_bytes(k, "little") for k in as_bytes]
+
 
 # ---- the pool alone --------------------------------------------------------------------------
 
@@ -69,7 +87,7 @@ def test_pool_states_stay_consistent_under_random_operations(
             table, hold_id = held[x % len(held)]
             was_held = {b for b in table if pool.held_by(b) == hold_id and pool.key_of(b) is None}
             before = {b: pool.key_of(b) for b in range(num_blocks)}
-            keys = [block_key(None, [x, i], b"ns") for i in range(len(table))]
+            keys = [_key([x, i], b"ns") for i in range(len(table))]
             pool.register_held(table, keys, 0, len(table), hold_id)
             for b in range(num_blocks):
                 if b in was_held and pool.key_of(b) is not None:
@@ -83,11 +101,11 @@ def test_pool_states_stay_consistent_under_random_operations(
             assert pool.num_held == 0
         elif op == "register" and tables:
             table = tables[x % len(tables)]
-            key = block_key(None, [x, x], b"ns")
+            key = _key([x, x], b"ns")
             if pool.register(table[x % len(table)], key):
                 content[table[x % len(table)]] = key
         elif op == "hit":
-            key = block_key(None, [x, x], b"ns")
+            key = _key([x, x], b"ns")
             found = pool.find_prefix([key], 1)
             if found:
                 assert pool.key_of(found[0]) == key == content[found[0]]
@@ -115,7 +133,7 @@ def test_eviction_takes_plain_free_blocks_first_then_lru_deepest_first() -> None
     pool = BlockPool(6, block_size=1)
     first = pool.allocate(3)
     assert first is not None
-    keys = [block_key(None, [i], b"") for i in range(3)]
+    keys = [_key([i], b"") for i in range(3)]
     for block, key in zip(first, keys, strict=True):
         assert pool.register(block, key)
     pool.free(first)  # released together: the deepest (last) is evicted first
@@ -132,7 +150,7 @@ def test_register_blocks_skips_taken_keys_and_eviction_takes_the_oldest_in_one_g
     pool = BlockPool(6, block_size=1)
     table = pool.allocate(4)
     assert table is not None
-    keys = [block_key(None, [i], b"") for i in range(4)]
+    keys = [_key([i], b"") for i in range(4)]
     assert pool.register(table[1], keys[1])
     other = pool.allocate(1)
     assert other is not None and pool.register(other[0], keys[2])  # keys[2] is taken
@@ -140,7 +158,7 @@ def test_register_blocks_skips_taken_keys_and_eviction_takes_the_oldest_in_one_g
     assert [pool.key_of(b) for b in table] == [keys[0], keys[1], None, keys[3]]
     assert pool.find_prefix(keys, 4) == [table[0], table[1], other[0], table[3]]
     with pytest.raises(ValueError, match="not owned"):
-        pool.register_blocks([5], [block_key(None, [9], b"")], 0, 1)  # block 5 is free
+        pool.register_blocks([5], [_key([9], b"")], 0, 1)  # block 5 is free
     pool.free(table)  # released deepest first: table[3], then table[1], table[0] (cached)
     pool.free(other)
     taken = pool.allocate(4)  # one plain free block (table[2] and the last never-used one)...
