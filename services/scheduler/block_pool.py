@@ -23,6 +23,7 @@ first and a prefix's shared root lives longest. All operations are O(blocks touc
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -40,9 +41,12 @@ class BlockPool:
         self._ref_counts: list[int] = [0] * num_blocks
         self._key_of: list[Optional[int]] = [None] * num_blocks  # registered content key
         self._by_key: dict[int, int] = {}  # content key -> the block registered under it
-        # cached blocks (ref count 0, registered), least recently released first; dict as an
-        # ordered set: O(1) append, removal and pop of the oldest
-        self._evictable: dict[int, None] = {}
+        # cached blocks (ref count 0, registered), least recently released first; an ordered
+        # set with O(1) append, removal and pop of the oldest. An OrderedDict, not a dict: a
+        # dict's first entry is found by scanning past the entries deleted from its front, so
+        # evicting one block at a time from a large list costs O(evicted so far) each (measured
+        # ~10 us per block with 40k cached blocks, vs ~0.3 us from the free stack)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         # held blocks (ref count 0, registration pending) -> the `hold()` that released them,
         # in release order. A block that left that state since (taken by a hit, released) is
         # not registered by that hold's registration, even if another hold holds it again.
@@ -92,7 +96,14 @@ class BlockPool:
                 return None
             self.release_held()  # their registrations are dropped: the blocks are needed
         if num == 1:  # the common case: one decode crossed a block boundary
-            block = free.pop() if free else self._evict_oldest(1)[0]
+            if free:
+                block = free.pop()
+            else:  # _evict_oldest(1), inlined: with a full cache this is every decode's case
+                block = self._evictable.popitem(last=False)[0]
+                del self._by_key[self._key_of[block]]  # type: ignore[index]  # it has a key
+                self._key_of[block] = None
+                self.num_evicted += 1
+                self.num_dropped += 1
             self._ref_counts[block] = 1
             return [block]
         num_plain = min(num, len(free))
@@ -107,15 +118,11 @@ class BlockPool:
         return taken
 
     def _evict_oldest(self, num: int) -> list[int]:
-        """Unregister the `num` least recently released cached blocks and return them. One
-        pass over the eviction list (each `next(iter())` of a dict whose front was deleted from
-        would skip the deleted entries again)."""
-        evictable, key_of, by_key = self._evictable, self._key_of, self._by_key
-        it = iter(evictable)
-        blocks = [next(it) for _ in range(num)]
+        """Unregister the `num` least recently released cached blocks and return them."""
+        pop, key_of, by_key = self._evictable.popitem, self._key_of, self._by_key
+        blocks = [pop(last=False)[0] for _ in range(num)]
         for block in blocks:
-            del evictable[block]
-            del by_key[key_of[block]]  # type: ignore[arg-type]  # evictable blocks have keys
+            del by_key[key_of[block]]  # type: ignore[index]  # evictable blocks have keys
             key_of[block] = None
         self.num_evicted += num
         self.num_dropped += num
