@@ -236,8 +236,8 @@ class PrefixCache:
 
     def reset(self) -> int:
         """Empty the cache (the `reset_prefix_cache` command, and after a failed step with
-        overlap); the number of keys dropped. Queued registrations are dropped too (held blocks
-        are released free by the next `flush()`)."""
+        overlap); the number of keys dropped. Queued registrations are dropped too (the pool
+        releases held blocks at once, their keys gone)."""
         self.counters.num_resets += 1
         self._pending.clear()
         self.grown.clear()
