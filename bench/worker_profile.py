@@ -8,7 +8,10 @@ a bare F.linear loop, and prints the step's matmul time against that floor. A ra
 the linear layers already run at the machine's GEMM rate (no per-call repacking to fix).
 
     PYTHONPATH=. python bench/worker_profile.py [--dtype float32] [--batch 32] [--context 256]
-        [--ops cpu|torch] [--steps 5] [--chunk 0]
+        [--ops cpu|torch] [--steps 5] [--chunk 0] [--engine ours|hf]
+
+`--engine hf` profiles transformers' decode step instead (the same DynamicCache set-up as
+bench/worker_step_bench.py, same weights and dtype), with the same matmul-vs-bare-GEMM line.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.worker_step_bench import GREEDY, ours_decode
+from bench.worker_step_bench import GREEDY, hf_decode, ours_decode
 from services.worker.config import WorkerConfig
 from services.worker.dtype_probe import linear_shapes
 from services.worker.runner import ModelRunner
-from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.plan_writer import PlanWriter
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul_fused", "mkldnn::_linear")
 
@@ -48,42 +51,68 @@ class LabelledOps:
 
 
 def ours_mixed(runner: ModelRunner, batch: int, context: int, chunk: int) -> Any:
-    """`batch` decodes (as ours_decode) plus the whole `chunk`-token prompt of a fresh sequence
-    in one step; the fresh sequence is released and re-admitted every step."""
+    """`batch` decodes (as ours_decode) plus the whole `chunk`-token prompt of one more sequence
+    in every step; after each step every sequence is rewound (the decodes to `context`
+    computed, the prompt to none), so each run computes the same mixed step."""
     bs = runner.kv_cache.block_size
-    first_free = batch * -(-(context + 1) // bs)
-    blocks = list(range(first_free, first_free + -(-chunk // bs)))
+    per_seq = -(-(context + 1) // bs)
+    blocks = list(range(batch * per_seq, batch * per_seq + -(-chunk // bs)))
     if blocks[-1] >= runner.kv_cache.num_blocks:
         raise ValueError("KV pool too small: lower --batch, --context or --chunk")
     ids = [(i * 31) % 40000 + 10 for i in range(chunk)]
     rids = [f"b{batch}-{i}" for i in range(batch)]
-    ours_decode(runner, batch, context, 0)  # admits the decoding sequences
+    writer = PlanWriter()  # its first plan is a reset
+    news = [
+        writer.new_sequence(
+            rid,
+            [7] * (context + 1),
+            context + 1,
+            list(range(i * per_seq, (i + 1) * per_seq)),
+            GREEDY,
+            num_computed_tokens=context,
+        )
+        for i, rid in enumerate(rids)
+    ]
+    news.append(writer.new_sequence("chunk", ids, chunk, blocks, GREEDY))
+    runner.batch.apply_plan(writer.plan({}, news))  # held, nothing computed yet
+    held = list(runner.batch.held.seqs.values())
+    scheduled = {**dict.fromkeys(rids, 1), "chunk": chunk}
 
     def run() -> None:
-        plan = StepPlan(
-            0,
-            [NewSequence("chunk", ids, chunk, blocks, GREEDY)],
-            [*rids, "chunk"],
-            [context] * batch + [0],
-            [1] * batch + [chunk],
-            [7] * batch + ids,
-            [[] for _ in range(batch + 1)],
-            [True] * (batch + 1),
-            released_rids=["chunk"],
-        )
-        runner.execute(plan)
+        runner.execute(writer.plan(scheduled))
+        for seq in held:  # rewind: every run computes the same step again
+            done = 0 if seq.rid == "chunk" else context
+            seq.num_computed = done
+            del seq.token_ids[max(done + 1, seq.num_prompt_tokens) :]
 
     return run
 
 
-def bare_linear_seconds(runner: ModelRunner, rows: int, head_rows: int, repeat: int) -> float:
+def unfused_shapes(args: Any) -> list[tuple[int, int]]:
+    """(in, out) features of one layer as transformers runs it: q, k, v, o, gate, up, down."""
+    hd, d, inter = args.hidden_size, args.head_dim, args.intermediate_size
+    kv = (hd, args.num_kv_heads * d)
+    return [
+        (hd, args.num_heads * d),
+        kv,
+        kv,
+        (args.num_heads * d, hd),
+        (hd, inter),
+        (hd, inter),
+        (inter, hd),
+    ]
+
+
+def bare_linear_seconds(
+    runner: ModelRunner, rows: int, head_rows: int, repeat: int, fused: bool = True
+) -> float:
     """One step's linear layers (all layers at `rows` rows + the LM head at `head_rows` sampled
-    rows) timed in a bare F.linear loop."""
+    rows) timed in a bare F.linear loop; `fused`: our fused qkv and gate/up, else HF's shapes."""
     args, dtype = runner.args, runner.dtype
     gen = torch.Generator().manual_seed(0)
     pairs = [
         (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
-        for k, n in linear_shapes(args)
+        for k, n in (linear_shapes(args) if fused else unfused_shapes(args))
     ]
     head = (
         torch.randn(head_rows, args.hidden_size, generator=gen).to(dtype),
@@ -109,6 +138,7 @@ def main() -> None:
     ap.add_argument("--ops", default="auto", choices=["auto", "cpu", "torch"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=0, help="prefill tokens added to each step")
+    ap.add_argument("--engine", default="ours", choices=["ours", "hf"])
     args = ap.parse_args()
     need = (args.batch * (args.context + 16) + args.chunk + 16) * 2 * 30 * 3 * 64 * 4
     runner = ModelRunner(
@@ -116,7 +146,14 @@ def main() -> None:
             dtype=args.dtype, kv_cache_memory=max(need, 1 << 29), attention_backend=args.ops
         )
     )
-    if args.chunk > 0:
+    if args.engine == "hf":
+        if args.chunk > 0:
+            raise SystemExit("--engine hf profiles decode steps only (no --chunk)")
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(runner.folder, dtype=runner.dtype).eval()
+        run = hf_decode(hf, args.batch, args.context, runner.dtype)
+    elif args.chunk > 0:
         run = ours_mixed(runner, args.batch, args.context, args.chunk)
     else:
         run = ours_decode(runner, args.batch, args.context, 0)
@@ -132,23 +169,24 @@ def main() -> None:
     runner.model.ops = runner.model.ops.inner
     events = prof.key_averages()
     threads = torch.get_num_threads()
-    print(f"ops={runner.model.ops.name} dtype={runner.dtype_name} threads={threads}")
+    engine = "transformers" if args.engine == "hf" else f"ours, ops={runner.model.ops.name}"
+    print(f"{engine} dtype={runner.dtype_name} threads={threads}")
     print(events.table(sort_by="cpu_time_total", row_limit=20))
     matmul_s = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6
     matmul_s /= args.steps
     sampled = args.batch + (1 if args.chunk > 0 else 0)
-    bare_s = bare_linear_seconds(runner, args.batch + args.chunk, sampled, 5)
+    bare_s = bare_linear_seconds(
+        runner, args.batch + args.chunk, sampled, 5, fused=args.engine == "ours"
+    )
     num_ops = sum(e.count for e in events) / args.steps
     kernels = {
         e.key: e.cpu_time_total / 1e3 / args.steps for e in events if e.key.startswith("ops.")
     }
     rest_ms = step_s * 1e3 - matmul_s * 1e3 - sum(kernels.values())
-    print(
-        "per step: matmuls "
-        + f"{matmul_s * 1e3:.1f} ms, "
-        + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))
-        + f", everything else {rest_ms:.1f} ms"
-    )
+    parts = [f"matmuls {matmul_s * 1e3:.1f} ms"]
+    parts += [f"{k} {v:.1f} ms" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])]
+    parts.append(f"everything else {rest_ms:.1f} ms")
+    print("per step: " + ", ".join(parts))
     print(f"step (unprofiled): {step_s * 1e3:.1f} ms; operator calls per step: {num_ops:.0f}")
     print(
         f"matmuls in the step: {matmul_s * 1e3:.1f} ms; the same shapes in a bare F.linear loop: "

@@ -144,22 +144,25 @@ def main() -> None:
 
     model = LlamaForCausalLM.from_pretrained(runner.folder, dtype=dtype).eval()
     rows = []
-    cases = [
+    # each case is built just before it runs: building a decode case applies a reset plan to
+    # the worker's held batch, which would invalidate the cases built before it
+    cases: list[tuple[str, Callable[[], Callable], Callable[[], Callable]]] = [
         (
             f"decode B={b}",
-            ours_decode(runner, b, args.context, i),
-            hf_decode(model, b, args.context, dtype),
+            lambda b=b, i=i: ours_decode(runner, b, args.context, i),
+            lambda b=b: hf_decode(model, b, args.context, dtype),
         )
         for i, b in enumerate(batches)
     ]
     cases.append(
         (
             f"prefill {args.prefill}",
-            ours_prefill(runner, args.prefill),
-            hf_prefill(model, args.prefill),
+            lambda: ours_prefill(runner, args.prefill),
+            lambda: hf_prefill(model, args.prefill),
         )
     )
-    for name, ours, theirs in cases:
+    for name, make_ours, make_theirs in cases:
+        ours, theirs = make_ours(), make_theirs()
         runner.model.ops = fast_ops
         t_ours = timed(ours, args.repeat)
         runner.model.ops = torch_ops
