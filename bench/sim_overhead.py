@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.pyspy_top import Sampler, top_functions
 from conveyor.bench.overlap_plot import plot_overlap
 from conveyor.bench.steplog import read_step_log
 from conveyor.launcher import LocalStack, StackSettings
@@ -65,6 +66,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="write a per-step timeline of the first N's runs (one panel per mode)",
     )
+    p.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="profile scheduler, worker and tokenizer per function into this folder "
+        "(bench/pyspy_top.py; needs py-spy in the venv)",
+    )
+    p.add_argument("--py-spy-window", default="3,8", help="seconds: delay,duration of sampling")
     p.add_argument("--out", type=Path, default=Path("results/sim_overhead.json"))
     return p.parse_args(argv)
 
@@ -126,8 +135,16 @@ def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> 
         },
         worker_flags={"sim_report_every": str(args.report_every)},
     )
+    sampler = None
     with LocalStack(settings) as stack:
+        if args.py_spy is not None:
+            delay, duration = (float(v) for v in args.py_spy_window.split(","))
+            mode = f"running-{n}-async-{'on' if overlap else 'off'}"
+            sampler = Sampler(stack.pids(), args.py_spy / mode, delay, duration)
+            sampler.start()
         wall = asyncio.run(_drive(stack.frontend_address, n, args))
+        if sampler is not None:
+            sampler.join()
     lines = _gap_lines(Path(settings.log_dir), n)
     if not lines:
         raise RuntimeError(f"no {GAP_EVENT} lines at {n} running: raise --output-len")
@@ -140,6 +157,8 @@ def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> 
     device_s = sum(s.forward_s or 0.0 for s in every)  # the worker's own step times
     span_s = max(s.t_result for s in every) - min(s.t_plan for s in every)
     tokens = n * args.output_len
+    if sampler is not None:
+        _print_profiles(sampler, every, n, overlap)
     return {
         "running": n,
         "async_scheduling": overlap,
@@ -160,6 +179,20 @@ def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> 
         "wall_s": round(wall, 2),
         "output_tok_s": round(n * args.output_len / wall, 1),
     }
+
+
+def _print_profiles(sampler: Sampler, steps: list[Any], n: int, overlap: bool) -> None:
+    if sampler.window is None:
+        print("py-spy: no window sampled (the run ended first: raise --output-len)")
+        return
+    begin, end = sampler.window
+    num_steps = sum(1 for s in steps if begin <= s.t_result < end)
+    print(f"py-spy at {n} running, async {'on' if overlap else 'off'}: {num_steps} steps "
+          f"sampled; CPU us per step, self and total, by self")  # fmt: skip
+    for name in sampler.pids:
+        print(f" {name}:")
+        for line in top_functions(sampler.out_dir / f"{name}.txt", num_steps, sampler.rate_hz):
+            print(line)
 
 
 def main(argv: list[str]) -> int:
