@@ -227,9 +227,8 @@ def same_plans_check(
         out = {name: r.compute_logits(plan) for name, r in sides.items()}  # [B, V] float32
         step = sides["torch"].last_tool_step
         assert step is not None
-        rids = [s.rid for s in step.sampled()]
-        if not rids:  # a step of prefill chunks only: nothing sampled
-            return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
+        if not any(step.sample):  # a step of prefill chunks only: nothing sampled
+            return StepResult(step_id=plan.step_id, token_ids=[])
         rows = torch.tensor(step.sample, device=out["torch"].device)
         out = {name: logits[rows] for name, logits in out.items()}  # [S, V] sampling rows
         tokens = out["triton"].argmax(-1).tolist()
@@ -239,7 +238,7 @@ def same_plans_check(
         if "fp32" in out:
             diffs["triton_vs_fp32"].append(rel(out["triton"], out["fp32"]))
             diffs["torch_vs_fp32"].append(rel(out["torch"], out["fp32"]))
-        return StepResult(step_id=plan.step_id, rids=rids, token_ids=tokens)
+        return StepResult(step_id=plan.step_id, token_ids=tokens)
 
     num_blocks = min(r.kv_cache.num_blocks for r in sides.values())
     driver = PlanDriver(execute, num_blocks, BLOCK_SIZE, CHUNK, shuffle_seed=1)

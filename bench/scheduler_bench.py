@@ -73,7 +73,7 @@ class _Worker:
         base = plan.step_id * 7919
         tokens = [(base + i) % VOCAB for i in range(len(sampled))]
         HeldBatch.record_samples(sampled, tokens)
-        return StepResult(plan.step_id, [s.rid for s in sampled], tokens)
+        return StepResult(plan.step_id, tokens)  # in batch order: no rids
 
 
 def _submit(rid: str, prompt_len: int, max_tokens: int) -> SubmitRequest:

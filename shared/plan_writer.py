@@ -86,6 +86,17 @@ class PlanWriter:
         self.next_step_id = step + 1
         return plan
 
+    def samplers(self, plan: StepPlan, result_token_ids: Sequence[int],
+                 sampling_rids: set[str]) -> dict[str, int]:  # fmt: skip
+        """rid -> token of a result for `plan`: the result lists its tokens in the worker's
+        batch order (the order sequences joined), which `slots` keeps; `sampling_rids` are
+        the rids that sample in that plan (they reach the end of their histories)."""
+        order = [rid for rid in self.slots if rid in sampling_rids]
+        if len(order) != len(result_token_ids):
+            raise ValueError(f"step {plan.step_id}: {len(result_token_ids)} tokens for "
+                             f"{len(order)} sequences that sample")  # fmt: skip
+        return dict(zip(order, result_token_ids, strict=True))
+
     def reset(self) -> None:
         """The worker lost its batch (a failed step): the next plan starts afresh."""
         self.slots.clear()

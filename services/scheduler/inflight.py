@@ -27,5 +27,8 @@ from services.scheduler.request import Request
 class InFlightStep:
     step_id: int
     rids: list[str]  # every request that computes in it (a failed step fails these)
-    sampled: dict[str, Request]  # rid -> request, for every sequence that samples
+    # [S] every sequence that samples, in the worker's batch order: result token i is the
+    # sample of sampled[i] (the result names no rids); sampled_rids[i] is its rid
+    sampled: list[Request]
+    sampled_rids: list[str]
     filled: list[Request]  # prefill chunks that fill blocks (prefix caching), see BuiltStep

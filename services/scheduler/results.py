@@ -30,6 +30,12 @@ class StepResults:
         (stop token, max_tokens, max_model_len) and free their blocks. Tokens of requests that
         are no longer live (aborted while the plan was in flight) are ignored.
 
+        The result names no rids: its i-th token is the sample of the i-th sequence that
+        sampled, in the worker's batch order, which the scheduler kept (`InFlightStep.sampled`,
+        services/scheduler/worker_view.py). A result with another number of tokens breaks the
+        contract: every request that sampled in that step fails (the worker is not trusted to
+        have sampled for the right one).
+
         Returns the step's outputs for every frontend, columnar (this loop is on the path
         between a result and the next plan: a request that goes on costs no allocation). Its
         `logprobs` are the result's, possibly with entries of finished or ignored rids; the
@@ -38,27 +44,30 @@ class StepResults:
         if not self._inflight or result.step_id != self._inflight[0].step_id:
             expected = self._inflight[0].step_id if self._inflight else None
             raise ValueError(f"result for step {result.step_id} but step {expected} is next")
-        if len(result.rids) != len(result.token_ids):
-            raise ValueError("step result rids and token_ids differ in length")
         flight = self._inflight.popleft()
         if flight.filled:  # the step completed: the blocks its chunks filled are valid
             self._register_filled(flight.filled)
-        inflight = flight.sampled  # entries are taken out as tokens arrive: a dup finds none
         now = self._clock()
+        if len(result.token_ids) != len(flight.sampled):
+            message = (f"the worker returned {len(result.token_ids)} tokens for "
+                       f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
+            return OutputBatch(result.step_id, finished=self._fail_missing(flight.sampled, now,
+                                                                           message))  # fmt: skip
         running = RUNNING
         finished: list[RequestOutput] = []
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
-        for i, (rid, token) in enumerate(zip(result.rids, result.token_ids, strict=True)):
-            req = inflight.pop(rid, None)  # None: not sampled in this plan, or a dup
+        for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
             # A sample lands at len(token_ids) while the request has computed that far (with a
             # plan in flight behind this one, one further): else it was preempted meanwhile.
-            if req is not None and req.num_computed_tokens >= len(req.token_ids):
+            if req.num_computed_tokens >= len(req.token_ids):
                 tokens = req.token_ids
                 if req.status is running:
                     tokens.append(token)
-                    req.protected = False
                     if req.first_token is None:
                         req.first_token = now
+                        req.protected = False
+                    elif req.protected:
+                        req.protected = False
                     if token not in req.stop_ids and len(tokens) < req.max_len:
                         continue  # the common case: it goes on, and stays in the columns
                     finished.append(self._finish_with(req, token, result.logprobs, now))
@@ -66,9 +75,7 @@ class StepResults:
                     tokens.append(token)
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
-        if inflight:  # sampling requests the result has no token for
-            finished.extend(self._fail_missing(inflight.values(), now))
-        return self._output_batch(result, skipped, finished)
+        return self._output_batch(result, flight.sampled_rids, skipped, finished)
 
     def _register_filled(self, filled: list[Request]) -> None:
         """Prefix caching: blocks filled by the completed step's prefill chunks are queued for
@@ -79,10 +86,15 @@ class StepResults:
                 defer(req, min(req.num_computed_tokens // bs, len(req.block_ids)))
 
     def _output_batch(
-        self, result: StepResult, skipped: list[int], finished: list[RequestOutput]
+        self,
+        result: StepResult,
+        rids: list[str],
+        skipped: list[int],
+        finished: list[RequestOutput],
     ) -> OutputBatch:
-        """The step's outputs: the result's columns minus the `skipped` entries."""
-        rids, token_ids = result.rids, result.token_ids  # read-only lists: shared, not copied
+        """The step's outputs: the result's tokens with the `rids` of the sequences that
+        sampled, minus the `skipped` entries."""
+        token_ids = result.token_ids  # read-only lists: shared, not copied
         if skipped:
             drop = set(skipped)
             rids = [r for i, r in enumerate(rids) if i not in drop]
@@ -118,9 +130,11 @@ class StepResults:
         del self._live[req.rid]
         self.counters.count_finish(reason)
 
-    def _fail_missing(self, sampled: Iterable[Request], now: float) -> list[RequestOutput]:
-        """The worker returned no token for a sequence that sampled: a worker bug. End those
-        requests with an error rather than leave them waiting for a token forever."""
+    def _fail_missing(
+        self, sampled: Iterable[Request], now: float, message: str
+    ) -> list[RequestOutput]:
+        """The worker's result does not fit the sequences that sampled: a worker bug. End
+        those requests with an error rather than leave them waiting for a token forever."""
         outputs = []
         for req in list(sampled):
             if req.num_computed_tokens < len(req.token_ids):
@@ -130,6 +144,5 @@ class StepResults:
             elif req.status is RUNNING:
                 self._batch.drop(req)
                 self._mark_finished(req, "error", now)
-                message = "the worker returned no token"
                 outputs.append(req.output([], [], "error", ErrorCode.WORKER_FAILED, message))
         return outputs

@@ -180,7 +180,9 @@ class Scheduler(StepResults, WorkerFaults):
             req = self._live.get(seq.rid)
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
-        self._inflight.append(InFlightStep(self._step_id, built.rids, built.sampled, built.filled))
+        self._inflight.append(
+            InFlightStep(self._step_id, built.rids, built.sampled, built.sampled_rids, built.filled)
+        )
         self._record_step(built, step, now)
         return built.plan
 

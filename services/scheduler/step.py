@@ -25,7 +25,10 @@ class BuiltStep:
     num_tokens: list[int]  # [B]
     is_prefill: list[bool]  # [B], for the step record
     num_prefill_tokens: int
-    sampled: dict[str, Request]  # rid -> request for every sequence that samples
+    # [S] every sequence that samples, in the worker's batch order (a result's tokens are
+    # in this order), and their rids (shared with the worker view while it is unchanged)
+    sampled: list[Request]
+    sampled_rids: list[str]
     # prefill chunks that fill at least one more block: registered in the prefix cache once
     # the step has completed (empty with prefix caching off). A block filled by a decode is
     # registered later, off this path: when its table next grows, or when it finishes or is
@@ -87,7 +90,7 @@ class StepBuilder:
         block_ids: list[int] = []
         count_slots: list[int] = []
         counts: list[int] = []
-        sampled: dict[str, Request] = {}
+        chunk_samplers: set[str] = set()
         new_seqs: list[NewSequence] = []
         released = worker.take_released()
         for r in self.decodes:  # one pass: the common case of a step, hundreds of times
@@ -99,7 +102,6 @@ class StepBuilder:
                 block_slots.extend([r.slot] * len(added))
                 block_ids.extend(added)
                 r.num_sent_blocks = len(r.block_ids)
-            sampled[r.rid] = r
             r.num_computed_tokens += 1
         num_tokens = [1] * len(self.decodes)
         is_prefill = [False] * len(self.decodes)
@@ -124,7 +126,7 @@ class StepBuilder:
             if bs and (start + n) // bs > req.num_registered_blocks:
                 filled.append(req)
             if start + n == len(req.token_ids):
-                sampled[req.rid] = req
+                chunk_samplers.add(req.rid)
         if worker.num_held > len(rids):  # held requests that wait this step compute 0 tokens
             scheduled = set(rids)
             for req in held:
@@ -137,14 +139,26 @@ class StepBuilder:
             block_ids, count_slots, counts,
         )  # fmt: skip
         worker.prev_step_id = step_id
-        return BuiltStep(
-            plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled, filled
-        )
+        sampled, sampled_rids = self._samplers(worker, chunk_samplers)
+        return BuiltStep(plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled,
+                         sampled_rids, filled)  # fmt: skip
+
+    def _samplers(
+        self, worker: WorkerView, chunk_samplers: set[str]
+    ) -> tuple[list[Request], list[str]]:
+        """The requests that sample (every decode, the chunks that end their history) and
+        their rids, in the worker's batch order. A steady step, where every held request
+        decodes, shares the view's lists: no pass over the batch."""
+        if len(self.decodes) == worker.num_held and not self._chunks:
+            return worker.held_lists()
+        samplers = {r.rid for r in self.decodes} | chunk_samplers
+        sampled = [r for r in worker.order.values() if r.rid in samplers]
+        return sampled, [r.rid for r in sampled]
 
 
 def _new_sequence(req: Request, worker: WorkerView) -> NewSequence:
     """`req` joins the worker's batch in a free slot, with its history and whole table."""
-    req.slot = worker.take_slot()
+    req.slot = worker.take_slot(req)
     req.num_sent_blocks = len(req.block_ids)
     return NewSequence(
         req.rid, list(req.token_ids), req.num_prompt_tokens, list(req.block_ids), req.sampling,

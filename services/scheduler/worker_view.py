@@ -1,10 +1,15 @@
-"""The scheduler's mirror of the worker's persistent batch: which slot each request holds, the
-slots released since the last plan, and the plan the next one extends.
+"""The scheduler's mirror of the worker's persistent batch: which request holds each slot, in
+the worker's batch order, the slots released since the last plan, and the plan the next one
+extends.
 
 Plans carry only changes (docs/design/step_contract.md), so the scheduler must know exactly what
 the worker holds: a request is held from the plan that sends its `NewSequence` until a plan
 releases its slot. A slot released by one plan may be taken again by the next one (the worker
 releases before it adds).
+
+The worker's batch order is the order in which its sequences joined (shared/held_batch.py), and
+a result lists its samples in that order, without rids: `order` keeps the same order, so the
+scheduler maps a result's tokens to requests by position.
 """
 
 from __future__ import annotations
@@ -12,26 +17,39 @@ from __future__ import annotations
 import heapq
 from typing import Optional
 
+from services.scheduler.request import Request
+
 
 class WorkerView:
     def __init__(self) -> None:
-        self.num_held = 0  # slots taken and not released (as of the plans built so far)
         self.released: list[int] = []  # slots the next plan releases
         self.prev_step_id: Optional[int] = None  # the last plan built; None: the next resets
+        # slot -> request, in the worker's batch order (as of the plans built so far)
+        self.order: dict[int, Request] = {}
         self._free: list[int] = []  # a heap of released slots: low slots first
         self._next_slot = 0
+        # `order`'s requests and rids as lists, rebuilt only after it changed: a steady step
+        # of decodes (every held sequence samples) shares them instead of building its own
+        self._lists: Optional[tuple[list[Request], list[str]]] = None
 
-    def take_slot(self) -> int:
-        """A slot for a request the next plan sends as new."""
-        self.num_held += 1
-        if self._free:
-            return heapq.heappop(self._free)
-        self._next_slot += 1
-        return self._next_slot - 1
+    @property
+    def num_held(self) -> int:
+        """Slots taken and not released."""
+        return len(self.order)
+
+    def take_slot(self, req: Request) -> int:
+        """A slot for `req`, which the next plan sends as new: it joins the end of the batch."""
+        slot = heapq.heappop(self._free) if self._free else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        self.order[slot] = req
+        self._lists = None
+        return slot
 
     def release(self, slot: int) -> None:
         """The request in `slot` leaves the worker's batch with the next plan."""
-        self.num_held -= 1
+        del self.order[slot]
+        self._lists = None
         self.released.append(slot)
         heapq.heappush(self._free, slot)
 
@@ -39,11 +57,19 @@ class WorkerView:
         released, self.released = self.released, []
         return released
 
+    def held_lists(self) -> tuple[list[Request], list[str]]:
+        """Every held request and its rid, in batch order (shared, read-only lists)."""
+        if self._lists is None:
+            reqs = list(self.order.values())
+            self._lists = (reqs, [r.rid for r in reqs])
+        return self._lists
+
     def reset(self) -> None:
         """The worker's batch is gone or unknown (a failed step, a new worker): the next plan
         resets it. The caller forgets every request's slot."""
-        self.num_held = 0
         self.released = []
         self.prev_step_id = None
+        self.order = {}
         self._free = []
         self._next_slot = 0
+        self._lists = None

@@ -81,7 +81,8 @@ class StepTimer:
         start = time.perf_counter()
         result = self.runner.execute(plan)
         seconds = time.perf_counter() - start
-        return seconds, dict(zip(result.rids, result.token_ids, strict=True))
+        # every scheduled rid samples (the docstring's rule)
+        return seconds, self._writer.samplers(plan, result.token_ids, set(scheduled))
 
     def new_seqs(self, batch: int, prompt_len: int, max_len: int) -> list[NewSequence]:
         """`batch` fresh requests with random prompts and whole block tables for max_len."""

@@ -116,11 +116,11 @@ class SimRunner:
         step = self._batch.apply(plan)  # a plan that does not fit raises, and needs a reset
         for seq in step.new_seqs:
             self._seqs[seq.slot] = self._new_state(seq)
-        rids, token_ids, logprobs = self._sample(step)
+        token_ids, logprobs = self._sample(step)
         _wait_until(start + step_seconds(self.device, self.model, step))
         end = time.perf_counter()
         self._gaps.step_finished(end)
-        return StepResult(plan.step_id, rids, token_ids, logprobs, forward_s=end - start)
+        return StepResult(plan.step_id, token_ids, logprobs, forward_s=end - start)
 
     def _new_state(self, seq: HeldSeq) -> _SimSeq:
         prompt = seq.token_ids[: seq.num_prompt_tokens]
@@ -133,10 +133,10 @@ class SimRunner:
             logprobs=s.logprobs,
         )
 
-    def _sample(self, step: ExpandedStep) -> tuple[list[str], list[int], dict[str, TokenLogprobs]]:
-        """A token for each sequence that samples, appended to its history (the next decode
-        computes it). The hot loop of a zero-cost run: one pass over the sampling sequences."""
-        rids: list[str] = []
+    def _sample(self, step: ExpandedStep) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        """A token for each sequence that samples (batch order), appended to its history (the
+        next decode computes it). The hot loop of a zero-cost run: one pass over the sampling
+        sequences."""
         token_ids: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
         sims, token = self._seqs, self._tokens.token
@@ -147,11 +147,10 @@ class SimRunner:
             history = seq.token_ids
             tok = token(st.seed, len(history) - st.num_prompt_tokens, st.forbidden, st.allow_eos)
             history.append(tok)
-            rids.append(seq.rid)
             token_ids.append(tok)
             if st.logprobs is not None:
                 logprobs[seq.rid] = self._logprobs(st, tok)
-        return rids, token_ids, logprobs
+        return token_ids, logprobs
 
     def _logprobs(self, st: _SimSeq, tok: int) -> TokenLogprobs:
         """A point-mass distribution: the chosen token first (0.0), then the next ids (-100)."""

@@ -180,7 +180,7 @@ class ModelRunner:
         try:
             step = self.batch.apply_plan(plan)
             if not step.seqs:
-                return StepResult(step_id=plan.step_id, rids=[], token_ids=[])
+                return StepResult(step_id=plan.step_id, token_ids=[])
             return self._run(step, start)
         except BaseException:
             self.batch.held.fail()
@@ -244,8 +244,7 @@ class ModelRunner:
         }
         return StepResult(
             step_id=step.step_id,
-            rids=[s.rid for s in sampled],
-            token_ids=token_ids,
+            token_ids=token_ids,  # in batch order: the scheduler maps them by position
             logprobs=lp,
             forward_s=time.perf_counter() - start,
         )

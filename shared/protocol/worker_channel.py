@@ -110,12 +110,14 @@ class TokenLogprobs:
 class StepResult:
     """Worker (rank 0) -> scheduler, one per plan, same `step_id`.
 
-    `rids[i]` sampled `token_ids[i]`; only sequences that sampled appear, in batch order.
+    `token_ids[i]` is the sample of the i-th sequence that sampled in this step, in the
+    worker's batch order (the order its sequences joined: shared/held_batch.py). No rids: the
+    scheduler keeps the same order and maps tokens by position, so a steady result is one
+    integer per sequence on the wire. `logprobs` is keyed by rid (only requests that asked).
     """
 
     step_id: int
-    rids: list[str]
-    token_ids: list[int]
+    token_ids: list[int]  # [S]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     forward_s: float = 0.0  # time the worker spent on this step (prepare + forward + sample)
 

@@ -267,7 +267,7 @@ def test_worker_link_refuses_peers_without_the_worker_key(
                                model_name="forged", vocab_size=10, eos_token_ids=[0],
                                dtype="float32", device="cpu")  # fmt: skip
     # Delivered, this would end the engine's state: "rank 0 said ready again" -> worker_lost.
-    forged_result = StepResult(step_id=1, rids=["forged"], token_ids=[1])
+    forged_result = StepResult(step_id=1, token_ids=[1])
     address = f"ipc://{stack.run_dir}/worker.sock"
     posers = []
     for client_key in (None, stranger, client_secret_path(keys_dir)):

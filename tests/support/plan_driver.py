@@ -116,11 +116,12 @@ class PlanDriver:
         plan = self.writer.plan(scheduled, new_seqs, appended, self.released)
         self.step_id = self.writer.next_step_id
         self.released = []
+        sampling = {s.rid for s in chosen if s.num_computed + scheduled[s.rid] == len(s.token_ids)}
         result = self.execute(plan)
         for seq in chosen:
             seq.num_computed += scheduled[seq.rid]
             seq.sent = True
-        for rid, tok in zip(result.rids, result.token_ids, strict=True):
+        for rid, tok in self.writer.samplers(plan, result.token_ids, sampling).items():
             self.seqs[rid].token_ids.append(tok)
         for seq in chosen:
             if seq.done:

@@ -61,10 +61,10 @@ def run_work(
         assert step is not None
         if out is not None:
             logits.append(out[torch.tensor(step.sample, dtype=torch.bool)])  # [S, V]
-        rids = [s.rid for s in step.sampled()]
-        forced = [(plan.step_id * 31 + 7 * i) % (vocab - 3) + 3 for i in range(len(rids))]
+        num_sampled = sum(step.sample)
+        forced = [(plan.step_id * 31 + 7 * i) % (vocab - 3) + 3 for i in range(num_sampled)]
         runner.record_tokens(forced)  # every rank: the next decodes compute these tokens
-        return StepResult(step_id=plan.step_id, rids=rids, token_ids=forced)
+        return StepResult(step_id=plan.step_id, token_ids=forced)
 
     forced = PlanDriver(teacher, NUM_BLOCKS, runner.kv_cache.block_size, 8, shuffle_seed=3)
     for rid, ids in _prompts(vocab, 0, prompt_lens).items():

@@ -18,8 +18,15 @@ def _plan() -> StepPlan:
 def test_round_trip_plan_and_result() -> None:
     plan = _plan()
     assert codec.decode(codec.encode(plan)) == plan
-    res = StepResult(4, ["r1"], [9], {"r1": TokenLogprobs(-0.5, [9, 3], [-0.5, -1.5])}, 0.01)
+    res = StepResult(4, [9], {"r1": TokenLogprobs(-0.5, [9, 3], [-0.5, -1.5])}, 0.01)
     assert codec.decode(codec.encode(res)) == res
+
+
+def test_a_result_is_one_integer_per_sampled_sequence() -> None:
+    """Results name no rids (the scheduler maps tokens by batch position): 256 samples of
+    ids below 65,536 take at most 3 bytes each, plus the envelope."""
+    res = StepResult(1_000_000, [49_000 + i for i in range(256)], forward_s=0.004)
+    assert len(codec.encode(res)) <= 3 * 256 + 80  # 841 bytes
 
 
 @pytest.mark.parametrize(
@@ -30,15 +37,15 @@ def test_round_trip_plan_and_result() -> None:
         (msgpack.packb({"type": "nope"}), ErrorCode.UNKNOWN_TYPE),
         (msgpack.packb({"step_id": 1}), ErrorCode.UNKNOWN_TYPE),
         (
-            msgpack.packb({"type": "step_result", "step_id": "x", "rids": [], "token_ids": []}),
+            msgpack.packb({"type": "step_result", "step_id": "x", "token_ids": []}),
             ErrorCode.INVALID_FIELD,
         ),
         (
-            msgpack.packb({"type": "step_result", "rids": [], "token_ids": []}),
+            msgpack.packb({"type": "step_result", "token_ids": []}),
             ErrorCode.INVALID_FIELD,
         ),
         (
-            msgpack.packb({"type": "step_result", "step_id": 1, "rids": [1], "token_ids": []}),
+            msgpack.packb({"type": "step_result", "step_id": 1, "token_ids": [1, "2"]}),
             ErrorCode.INVALID_FIELD,
         ),
     ],

@@ -147,7 +147,7 @@ def test_logprobs_reach_only_requests_that_asked() -> None:
     plan = sched.schedule()
     assert plan is not None
     lp = TokenLogprobs(-0.25, [7], [-0.25])
-    batch = sched.update(StepResult(plan.step_id, ["lp", "no"], [7, 8], {"lp": lp}))
+    batch = sched.update(StepResult(plan.step_id, [7, 8], {"lp": lp}))  # batch order: lp, no
     assert batch.rids == ["lp", "no"] and batch.token_ids == [7, 8] and batch.logprobs == {"lp": lp}
     by_rid = {o.rid: o for o in batch.as_outputs()}
     assert by_rid["lp"].logprobs == [lp] and by_rid["no"].logprobs == []
@@ -202,16 +202,34 @@ def test_fail_all_ends_every_live_request_with_the_code() -> None:
     sched.check_integrity()
 
 
-def test_missing_token_from_the_worker_fails_that_request() -> None:
-    sched, _, _ = make()
+@pytest.mark.parametrize("token_ids", [[9], [9, 9, 9]])
+def test_a_result_with_the_wrong_number_of_tokens_fails_the_step_samplers(
+    token_ids: list[int],
+) -> None:
+    """Tokens map to sequences by position: with one too few or too many the scheduler cannot
+    tell whose token is whose, so every request that sampled in the step fails; a request
+    that did not sample (a prefill chunk) and the engine go on."""
+    sched, worker, _ = make(max_num_batched_tokens=10, chunk_size=8)
     sched.add_request(submit("a", 4, 5))
     sched.add_request(submit("b", 4, 5))
+    sched.add_request(submit("c", 12, 5))  # 8 of 12 prompt tokens this step: no sample
     plan = sched.schedule()
     assert plan is not None
-    outs = sched.update(StepResult(plan.step_id, ["b"], [9]))
-    failed = [o for o in outs.finished if o.rid == "a"]
-    assert failed and failed[0].error_code == ErrorCode.WORKER_FAILED
+    worker.execute(plan)  # the worker holds the batch; its answer is replaced by a bad one
+    outs = sched.update(StepResult(plan.step_id, token_ids))
+    assert sorted(o.rid for o in outs.finished) == ["a", "b"] and outs.rids == []
+    assert all(o.error_code == ErrorCode.WORKER_FAILED for o in outs.finished)
+    assert "2 sequences that sampled" in (outs.finished[0].error_message or "")
     sched.check_integrity()
+    plan = sched.schedule()  # the next plan releases a and b; c goes on
+    assert plan is not None and len(plan.released_slots) == 2
+    last = None
+    while plan is not None:
+        outs = sched.update(worker.execute(plan))
+        sched.check_integrity()
+        last = outs.finished or last
+        plan = sched.schedule()
+    assert last is not None and last[0].rid == "c" and last[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -135,7 +135,7 @@ def _kv_workload(sched_kw: dict[str, object], num_blocks: int) -> tuple[Run, obj
             if len(seq.token_ids) > seq.num_prompt_tokens:
                 resumed_not_sampled.add(seq.rid)
         result = worker.execute(plan)
-        resumed_not_sampled.difference_update(result.rids)
+        resumed_not_sampled.difference_update(s.rid for s in worker.peek(plan).sampled())
         run.add(sched.update(result))
         sched.check_integrity()
     assert not sched.has_work()

@@ -91,7 +91,6 @@ class CheckingWorker:
             for pos in range(start, start + n):
                 self.kv[self._slot(seq, pos)] = (pos, seq.digest(pos))
             seq.num_cached = start + n
-        rids: list[str] = []
         tokens: list[int] = []
         for held, sample in zip(step.seqs, step.sample, strict=True):  # attention, sampling
             seq = self.seqs[held.rid]
@@ -101,10 +100,9 @@ class CheckingWorker:
                 index = len(seq.token_ids) - seq.num_prompt_tokens
                 token = token_for(held.rid, index, self.vocab_size)
                 seq.token_ids.append(token)
-                rids.append(held.rid)
                 tokens.append(token)
         HeldBatch.record_samples(step.sampled(), tokens)
-        return StepResult(plan.step_id, rids, tokens)
+        return StepResult(plan.step_id, tokens)  # batch order: the scheduler maps by position
 
     def peek(self, plan: StepPlan) -> ExpandedStep:
         """`plan` made explicit (what it runs), before or after `execute`; peeking first does

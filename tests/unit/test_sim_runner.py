@@ -185,7 +185,7 @@ def test_a_decode_past_the_block_table_is_refused() -> None:
 def test_released_requests_are_forgotten() -> None:
     runner = SimRunner(ZERO)
     runner.execute(_prefill(0, [_new("a", [1, 2, 3], [0])]))
-    assert runner.execute(StepPlan(1, 0, 0, 0, released_slots=[0])).rids == []
+    assert runner.execute(StepPlan(1, 0, 0, 0, released_slots=[0])).token_ids == []
     with pytest.raises(ValueError, match="for 1 sequences, this worker holds 0"):
         runner.execute(_decode(2, 1))
 
