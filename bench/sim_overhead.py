@@ -59,6 +59,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream", action="store_true", help="stream tokens to the client")
     p.add_argument("--sim-model", default="llama-3-8b")
     p.add_argument("--sim-device", default="none", help="none (zero cost) or a profile: h200 ...")
+    p.add_argument(
+        "--sim-num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks the worker reports (default: what fits the device; long --output-len "
+        "at 1,024 running needs more, else requests are preempted and the batch shrinks)",
+    )
     p.add_argument("--async-scheduling", default="off,on", help="off | on | off,on (in order)")
     p.add_argument(
         "--steplog-png",
@@ -133,7 +140,10 @@ def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> 
             "max_waiting": str(max(n, 4096)),
             "async_scheduling": str(overlap).lower(),
         },
-        worker_flags={"sim_report_every": str(args.report_every)},
+        worker_flags={
+            "sim_report_every": str(args.report_every),
+            **({"sim_num_blocks": str(args.sim_num_blocks)} if args.sim_num_blocks else {}),
+        },
     )
     sampler = None
     with LocalStack(settings) as stack:
