@@ -21,15 +21,11 @@ def split_by_frontend(
     hears the final output once; `on_finished` is called for each); outputs of rids without an
     owner (their frontend is gone) are dropped."""
     groups: dict[bytes, tuple[list[str], list[int], list[RequestOutput]]] = {}
-    for rid, token in zip(batch.rids, batch.token_ids, strict=True):
-        owner = owners.get(rid)
-        if owner is None:
-            continue
-        group = groups.get(owner)
-        if group is None:
-            group = groups[owner] = ([], [], [])
-        group[0].append(rid)
-        group[1].append(token)
+    idents = set(map(owners.get, batch.rids))  # in C: one frontend is the common case
+    if len(idents) == 1 and None not in idents:  # the columns go whole to that one
+        groups[idents.pop()] = (batch.rids, batch.token_ids, [])  # shared, read-only
+    elif idents:
+        _group_columns(batch, owners, groups)
     for out in batch.finished:
         owner = owners.pop(out.rid, None)
         if owner is None:
@@ -43,3 +39,20 @@ def split_by_frontend(
             logprobs = {rid: logprobs[rid] for rid in rids if rid in logprobs}
         parts[ident] = OutputBatch(batch.step_id, rids, token_ids, logprobs, finished)
     return parts
+
+
+def _group_columns(
+    batch: OutputBatch,
+    owners: dict[str, bytes],
+    groups: dict[bytes, tuple[list[str], list[int], list[RequestOutput]]],
+) -> None:
+    """Several frontends (or rids whose frontend is gone): each owner's entries, in order."""
+    for rid, token in zip(batch.rids, batch.token_ids, strict=True):
+        owner = owners.get(rid)
+        if owner is None:
+            continue
+        group = groups.get(owner)
+        if group is None:
+            group = groups[owner] = ([], [], [])
+        group[0].append(rid)
+        group[1].append(token)
