@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import structlog
 
 from services.simworker.config import DEFAULT_TOKEN_ID_HIGH, SimConfig
@@ -76,6 +77,11 @@ class SimRunner:
         # the persistent batch (checks every plan) and, per slot, how its sequence samples
         self._batch = HeldBatch(self.num_blocks, config.block_size, self.max_model_len)
         self._seqs: dict[int, _SimSeq] = {}
+        # the same per slot as arrays, for drawing a whole step's tokens at once
+        self._slot_seeds = np.zeros(0, dtype=np.uint64)
+        self._slot_prompt_lens = np.zeros(0, dtype=np.int64)
+        self._forbidden = np.zeros(0, dtype=np.int64)  # every id forbidden to any sequence
+        self._logprob_slots: set[int] = set()  # slots whose sequence asked for logprobs
         self._gaps = GapRecorder(config.report_every, self._log)
         self._log.info(
             "sim_worker_start",
@@ -115,41 +121,65 @@ class SimRunner:
         self._gaps.step_started(start, plan.num_scheduled_tokens, pure_decode)
         step = self._batch.apply(plan)  # a plan that does not fit raises, and needs a reset
         for seq in step.new_seqs:
-            self._seqs[seq.slot] = self._new_state(seq)
+            self._add_state(seq)
         token_ids, logprobs = self._sample(step)
         _wait_until(start + step_seconds(self.device, self.model, step))
         end = time.perf_counter()
         self._gaps.step_finished(end)
         return StepResult(plan.step_id, token_ids, logprobs, forward_s=end - start)
 
-    def _new_state(self, seq: HeldSeq) -> _SimSeq:
+    def _add_state(self, seq: HeldSeq) -> None:
+        """How the sequence new in `seq.slot` samples (its seed, its forbidden ids)."""
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         s = seq.sampling
-        return _SimSeq(
+        st = self._seqs[seq.slot] = _SimSeq(
             seed=request_seed(seq.rid, prompt, s),
             num_prompt_tokens=seq.num_prompt_tokens,
             forbidden=self._tokens.forbidden_ids(s),
             allow_eos=not s.ignore_eos and self.config.eos_probability > 0.0,
             logprobs=s.logprobs,
         )
+        if seq.slot >= len(self._slot_seeds):
+            size = max(2 * len(self._slot_seeds), seq.slot + 1, 64)
+            self._slot_seeds = np.resize(self._slot_seeds, size)
+            self._slot_prompt_lens = np.resize(self._slot_prompt_lens, size)
+        self._slot_seeds[seq.slot] = st.seed
+        self._slot_prompt_lens[seq.slot] = st.num_prompt_tokens
+        if st.logprobs is None:
+            self._logprob_slots.discard(seq.slot)
+        else:
+            self._logprob_slots.add(seq.slot)
+        if not st.forbidden.issubset(self._forbidden.tolist()):
+            self._forbidden = np.union1d(self._forbidden, sorted(st.forbidden))
 
     def _sample(self, step: ExpandedStep) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """A token for each sequence that samples (batch order), appended to its history (the
-        next decode computes it). The hot loop of a zero-cost run: one pass over the sampling
-        sequences."""
-        token_ids: list[int] = []
-        logprobs: dict[str, TokenLogprobs] = {}
+        next decode computes it). The hot path of a zero-cost run: the tokens are drawn over
+        arrays; only a draw that hits a forbidden id, end-of-sequence chances and logprobs
+        take the per-sequence path (`TokenSource.token`, the same tokens)."""
+        seqs = step.sampled()
+        if not seqs:
+            return [], {}
+        num = len(seqs)
+        slots = np.fromiter((s.slot for s in seqs), np.int64, num)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num)
+        ns = (lens - self._slot_prompt_lens[slots]).astype(np.uint64)
+        drawn = self._tokens.first_choices(self._slot_seeds[slots], ns)
+        token_ids: list[int] = drawn.tolist()
+        if self.config.eos_probability > 0.0:
+            redo = range(num)
+        else:
+            redo = np.flatnonzero(np.isin(drawn, self._forbidden)).tolist()
         sims, token = self._seqs, self._tokens.token
-        for seq, sample in zip(step.seqs, step.sample, strict=True):
-            if not sample:
-                continue
-            st = sims[seq.slot]
-            history = seq.token_ids
-            tok = token(st.seed, len(history) - st.num_prompt_tokens, st.forbidden, st.allow_eos)
-            history.append(tok)
-            token_ids.append(tok)
-            if st.logprobs is not None:
-                logprobs[seq.rid] = self._logprobs(st, tok)
+        for i in redo:
+            st = sims[seqs[i].slot]
+            token_ids[i] = token(st.seed, int(ns[i]), st.forbidden, st.allow_eos)
+        HeldBatch.record_samples(seqs, token_ids)
+        logprobs: dict[str, TokenLogprobs] = {}
+        if self._logprob_slots:
+            for seq, tok in zip(seqs, token_ids, strict=True):
+                if seq.slot in self._logprob_slots:
+                    logprobs[seq.rid] = self._logprobs(sims[seq.slot], tok)
         return token_ids, logprobs
 
     def _logprobs(self, st: _SimSeq, tok: int) -> TokenLogprobs:

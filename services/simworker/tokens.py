@@ -10,6 +10,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from shared.protocol.sampling import SamplingParams
 
 _MASK = (1 << 64) - 1
@@ -23,6 +25,15 @@ def mix64(x: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return z ^ (z >> 31)
+
+
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """`mix64` over a uint64 array [N], bit for bit (numpy's uint64 arithmetic wraps mod 2**64,
+    as the masks do)."""
+    z = x + np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def request_seed(rid: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> int:
@@ -68,6 +79,14 @@ class TokenSource:
             if tok not in forbidden:
                 return tok
         raise ValueError("every id in the simulated token range is forbidden")
+
+    def first_choices(self, seeds: np.ndarray, ns: np.ndarray) -> np.ndarray:
+        """[N] uint64 seeds and output indices -> [N] int64: what `token` returns when the
+        draw is neither end-of-sequence nor forbidden (the caller redraws those rows with
+        `token`), computed over arrays: a batch of decodes costs no Python per sequence."""
+        with np.errstate(over="ignore"):
+            z = mix64_array(seeds ^ (ns * np.uint64(_STEP)))
+        return (z % np.uint64(self.high - self.low)).astype(np.int64) + self.low
 
     def forbidden_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """Ids a request must never receive by chance: eos and its own stop ids."""

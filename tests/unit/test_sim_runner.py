@@ -202,3 +202,20 @@ def test_engine_gaps_are_summarized_per_batch_size() -> None:
     assert len(gaps) == 1  # 4 decode steps, 3 per summary
     assert gaps[0]["num_seqs"] == 2 and gaps[0]["steps"] == 3 and gaps[0]["simulated"] is True
     assert gaps[0]["gap_p50_us"] >= 2000
+
+
+def test_a_batch_draws_what_each_sequence_would_draw_alone() -> None:
+    """The array draw of a batch (SimRunner._sample) gives every sequence exactly the tokens
+    `TokenSource.token` gives it alone, forbidden ids redrawn: a narrow id range and stop ids
+    make such redraws frequent."""
+    config = dataclasses.replace(ZERO, token_id_low=100, token_id_high=110)
+    stops = {f"s{i}": [100 + i, 101 + i, 105] for i in range(4)}
+    seqs = [_new(f"s{i}", [7, 8, i], [i], stop_token_ids=ids, seed=i)
+            for i, (_, ids) in enumerate(stops.items())]  # fmt: skip
+    runner = SimRunner(config)
+    batch = [runner.execute(_prefill(0, seqs)).token_ids]
+    batch += [runner.execute(_decode(n, len(seqs))).token_ids for n in range(1, 12)]
+    for i, seq in enumerate(seqs):
+        alone = _generate(SimRunner(config), dataclasses.replace(seq, block_ids=[0]), 12)
+        assert [step[i] for step in batch] == alone
+        assert not set(alone) & set(stops[seq.rid])
