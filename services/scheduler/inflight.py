@@ -19,6 +19,7 @@ exact (tested against a worker answering out of phase, tests/unit/test_async_sch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from services.scheduler.request import Request
 
@@ -32,3 +33,7 @@ class InFlightStep:
     sampled: list[Request]
     sampled_rids: list[str]
     filled: list[Request]  # prefill chunks that fill blocks (prefix caching), see BuiltStep
+    # a steady plan (every held request decodes, none new): the running set's `num_changes`
+    # when it was built; None otherwise. Unchanged when its result arrives: every request in
+    # it is running, has sampled before and is not protected (the fast path of `update`)
+    steady_mark: Optional[int] = None

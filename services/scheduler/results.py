@@ -53,8 +53,11 @@ class StepResults:
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
             return OutputBatch(result.step_id, finished=self._fail_missing(flight.sampled, now,
                                                                            message))  # fmt: skip
+        if flight.steady_mark == self._batch.num_changes:
+            finished, skipped = self._apply_steady(flight.sampled, result, now)
+            return self._output_batch(result, flight.sampled_rids, skipped, finished)
         running = RUNNING
-        finished: list[RequestOutput] = []
+        finished = []
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
         for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
             # A sample lands at len(token_ids) while the request has computed that far (with a
@@ -76,6 +79,23 @@ class StepResults:
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
         return self._output_batch(result, flight.sampled_rids, skipped, finished)
+
+    def _apply_steady(
+        self, sampled: list[Request], result: StepResult, now: float
+    ) -> tuple[list[RequestOutput], list[int]]:
+        """`update` for a steady plan with no request finished, aborted or preempted since it
+        was built (`InFlightStep.steady_mark`): each request runs, has its first token and is
+        not protected, so a token costs an append and the two finish checks. Returns the final
+        outputs and their indices in the result."""
+        ends: list[int] = []
+        for i, (req, token) in enumerate(zip(sampled, result.token_ids, strict=True)):
+            tokens = req.token_ids
+            tokens.append(token)
+            if token in req.stop_ids or len(tokens) >= req.max_len:
+                ends.append(i)
+        finished = [self._finish_with(sampled[i], result.token_ids[i], result.logprobs, now)
+                    for i in ends]  # fmt: skip
+        return finished, ends
 
     def _register_filled(self, filled: list[Request]) -> None:
         """Prefix caching: blocks filled by the completed step's prefill chunks are queued for

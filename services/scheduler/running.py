@@ -39,6 +39,9 @@ class RunningSet:
         self.round = 0  # schedule() pass: a request preempted in this one waits for the next
         # Just-resumed requests are not taken from, unless nothing else could run at all.
         self.spare_protected = True
+        # bumped whenever a request leaves the batch or is preempted: a plan built with no
+        # such change before its result arrives holds only requests that go on (results.py)
+        self.num_changes = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -69,6 +72,7 @@ class RunningSet:
     def drop(self, req: Request) -> None:
         """Take `req` out of the batch and free its blocks (finished, aborted, batch over)."""
         del self.requests[req.rid]
+        self.num_changes += 1
         self.pool.free(req.block_ids)
         req.block_ids = []
         self.release(req)
@@ -113,6 +117,7 @@ class RunningSet:
         """Free `req`'s blocks; it recomputes later with its generated tokens kept. Static
         padding is only evicted: it keeps its slot and is never computed again."""
         step.drop(req)
+        self.num_changes += 1
         if self._register is not None and not req.padding:
             # Its KV is complete, or (a plan in flight) will be before any later plan runs:
             # the worker runs plans in order.

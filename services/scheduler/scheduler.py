@@ -180,9 +180,12 @@ class Scheduler(StepResults, WorkerFaults):
             req = self._live.get(seq.rid)
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
-        self._inflight.append(
-            InFlightStep(self._step_id, built.rids, built.sampled, built.sampled_rids, built.filled)
-        )
+        # a steady plan's result may take update()'s fast path (results.py `_apply_steady`)
+        steady = built.steady and not built.plan.new_seqs
+        steady = steady and not self._rules.keeps_finished_as_padding
+        mark = self._batch.num_changes if steady else None
+        self._inflight.append(InFlightStep(self._step_id, built.rids, built.sampled,
+                                           built.sampled_rids, built.filled, mark))  # fmt: skip
         self._record_step(built, step, now)
         return built.plan
 

@@ -29,6 +29,7 @@ class BuiltStep:
     # in this order), and their rids (shared with the worker view while it is unchanged)
     sampled: list[Request]
     sampled_rids: list[str]
+    steady: bool  # every held request decodes (and samples): `sampled` is the whole batch
     # prefill chunks that fill at least one more block: registered in the prefix cache once
     # the step has completed (empty with prefix caching off). A block filled by a decode is
     # registered later, off this path: when its table next grows, or when it finishes or is
@@ -139,17 +140,18 @@ class StepBuilder:
             block_ids, count_slots, counts,
         )  # fmt: skip
         worker.prev_step_id = step_id
-        sampled, sampled_rids = self._samplers(worker, chunk_samplers)
+        steady = len(self.decodes) == worker.num_held and not self._chunks
+        sampled, sampled_rids = self._samplers(worker, chunk_samplers, steady)
         return BuiltStep(plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled,
-                         sampled_rids, filled)  # fmt: skip
+                         sampled_rids, steady, filled)  # fmt: skip
 
     def _samplers(
-        self, worker: WorkerView, chunk_samplers: set[str]
+        self, worker: WorkerView, chunk_samplers: set[str], steady: bool
     ) -> tuple[list[Request], list[str]]:
         """The requests that sample (every decode, the chunks that end their history) and
         their rids, in the worker's batch order. A steady step, where every held request
         decodes, shares the view's lists: no pass over the batch."""
-        if len(self.decodes) == worker.num_held and not self._chunks:
+        if steady:
             return worker.held_lists()
         samplers = {r.rid for r in self.decodes} | chunk_samplers
         sampled = [r for r in worker.order.values() if r.rid in samplers]
