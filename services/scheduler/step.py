@@ -150,9 +150,14 @@ class StepBuilder:
     ) -> tuple[list[Request], list[str]]:
         """The requests that sample (every decode, the chunks that end their history) and
         their rids, in the worker's batch order. A steady step, where every held request
-        decodes, shares the view's lists: no pass over the batch."""
+        decodes, shares the view's lists; a step in which every held request computes copies
+        them less its chunks that do not sample: neither walks the batch in Python."""
         if steady:
             return worker.held_lists()
+        if len(self.decodes) + len(self._chunks) == worker.num_held:  # nobody waits
+            return worker.held_lists_without(
+                [rid for rid in self._chunks if rid not in chunk_samplers]
+            )
         samplers = {r.rid for r in self.decodes} | chunk_samplers
         sampled = [r for r in worker.order.values() if r.rid in samplers]
         return sampled, [r.rid for r in sampled]

@@ -31,6 +31,7 @@ class WorkerView:
         # `order`'s requests and rids as lists, rebuilt only after it changed: a steady step
         # of decodes (every held sequence samples) shares them instead of building its own
         self._lists: Optional[tuple[list[Request], list[str]]] = None
+        self._index: dict[str, int] = {}  # rid -> its position in `order` (with `_lists`)
 
     @property
     def num_held(self) -> int:
@@ -61,8 +62,20 @@ class WorkerView:
         """Every held request and its rid, in batch order (shared, read-only lists)."""
         if self._lists is None:
             reqs = list(self.order.values())
-            self._lists = (reqs, [r.rid for r in reqs])
+            rids = [r.rid for r in reqs]
+            self._lists = (reqs, rids)
+            self._index = {rid: i for i, rid in enumerate(rids)}
         return self._lists
+
+    def held_lists_without(self, rids: list[str]) -> tuple[list[Request], list[str]]:
+        """`held_lists()` less the held requests `rids` (a few: prefill chunks that do not
+        sample), as new lists: copied in C, not rebuilt per request."""
+        reqs, all_rids = self.held_lists()
+        reqs, all_rids = reqs[:], all_rids[:]
+        for i in sorted((self._index[rid] for rid in rids), reverse=True):
+            del reqs[i]
+            del all_rids[i]
+        return reqs, all_rids
 
     def reset(self) -> None:
         """The worker's batch is gone or unknown (a failed step, a new worker): the next plan
