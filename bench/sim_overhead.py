@@ -200,7 +200,9 @@ def _print_profiles(sampler: Sampler, steps: list[Any], n: int, overlap: bool) -
     print(f"py-spy at {n} running, async {'on' if overlap else 'off'}: {num_steps} steps "
           f"sampled; CPU us per step, self and total, by self")  # fmt: skip
     for name in sampler.pids:
-        print(f" {name}:")
+        cpu = sampler.cpu_s.get(name, 0.0)
+        print(f" {name}: CPU {1e6 * cpu / max(1, num_steps):.0f} us/step by /proc "
+              f"({cpu / (end - begin):.0%} of a core)")  # fmt: skip
         for line in top_functions(sampler.out_dir / f"{name}.txt", num_steps, sampler.rate_hz):
             print(line)
 
