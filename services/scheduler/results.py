@@ -51,13 +51,13 @@ class StepResults:
         if len(result.token_ids) != len(flight.sampled):
             message = (f"the worker returned {len(result.token_ids)} tokens for "
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
-            return OutputBatch(result.step_id, finished=self._fail_missing(flight.sampled, now,
-                                                                           message))  # fmt: skip
+            failed = self._fail_missing(flight.sampled, now, message)
+            return OutputBatch(result.step_id, finished=failed)
         if flight.steady_mark == self._batch.num_changes:
-            finished, skipped = self._apply_steady(flight.sampled, result, now)
-            return self._output_batch(result, flight.sampled_rids, skipped, finished)
+            ended, ends = self._apply_steady(flight.sampled, result, now)
+            return self._output_batch(result, flight.sampled_rids, ends, ended)
         running = RUNNING
-        finished = []
+        finished: list[RequestOutput] = []
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
         for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
             # A sample lands at len(token_ids) while the request has computed that far (with a
