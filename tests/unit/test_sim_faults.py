@@ -38,7 +38,9 @@ def test_the_plan_in_flight_after_a_fault_is_refused_not_faulted_again() -> None
     assert [e["event"] for e in logs] == ["simulated_step_fault"]
     writer.reset()  # the scheduler's next plan resets the batch, without the culprit
     again = writer.new_sequence("good", [5, 6, 7], 3, [0], GREEDY)
-    result = runner.execute(writer.plan({"good": 3}, [again]))
-    assert result.rids == ["good"]
-    result = runner.execute(writer.plan({"good": 1}))  # it goes on from there
-    assert result.rids == ["good"] and result.step_id == 4
+    plan = writer.plan({"good": 3}, [again])
+    assert writer.samplers(plan, runner.execute(plan).token_ids, {"good"}).keys() == {"good"}
+    plan = writer.plan({"good": 1})  # it goes on from there
+    result = runner.execute(plan)
+    assert writer.samplers(plan, result.token_ids, {"good"}).keys() == {"good"}
+    assert result.step_id == 4
