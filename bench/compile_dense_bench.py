@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from bench.cpu_attention_bench import best_ms
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 
@@ -72,16 +73,6 @@ def post(attn, residual, o_proj, norm, gate_up, down, eps: float) -> tuple[torch
     r = F.linear(attn, o_proj) + residual
     g, u = F.linear(rms(r, norm, eps), gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(g) * u, down), r
-
-
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def lock(fd: Optional[int], mode: int) -> None:
@@ -151,10 +142,10 @@ def main() -> None:
         t_frozen = time.perf_counter() - start
         lock(fd, fcntl.LOCK_EX)
         times = {
-            "eager (C++ ops)": best_of(eager, args.repeat),
-            "inductor, weights as inputs": best_of(as_inputs, args.repeat),
-            "inductor, frozen weights": best_of(frozen, args.repeat),
-            "eager (C++ ops), again": best_of(eager, args.repeat),
+            "eager (C++ ops)": best_ms(eager, args.repeat) / 1e3,
+            "inductor, weights as inputs": best_ms(as_inputs, args.repeat) / 1e3,
+            "inductor, frozen weights": best_ms(frozen, args.repeat) / 1e3,
+            "eager (C++ ops), again": best_ms(eager, args.repeat) / 1e3,
         }
     print(f"threads={torch.get_num_threads()} rows={args.rows} layers={len(model.layers)}")
     print(f"compile time: weights as inputs {t_inputs:.1f} s, frozen {t_frozen:.1f} s")

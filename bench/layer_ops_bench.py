@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from bench.cpu_attention_bench import best_ms
 from kernels.cpu_ext import CFLAGS, load_cpu_ops
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import ext_cache_dir
@@ -49,16 +49,6 @@ def load_at_revision(rev: str) -> ModuleType:
         extra_cflags=list(CFLAGS),
         build_directory=str(folder),
     )
-
-
-def best_us(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 def cases(ops: object, rows: int) -> dict[str, Callable[[], object]]:
@@ -98,7 +88,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             per_impl = {name: cases(impl, rows) for name, impl in impls.items()}
             for op in per_impl["torch"]:
-                cells = [f"{best_us(per_impl[n][op], args.repeat):.1f}" for n in names]
+                cells = [f"{best_ms(per_impl[n][op], args.repeat) * 1e3:.1f}" for n in names]
                 print(f"| {op} | {rows} | " + " | ".join(cells) + " |")
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.worker_step_bench import GREEDY, hf_decode, ours_decode
+from bench.worker_step_bench import GREEDY, decoding_sequences, hf_decode, ours_decode
 from services.worker.config import WorkerConfig
 from services.worker.dtype_probe import linear_shapes
 from services.worker.runner import ModelRunner
@@ -62,17 +62,7 @@ def ours_mixed(runner: ModelRunner, batch: int, context: int, chunk: int) -> Any
     ids = [(i * 31) % 40000 + 10 for i in range(chunk)]
     rids = [f"b{batch}-{i}" for i in range(batch)]
     writer = PlanWriter()  # its first plan is a reset
-    news = [
-        writer.new_sequence(
-            rid,
-            [7] * (context + 1),
-            context + 1,
-            list(range(i * per_seq, (i + 1) * per_seq)),
-            GREEDY,
-            num_computed_tokens=context,
-        )
-        for i, rid in enumerate(rids)
-    ]
+    news = decoding_sequences(writer, rids, context, per_seq)
     news.append(writer.new_sequence("chunk", ids, chunk, blocks, GREEDY))
     runner.batch.apply_plan(writer.plan({}, news))  # held, nothing computed yet
     held = list(runner.batch.held.seqs.values())

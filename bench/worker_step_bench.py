@@ -31,6 +31,7 @@ from services.worker.ops import TorchOps
 from services.worker.runner import ModelRunner
 from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import NewSequence
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -45,16 +46,12 @@ def timed(fn: Callable[[], object], repeat: int) -> list[float]:
     return out
 
 
-def ours_decode(runner: ModelRunner, batch: int, context: int, step_id: int) -> Callable:
-    """A plan whose sequences already hold `context` tokens (their blocks exist; contents are
-    whatever the pool holds), then one decode token each."""
-    bs = runner.kv_cache.block_size
-    per_seq = -(-(context + 1) // bs)
-    if per_seq * batch > runner.kv_cache.num_blocks:
-        raise ValueError(f"KV pool too small for batch {batch}: raise --kv-cache-memory")
-    rids = [f"b{batch}-{i}" for i in range(batch)]
-    writer = PlanWriter(first_step_id=step_id)  # a fresh writer: its first plan is a reset
-    news = [
+def decoding_sequences(
+    writer: PlanWriter, rids: list[str], context: int, per_seq: int
+) -> list[NewSequence]:
+    """Sequences that have computed `context` tokens and decode their next one, each in its own
+    `per_seq` consecutive blocks (request i in blocks [i * per_seq, (i + 1) * per_seq))."""
+    return [
         writer.new_sequence(
             rid,
             [7] * (context + 1),
@@ -65,6 +62,18 @@ def ours_decode(runner: ModelRunner, batch: int, context: int, step_id: int) -> 
         )
         for i, rid in enumerate(rids)
     ]
+
+
+def ours_decode(runner: ModelRunner, batch: int, context: int, step_id: int) -> Callable:
+    """A plan whose sequences already hold `context` tokens (their blocks exist; contents are
+    whatever the pool holds), then one decode token each."""
+    bs = runner.kv_cache.block_size
+    per_seq = -(-(context + 1) // bs)
+    if per_seq * batch > runner.kv_cache.num_blocks:
+        raise ValueError(f"KV pool too small for batch {batch}: raise --kv-cache-memory")
+    rids = [f"b{batch}-{i}" for i in range(batch)]
+    writer = PlanWriter(first_step_id=step_id)  # a fresh writer: its first plan is a reset
+    news = decoding_sequences(writer, rids, context, per_seq)
     runner.batch.apply_plan(writer.plan({}, news))  # held, nothing computed yet
     held = list(runner.batch.held.seqs.values())
 
