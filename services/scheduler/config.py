@@ -57,6 +57,20 @@ class SchedulerConfig:
         },
     )
 
+    # With async scheduling: when steps are long next to the scheduler's own path (a CPU
+    # worker's 100-600 ms), plan N+1 is held until shortly before step N is expected to end, so
+    # that requests arriving meanwhile join it instead of the plan after (one step less of
+    # TTFT); short steps (a GPU's few ms) still send it at once. services/scheduler/dispatch.py.
+    just_in_time_plans: bool = field(
+        default=True,
+        metadata={
+            "help": "with async scheduling: when steps are long (>= 50x the scheduler's own "
+            "path), hold plan N+1 until shortly before step N is expected to end, so requests "
+            "arriving meanwhile join it; short steps send it at once. --no-just-in-time-plans: "
+            "always at once"
+        },
+    )
+
     def __post_init__(self) -> None:
         problems = config_problems(self)
         if problems:
@@ -101,7 +115,7 @@ def config_problems(c: SchedulerConfig) -> list[str]:
             out.append(f"{name} must be a number >= 0")
     if not _is_num(c.watermark) or not 0.0 <= c.watermark < 1.0:
         out.append("watermark must be in [0, 1)")
-    for name in ("enable_prefix_caching", "async_scheduling"):
+    for name in ("enable_prefix_caching", "async_scheduling", "just_in_time_plans"):
         if not isinstance(getattr(c, name), bool):
             out.append(f"{name} must be a bool")
     if c.policy not in POLICIES:

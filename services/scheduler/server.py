@@ -12,8 +12,11 @@ Sockets (both bound here, each behind its link; shared set-up in shared/transpor
 Loop: schedule -> send plan -> poll (frontends keep flowing while the plan runs) -> result ->
 update -> send the next plan -> emit this step's outputs (so the worker is already busy while
 outputs are encoded). One plan is in flight at a time; with `--async-scheduling` two: plan N+1
-leaves right after plan N, built while the worker runs step N, so the worker finds its next plan
-waiting (services/scheduler/inflight.py). SIGTERM drains (see `request_drain`)."""
+is built while the worker runs step N, so the worker finds its next plan waiting
+(services/scheduler/inflight.py). It leaves right after plan N when steps are short, or, when
+they are long next to the scheduler's own path, is held until shortly before step N is
+expected to end, so that requests arriving meanwhile join it (services/scheduler/dispatch.py;
+`--no-just-in-time-plans`: always right away). SIGTERM drains (see `request_drain`)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any, Optional
 
 import zmq
 
+from services.scheduler.dispatch import DispatchPolicy
 from services.scheduler.frontend_link import FrontendLink
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
 from services.scheduler.stats import StepRecord
@@ -79,6 +83,9 @@ class SchedulerServer:
         self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
         self._worker_lost_at: Optional[float] = None  # monotonic; None while workers are up
         self._last_result_at: Optional[float] = None
+        self._dispatch = DispatchPolicy(enabled=False)  # replaced with each new core
+        self._hold_until: Optional[float] = None  # time.time() plan N+1 is held until
+        self._update_s = 0.0  # the last result's update() (part of the scheduler's path)
         self.last_step_id = 0
         self._num_steps = 0
         self._drain = Drain(config.drain_timeout_s, log)
@@ -125,6 +132,8 @@ class SchedulerServer:
             core_timeout = self.sched.next_timeout()
             if core_timeout is not None:
                 timeout = min(timeout, max(core_timeout, MIN_POLL_S))
+        if self._hold_until is not None:  # wake to send the held plan
+            timeout = min(timeout, max(self._hold_until - time.time(), MIN_POLL_S))
         return int(timeout * 1000) or 1
 
     # ---- what the frontend link asks (FrontendHost) ------------------------------------------
@@ -173,8 +182,13 @@ class SchedulerServer:
 
     def _maybe_send_plan(self, back_to_back: bool) -> None:
         """Send plans while the core may have another in flight (one; two with async
-        scheduling, the second built while the worker runs the first)."""
+        scheduling, the second built while the worker runs the first, or held while the
+        dispatch policy says so: `_hold_next`)."""
+        self._hold_until = None
         while self._workers_up() and not self._stopped and self.sched.can_schedule():
+            if self._in_flight and self._hold_next():
+                return
+            started = time.time()
             self.sched.release_held_if_idle()
             plan = self.sched.schedule()
             if plan is None:
@@ -183,11 +197,24 @@ class SchedulerServer:
             sent_at = time.time()
             if not self.workers.send_all(frame):
                 return
+            self._dispatch.on_path(self._update_s + sent_at - started)
             last = self._last_result_at
             gap = sent_at - last if back_to_back and last else None
             record = self.sched.last_step_record
             self._in_flight.append(_InFlight(plan, record, sent_at, gap))
             back_to_back = False
+
+    def _hold_next(self) -> bool:
+        """Called with plan N in flight (and none behind it) before building plan N+1: True
+        while the dispatch policy holds it (then `_hold_until` says until when). Step N began
+        when its plan left or when result N-1 arrived, whichever came later."""
+        flight = self._in_flight[-1]
+        started = max(flight.sent_at, self._last_result_at or 0.0)
+        send_at = self._dispatch.send_at(flight.plan.num_scheduled_tokens, started)
+        if send_at is None or send_at <= time.time():
+            return False
+        self._hold_until = send_at
+        return True
 
     def on_workers_ready(self) -> None:
         if self.workers.num_ready() < self.config.num_workers:
@@ -201,6 +228,8 @@ class SchedulerServer:
         if self.sched is None:
             self.sched = self._make_scheduler(merged)
             self._engine_shape = _shape(merged)
+            # step times are the new worker's to learn
+            self._dispatch = DispatchPolicy(enabled=self.sched.config.just_in_time_plans)
         self._worker_lost_at = None
         self.frontends.broadcast(self.ready_message())
         self.log.info(
@@ -216,7 +245,9 @@ class SchedulerServer:
         self._last_result_at = received_at
         self.last_step_id = result.step_id
         self._num_steps += 1
+        self._dispatch.on_result(flight.plan.num_scheduled_tokens, result.forward_s)
         outputs = self.sched.update(result)
+        self._update_s = time.time() - received_at
         if flight.record is not None:  # no suspects of a failed step any more
             self.sched.step_completed(flight.record.rids)
         # The worker waits for the next plan: send it before logging and emitting outputs.

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.stats import StepRecord
 from shared.protocol.engine_channel import (
     OutputBatch,
@@ -24,6 +25,7 @@ from shared.protocol.worker_channel import StepPlan, StepResult, WorkerReady
 class SchedulerCore(Protocol):
     """The parts of services.scheduler.Scheduler this loop uses (docs/design/contracts.md)."""
 
+    config: SchedulerConfig
     last_step_record: Optional[StepRecord]
 
     def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]: ...

@@ -1,0 +1,109 @@
+"""When plan N+1 leaves under async scheduling: now, or just before step N is expected to end.
+
+With overlap (`--async-scheduling`) plan N+1 used to leave right after plan N, so a request
+arriving while step N runs could join plan N+2 at the earliest: one extra step of
+time-to-first-token. vLLM's async scheduling and SGLang's overlap scheduler pay the same; on a
+GPU (steps of a few ms) it is noise, on this CPU (steps of 100-600 ms) it is most of a turn's
+TTFT gain from prefix caching (docs/PERFORMANCE.md §12, "Third round: when plan N+1 leaves").
+
+The policy (`DispatchPolicy`), asked by the scheduler loop whenever plan N is in flight and
+plan N+1 could be built:
+
+* **short steps: send now** (what overlap was built for). A step is short when its expected
+  time is under `HOLD_MIN_RATIO` times the scheduler's own path (its work between a result and
+  the next plan leaving: `update()`, `schedule()`, encode, send). Holding there would risk a
+  gap of about one path per step: too much of a 5 ms step (the simulated H200, a real GPU), or
+  of a zero-cost worker's.
+* **long steps: hold plan N+1 until `lead` before step N's expected end**, so that requests
+  arriving meanwhile join it. If result N arrives first, the loop plans at once (no timer is
+  needed for that): the worst case of a late send is the path's gap once, i.e. the synchronous
+  loop's, at most 1/`HOLD_MIN_RATIO` of that step. A send that is early only costs what every
+  send cost before: arrivals after it wait one more step. `lead` = max(`LEAD_PATHS` paths,
+  `LEAD_FRACTION` of the expected step): room to build and send the plan, and for the noise in
+  step times, so that most held plans still reach the worker before it finishes step N.
+* **no estimate yet: send now** (today's behaviour).
+
+The estimate (`StepTimeEstimator`) is the median of the worker's own recent step times
+(`forward_s` of its results) among comparable steps: steps whose scheduled token count has the
+same power-of-two size (1, 2-3, 4-7, ..., 256-511, ...), the last `WINDOW` of each. Why not a
+per-token cost fitted over all steps: on this CPU a decode step's time is dominated by
+per-sequence work (attention over each context), not by its token count (16 decodes took
+113-185 ms, a 512-token prompt step ~140 ms), so one line misses one of the two kinds badly;
+a median per size class follows each kind, ignores the outliers other processes cause on shared
+cores, and adapts as contexts grow (old entries roll out). A class never seen has no estimate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+from typing import Optional
+
+HOLD_MIN_RATIO = 50.0  # hold only when the step is >= 50 paths long: a late send costs <= 2%
+LEAD_PATHS = 2.0  # send at least two paths before the expected end
+LEAD_FRACTION = 0.1  # ... and at least 10% of the expected step before it
+WINDOW = 8  # recent steps kept per size class
+PATH_SMOOTHING = 0.25  # weight of the newest path measurement in its moving average
+
+
+def size_class(num_tokens: int) -> int:
+    """Steps of 2**(k-1) .. 2**k - 1 scheduled tokens share class k."""
+    return max(num_tokens, 0).bit_length()
+
+
+class StepTimeEstimator:
+    """Expected worker time of a step, from the worker's own times of recent comparable steps.
+    Fed with every result (`observe`); empty after `reset` (a new worker)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self._window = window
+        self._recent: dict[int, deque[float]] = {}
+
+    def observe(self, num_tokens: int, forward_s: float) -> None:
+        """Called with each step result: the plan's scheduled tokens and the worker's time."""
+        if forward_s < 0:
+            return  # a clock step on the worker: no information
+        recent = self._recent.get(size_class(num_tokens))
+        if recent is None:
+            recent = self._recent[size_class(num_tokens)] = deque(maxlen=self._window)
+        recent.append(forward_s)
+
+    def predict(self, num_tokens: int) -> Optional[float]:
+        """The median recent time of steps of this size class; None when none was seen."""
+        recent = self._recent.get(size_class(num_tokens))
+        return median(recent) if recent else None
+
+
+class DispatchPolicy:
+    """Decides when plan N+1 leaves while plan N is in flight (one per worker: a new core, a
+    new policy). `enabled=False` always sends at once (the eager overlap of before)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.estimator = StepTimeEstimator()
+        self.path_s: Optional[float] = None  # moving average of the scheduler's own path
+
+    def on_result(self, num_tokens: int, forward_s: float) -> None:
+        """Called with each result: plan `num_tokens` took the worker `forward_s`."""
+        self.estimator.observe(num_tokens, forward_s)
+
+    def on_path(self, seconds: float) -> None:
+        """Called with the scheduler's own time between a result and the plan it sends next
+        (update + schedule + encode + send), measured or composed of its parts."""
+        if seconds < 0:
+            return
+        last = self.path_s
+        self.path_s = seconds if last is None else last + PATH_SMOOTHING * (seconds - last)
+
+    def send_at(self, num_tokens: int, started_at: float) -> Optional[float]:
+        """When plan N+1 should leave, given plan N (`num_tokens` scheduled) whose step began
+        at `started_at` (time.time()); None: now."""
+        if not self.enabled or self.path_s is None:
+            return None
+        expected = self.estimator.predict(num_tokens)
+        if expected is None or expected < HOLD_MIN_RATIO * self.path_s:
+            return None
+        lead = max(LEAD_PATHS * self.path_s, LEAD_FRACTION * expected)
+        return started_at + expected - lead
