@@ -11,9 +11,10 @@ plan N+1 could be built:
 
 * **short steps: send now** (what overlap was built for). A step is short when its expected
   time is under `HOLD_MIN_RATIO` times the scheduler's own path (its work between a result and
-  the next plan leaving: `update()`, `schedule()`, encode, send). Holding there would risk a
-  gap of about one path per step: too much of a 5 ms step (the simulated H200, a real GPU), or
-  of a zero-cost worker's.
+  the next plan leaving: `update()`, `schedule()`, encode, send), or under `HOLD_MIN_STEP_S`.
+  Holding there would risk a gap of about one path per step: too much of a 5 ms step (the
+  simulated H200, a real GPU), or of a zero-cost worker's; and the loop's timer (a poll with a
+  millisecond timeout, woken late by a busy machine) cannot aim within a few ms.
 * **long steps: hold plan N+1 until `lead` before step N's expected end**, so that requests
   arriving meanwhile join it. If result N arrives first, the loop plans at once (no timer is
   needed for that): the worst case of a late send is the path's gap once, i.e. the synchronous
@@ -24,8 +25,10 @@ plan N+1 could be built:
 * **no estimate yet: send now** (today's behaviour).
 
 The estimate (`StepTimeEstimator`) is the median of the worker's own recent step times
-(`forward_s` of its results) among comparable steps: steps whose scheduled token count has the
-same power-of-two size (1, 2-3, 4-7, ..., 256-511, ...), the last `WINDOW` of each. Why not a
+(`forward_s` of its results) among comparable steps: steps of the same kind (decodes only, or
+with prompt tokens: a CPU's matrix-matrix kernels and prefill set-up cost extra) whose scheduled
+token count has the same power-of-two size (1, 2-3, 4-7, ..., 256-511, ...), the last `WINDOW`
+of each. Why not a
 per-token cost fitted over all steps: on this CPU a decode step's time is dominated by
 per-sequence work (attention over each context), not by its token count (16 decodes took
 113-185 ms, a 512-token prompt step ~140 ms), so one line misses one of the two kinds badly;
@@ -40,15 +43,17 @@ from statistics import median
 from typing import Optional
 
 HOLD_MIN_RATIO = 50.0  # hold only when the step is >= 50 paths long: a late send costs <= 2%
+HOLD_MIN_STEP_S = 0.02  # ... and >= 20 ms: ten times the 2 ms the lead leaves at least
+LEAD_MIN_S = 0.002  # the poll's millisecond timeout and its wake-up: send >= 2 ms early
 LEAD_PATHS = 2.0  # send at least two paths before the expected end
 LEAD_FRACTION = 0.1  # ... and at least 10% of the expected step before it
 WINDOW = 8  # recent steps kept per size class
 PATH_SMOOTHING = 0.25  # weight of the newest path measurement in its moving average
 
 
-def size_class(num_tokens: int) -> int:
-    """Steps of 2**(k-1) .. 2**k - 1 scheduled tokens share class k."""
-    return max(num_tokens, 0).bit_length()
+def size_class(num_tokens: int, decode_only: bool = True) -> tuple[int, bool]:
+    """Steps of one kind and of 2**(k-1) .. 2**k - 1 scheduled tokens share class (k, kind)."""
+    return (max(num_tokens, 0).bit_length(), decode_only)
 
 
 class StepTimeEstimator:
@@ -59,20 +64,22 @@ class StepTimeEstimator:
         if window < 1:
             raise ValueError("window must be >= 1")
         self._window = window
-        self._recent: dict[int, deque[float]] = {}
+        self._recent: dict[tuple[int, bool], deque[float]] = {}
 
-    def observe(self, num_tokens: int, forward_s: float) -> None:
-        """Called with each step result: the plan's scheduled tokens and the worker's time."""
+    def observe(self, num_tokens: int, decode_only: bool, forward_s: float) -> None:
+        """Called with each step result: the plan's scheduled tokens, whether they were all
+        decodes, and the worker's time."""
         if forward_s < 0:
             return  # a clock step on the worker: no information
-        recent = self._recent.get(size_class(num_tokens))
+        key = size_class(num_tokens, decode_only)
+        recent = self._recent.get(key)
         if recent is None:
-            recent = self._recent[size_class(num_tokens)] = deque(maxlen=self._window)
+            recent = self._recent[key] = deque(maxlen=self._window)
         recent.append(forward_s)
 
-    def predict(self, num_tokens: int) -> Optional[float]:
-        """The median recent time of steps of this size class; None when none was seen."""
-        recent = self._recent.get(size_class(num_tokens))
+    def predict(self, num_tokens: int, decode_only: bool) -> Optional[float]:
+        """The median recent time of steps of this class; None when none was seen."""
+        recent = self._recent.get(size_class(num_tokens, decode_only))
         return median(recent) if recent else None
 
 
@@ -85,9 +92,10 @@ class DispatchPolicy:
         self.estimator = StepTimeEstimator()
         self.path_s: Optional[float] = None  # moving average of the scheduler's own path
 
-    def on_result(self, num_tokens: int, forward_s: float) -> None:
-        """Called with each result: plan `num_tokens` took the worker `forward_s`."""
-        self.estimator.observe(num_tokens, forward_s)
+    def on_result(self, num_tokens: int, decode_only: bool, forward_s: float) -> None:
+        """Called with each result: its plan (`num_tokens` scheduled, all decodes or not) took
+        the worker `forward_s`."""
+        self.estimator.observe(num_tokens, decode_only, forward_s)
 
     def on_path(self, seconds: float) -> None:
         """Called with the scheduler's own time between a result and the plan it sends next
@@ -97,13 +105,13 @@ class DispatchPolicy:
         last = self.path_s
         self.path_s = seconds if last is None else last + PATH_SMOOTHING * (seconds - last)
 
-    def send_at(self, num_tokens: int, started_at: float) -> Optional[float]:
-        """When plan N+1 should leave, given plan N (`num_tokens` scheduled) whose step began
-        at `started_at` (time.time()); None: now."""
+    def send_at(self, num_tokens: int, decode_only: bool, started_at: float) -> Optional[float]:
+        """When plan N+1 should leave, given plan N (`num_tokens` scheduled, all decodes or
+        not) whose step began at `started_at` (time.time()); None: now."""
         if not self.enabled or self.path_s is None:
             return None
-        expected = self.estimator.predict(num_tokens)
-        if expected is None or expected < HOLD_MIN_RATIO * self.path_s:
+        expected = self.estimator.predict(num_tokens, decode_only)
+        if expected is None or expected < max(HOLD_MIN_RATIO * self.path_s, HOLD_MIN_STEP_S):
             return None
-        lead = max(LEAD_PATHS * self.path_s, LEAD_FRACTION * expected)
+        lead = max(LEAD_PATHS * self.path_s, LEAD_FRACTION * expected, LEAD_MIN_S)
         return started_at + expected - lead

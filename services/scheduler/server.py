@@ -47,12 +47,18 @@ from shared.transport import Drain
 
 HOUSEKEEPING_S = 0.5  # longest poll: frontend liveness and drain checks run at least this often
 MIN_POLL_S = 0.002  # floor for the core's timers, so a zero timeout never spins
+HOLD_RESOLUTION_S = 0.001  # the poll's unit: a plan due within it leaves now
 
 
 def _shape(ready: WorkerReady) -> tuple[Any, ...]:
     """What a core is built for: a returning worker with the same shape continues its work."""
     return (ready.model_name, ready.num_blocks, ready.block_size, ready.max_model_len,
             ready.vocab_size, tuple(ready.eos_token_ids))  # fmt: skip
+
+
+def _decode_only(plan: StepPlan) -> bool:
+    """Every sequence decodes one token (no new sequence, no other count)."""
+    return not plan.new_seqs and not plan.counts
 
 
 @dataclass(slots=True)
@@ -132,8 +138,8 @@ class SchedulerServer:
             core_timeout = self.sched.next_timeout()
             if core_timeout is not None:
                 timeout = min(timeout, max(core_timeout, MIN_POLL_S))
-        if self._hold_until is not None:  # wake to send the held plan
-            timeout = min(timeout, max(self._hold_until - time.time(), MIN_POLL_S))
+        if self._hold_until is not None:  # wake to send the held plan (_hold_next: >= 1 ms on)
+            timeout = min(timeout, max(self._hold_until - time.time(), HOLD_RESOLUTION_S))
         return int(timeout * 1000) or 1
 
     # ---- what the frontend link asks (FrontendHost) ------------------------------------------
@@ -210,8 +216,9 @@ class SchedulerServer:
         when its plan left or when result N-1 arrived, whichever came later."""
         flight = self._in_flight[-1]
         started = max(flight.sent_at, self._last_result_at or 0.0)
-        send_at = self._dispatch.send_at(flight.plan.num_scheduled_tokens, started)
-        if send_at is None or send_at <= time.time():
+        plan = flight.plan
+        send_at = self._dispatch.send_at(plan.num_scheduled_tokens, _decode_only(plan), started)
+        if send_at is None or send_at - time.time() < HOLD_RESOLUTION_S:
             return False
         self._hold_until = send_at
         return True
@@ -245,7 +252,8 @@ class SchedulerServer:
         self._last_result_at = received_at
         self.last_step_id = result.step_id
         self._num_steps += 1
-        self._dispatch.on_result(flight.plan.num_scheduled_tokens, result.forward_s)
+        plan = flight.plan
+        self._dispatch.on_result(plan.num_scheduled_tokens, _decode_only(plan), result.forward_s)
         outputs = self.sched.update(result)
         self._update_s = time.time() - received_at
         if flight.record is not None:  # no suspects of a failed step any more
