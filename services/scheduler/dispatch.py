@@ -22,7 +22,10 @@ plan N+1 could be built:
   send cost before: arrivals after it wait one more step. `lead` = max(`LEAD_PATHS` paths,
   `LEAD_FRACTION` of the expected step): room to build and send the plan, and for the noise in
   step times, so that most held plans still reach the worker before it finishes step N.
-* **no estimate yet: send now** (today's behaviour).
+* **no estimate for this kind of step yet**: on a worker whose steps are long (some class seen
+  is long enough to hold), hold plan N+1 until result N arrives (an unknown step on a slow
+  worker: the late send costs one path once, an early one a step of TTFT for every arrival);
+  otherwise, or before any step was seen, send now.
 
 The estimate (`StepTimeEstimator`) is the median of the worker's own recent step times
 (`forward_s` of its results) among comparable steps: steps of the same kind (decodes only, or
@@ -38,6 +41,7 @@ cores, and adapts as contexts grow (old entries roll out). A class never seen ha
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 from typing import Optional
@@ -82,6 +86,10 @@ class StepTimeEstimator:
         recent = self._recent.get(size_class(num_tokens, decode_only))
         return median(recent) if recent else None
 
+    def longest(self) -> Optional[float]:
+        """The largest estimate over the classes seen; None before any step."""
+        return max((median(r) for r in self._recent.values()), default=None)
+
 
 class DispatchPolicy:
     """Decides when plan N+1 leaves while plan N is in flight (one per worker: a new core, a
@@ -107,11 +115,16 @@ class DispatchPolicy:
 
     def send_at(self, num_tokens: int, decode_only: bool, started_at: float) -> Optional[float]:
         """When plan N+1 should leave, given plan N (`num_tokens` scheduled, all decodes or
-        not) whose step began at `started_at` (time.time()); None: now."""
+        not) whose step began at `started_at` (time.time()); None: now; infinity: when result
+        N arrives."""
         if not self.enabled or self.path_s is None:
             return None
+        shortest_held = max(HOLD_MIN_RATIO * self.path_s, HOLD_MIN_STEP_S)
         expected = self.estimator.predict(num_tokens, decode_only)
-        if expected is None or expected < max(HOLD_MIN_RATIO * self.path_s, HOLD_MIN_STEP_S):
+        if expected is None:  # a step of a new kind: wait for it on a slow worker
+            longest = self.estimator.longest()
+            return math.inf if longest is not None and longest >= shortest_held else None
+        if expected < shortest_held:
             return None
         lead = max(LEAD_PATHS * self.path_s, LEAD_FRACTION * expected, LEAD_MIN_S)
         return started_at + expected - lead

@@ -90,7 +90,8 @@ class SchedulerServer:
         self._worker_lost_at: Optional[float] = None  # monotonic; None while workers are up
         self._last_result_at: Optional[float] = None
         self._dispatch = DispatchPolicy(enabled=False)  # replaced with each new core
-        self._hold_until: Optional[float] = None  # time.time() plan N+1 is held until
+        # time.time() plan N+1 is held until (infinity: until the result in flight arrives)
+        self._hold_until: Optional[float] = None
         self._update_s = 0.0  # the last result's update() (part of the scheduler's path)
         self.last_step_id = 0
         self._num_steps = 0

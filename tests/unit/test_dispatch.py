@@ -3,6 +3,8 @@ estimator and when plan N+1 leaves."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from services.scheduler.config import SchedulerConfig
@@ -93,10 +95,20 @@ def test_short_steps_send_at_once() -> None:
     assert at_floor.send_at(8, True, started_at=0.0) is not None
 
 
+def test_a_new_kind_of_step_waits_for_its_result_on_a_slow_worker_only() -> None:
+    slow = _policy(step_s=0.2, path_s=0.001)
+    assert slow.send_at(64, True, started_at=0.0) == math.inf  # an unseen size
+    assert slow.send_at(8, False, started_at=0.0) == math.inf  # an unseen kind
+    fast = _policy(step_s=0.005, path_s=0.0003)  # the simulated H200
+    assert fast.send_at(64, True, started_at=0.0) is None
+    assert fast.estimator.longest() == pytest.approx(0.005)
+    assert StepTimeEstimator().longest() is None
+
+
 def test_no_estimate_or_switched_off_sends_at_once() -> None:
-    seen = _policy(step_s=0.2, path_s=0.001)
-    assert seen.send_at(64, True, started_at=0.0) is None  # an unseen size
-    assert seen.send_at(8, False, started_at=0.0) is None  # an unseen kind
+    nothing_seen = DispatchPolicy(enabled=True)
+    nothing_seen.on_path(0.001)
+    assert nothing_seen.send_at(8, True, started_at=0.0) is None
     assert _policy(step_s=0.2, path_s=0.001, enabled=False).send_at(8, True, started_at=0.0) is None
     no_path = DispatchPolicy(enabled=True)
     no_path.on_result(8, True, 0.2)
