@@ -30,11 +30,6 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
 
-    def defer(self, new_ids: Sequence[int]) -> None:
-        """Take ids without decoding them: the next `push` decodes them with its own. For
-        requests that nobody reads until they end (not streamed, no stop strings)."""
-        self._ids.extend(new_ids)
-
     def push(self, new_ids: Sequence[int], final: bool = False) -> str:
         """New ids -> the text they complete ("" while a character is incomplete).
 

@@ -70,6 +70,15 @@ class ClientRequest:
     num_cached_tokens: int = 0
     engine: int = 0  # the engine it was sent to (index in the frontend's scheduler list)
     submit: Optional[SubmitRequest] = None  # what was sent: resubmitted if that engine is lost
+    num_ids_detokenized: int = 0  # token ids already given to the detokenizer
+    # Not streamed, no stop strings, no logprobs: nobody reads anything of it before its final
+    # output, so a token that does not end it only needs appending to `token_ids` (and
+    # `last_token_at` set). The output path (output_path.py) does that inline for every token
+    # after the first (the first sets `first_token_at` through `on_token`).
+    quiet: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.quiet = not self.stream and not self.stops.stops and self.sampling.logprobs is None
 
     def on_output(self, out: RequestOutput, now: float) -> Progress:
         """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
@@ -80,13 +89,12 @@ class ClientRequest:
             code = out.error_code or ErrorCode.WORKER_FAILED
             message = out.error_message or "the engine failed the request"
             return Progress([error_reply(code, message, self.client_id)], True, False, "error")
-        return self._advance(out.new_token_ids, out.finish_reason, out.timings, now)
+        return self._advance(out.finish_reason, out.timings, now)
 
     def on_token(self, token_id: int, logprobs: Optional[TokenLogprobs], now: float) -> Progress:
         """Apply one new token of a request that goes on (an OutputBatch column entry)."""
-        new_ids = [token_id]
-        self._take(new_ids, [logprobs] if logprobs is not None else [], now)
-        return self._advance(new_ids, None, None, now)
+        self._take([token_id], [logprobs] if logprobs is not None else [], now)
+        return self._advance(None, None, now)
 
     def _take(self, new_ids: list[int], logprobs: list[TokenLogprobs], now: float) -> None:
         if self.first_token_at is None:
@@ -97,17 +105,18 @@ class ClientRequest:
 
     def _advance(
         self,
-        new_ids: list[int],
         finish_reason: Optional[str],
         engine_timings: Optional[RequestTimings],
         now: float,
     ) -> Progress:
-        """Detokenize the new ids, look for stop strings; a chunk, or the final frames."""
+        """Detokenize the ids not detokenized yet, look for stop strings; a chunk, or the final
+        frames."""
         engine_done = finish_reason is not None
         if not engine_done and not self.stream and not self.stops.stops:
-            self.detokenizer.defer(new_ids)  # nobody reads the text before the end
-            return NOTHING_TO_SEND
+            return NOTHING_TO_SEND  # nobody reads the text before the end: the ids wait
         old_len = len(self.text)
+        new_ids = self.token_ids[self.num_ids_detokenized :]
+        self.num_ids_detokenized = len(self.token_ids)
         self.text += self.detokenizer.push(new_ids, final=engine_done)
         match = self.stops.find(self.text, old_len)
         if match is not None:

@@ -34,7 +34,8 @@ from services.tokenizer.engine_queries import (
     stats_reply,
 )
 from services.tokenizer.latency_window import LatencyWindow
-from services.tokenizer.request_state import ClientRequest, Progress, RequestTable
+from services.tokenizer.output_path import OutputPath
+from services.tokenizer.request_state import ClientRequest, RequestTable
 from services.tokenizer.router import Router
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
@@ -49,7 +50,6 @@ from shared.protocol.engine_channel import (
     OutputBatch,
     PrefixCacheReset,
     RequestRejected,
-    RequestTimings,
     StatsReply,
     SubmitRequest,
 )
@@ -60,7 +60,7 @@ from shared.transport import Drain, guarded, one_turn
 # the FrontendHello that keeps a scheduler from declaring this frontend gone.
 
 
-class FrontendServer:
+class FrontendServer(OutputPath):
     """Call `open()` (binds; raises zmq.ZMQError), then `run()` until drained.
 
     `request_drain()` only sets a flag, so it is safe from a signal handler."""
@@ -357,48 +357,6 @@ class FrontendServer:
 
     def _on_shutdown(self, link: EngineLink, msg: EngineShutdown) -> None:
         self._engine_lost(link, "scheduler_unreachable", f"the scheduler stopped: {msg.reason}")
-
-    def _on_outputs(self, link: EngineLink, batch: OutputBatch) -> None:
-        """One step's outputs: first the tokens of requests that go on, then final outputs.
-        Outputs for a request that now runs elsewhere (resubmitted) are dropped."""
-        now = time.monotonic()
-        logprobs = batch.logprobs
-        engine = link.index
-        for rid, token in zip(batch.rids, batch.token_ids, strict=True):
-            state = self._requests.get(rid)
-            if state is not None and state.engine == engine:  # else ended here already
-                lps = logprobs.get(rid) if logprobs else None
-                self._deliver(rid, state, state.on_token(token, lps, now), None, now)
-        for out in batch.finished:
-            state = self._requests.get(out.rid)
-            if state is not None and state.engine == engine:
-                self._deliver(out.rid, state, state.on_output(out, now), out.timings, now)
-
-    def _deliver(
-        self,
-        rid: str,
-        state: ClientRequest,
-        progress: Progress,
-        engine_timings: Optional[RequestTimings],
-        now: float,
-    ) -> None:
-        """Send a request's frames; when it finished here, forget it (and abort it in the
-        engine if only a stop string ended it)."""
-        if progress.finished:
-            self._forget(rid)
-            if progress.abort_in_engine:
-                self._engines[state.engine].send(encode(AbortRequest(rid, "stop_string")))
-            timings = state.timings(engine_timings, now)
-            self.log.info(
-                "request_finished", rid=rid, finish_reason=progress.finish_reason,
-                num_output_tokens=len(state.token_ids), ttft_s=timings.ttft_s,
-                tpot_s=timings.tpot_s, e2e_s=timings.e2e_s, queue_s=timings.queue_s,
-                engine=self._engines[state.engine].name,
-            )  # fmt: skip
-            self._latency.record(now, timings.ttft_s, timings.tpot_s)
-        for frame in progress.frames:
-            if not self._clients.send(state.identity, frame):
-                break
 
     def _engine_lost(self, link: EngineLink, reason: str, message: str) -> None:
         """Out of rotation; its requests that streamed nothing yet run on another ready engine,

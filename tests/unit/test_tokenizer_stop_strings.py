@@ -181,3 +181,31 @@ def test_unread_requests_detokenize_once_at_the_end_with_the_same_text() -> None
         texts.append(req.text)
         assert done["usage"]["completion_tokens"] == len(ids)
     assert texts == ["naïve café — ok ✓"] * 2
+
+
+# ---- the quiet path (services/tokenizer/output_path.py) ----------------------------------------
+
+
+def test_only_unstreamed_requests_without_stops_or_logprobs_are_quiet() -> None:
+    assert request(stream=False, stops=[]).quiet
+    assert not request(stream=True, stops=[]).quiet
+    assert not request(stream=False, stops=["x"]).quiet
+    assert not request(stream=False, stops=[], logprobs=1).quiet
+
+
+def test_tokens_appended_in_place_end_with_the_same_done_as_on_token() -> None:
+    """The output path appends a quiet request's tokens after the first in place; the final
+    output detokenizes them all at once, multi-byte characters split across tokens included."""
+    ids = TOK.encode("héllo 😀 wörld").ids
+    by_token, in_place = request(stream=False, stops=[]), request(stream=False, stops=[])
+    for i, token in enumerate(ids[:-1]):
+        assert by_token.on_token(token, None, 101.0 + i).frames == ()
+        if in_place.first_token_at is None:
+            in_place.on_token(token, None, 101.0 + i)
+        else:
+            in_place.token_ids.append(token)
+            in_place.last_token_at = 101.0 + i
+    last = RequestOutput("fe-1-0", ids[-1:], "length")
+    done = [msgpack.unpackb(r.on_output(last, 200.0).frames[0]) for r in (by_token, in_place)]
+    assert done[0] == done[1]
+    assert done[0]["text"] == "héllo 😀 wörld" and done[0]["token_ids"] == ids
