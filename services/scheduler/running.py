@@ -42,6 +42,9 @@ class RunningSet:
         # bumped whenever a request leaves the batch or is preempted: a plan built with no
         # such change before its result arrives holds only requests that go on (results.py)
         self.num_changes = 0
+        # bumped whenever a request joins or leaves the batch, is preempted, or the worker's
+        # batch is forgotten: an unchanged version keeps a steady run of decodes (steady.py)
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -59,6 +62,7 @@ class RunningSet:
         """The worker's batch is lost or unknown: the next plan resets it and sends every
         running request again, as new, from what it has computed."""
         self.worker.reset()
+        self.version += 1
         for req in self.requests.values():
             req.slot = None
             req.num_sent_blocks = 0
@@ -68,11 +72,13 @@ class RunningSet:
         req.status = RequestStatus.RUNNING
         req.prefill_len = len(req.token_ids)
         self.requests[req.rid] = req
+        self.version += 1
 
     def drop(self, req: Request) -> None:
         """Take `req` out of the batch and free its blocks (finished, aborted, batch over)."""
         del self.requests[req.rid]
         self.num_changes += 1
+        self.version += 1
         self.pool.free(req.block_ids)
         req.block_ids = []
         self.release(req)
@@ -118,6 +124,7 @@ class RunningSet:
         padding is only evicted: it keeps its slot and is never computed again."""
         step.drop(req)
         self.num_changes += 1
+        self.version += 1
         if self._register is not None and not req.padding:
             # Its KV is complete, or (a plan in flight) will be before any later plan runs:
             # the worker runs plans in order.

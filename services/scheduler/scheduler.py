@@ -29,6 +29,7 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import StepResults
 from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters, StepRecord, step_record
+from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import BuiltStep, StepBuilder
 from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
 from shared.protocol.worker_channel import StepPlan
@@ -137,6 +138,8 @@ class Scheduler(StepResults, WorkerFaults):
         requeue = self._waiting if self._rules.preempts_to_queue else None
         register = self.prefix_cache.register_computed if self._caching else None
         self._batch = RunningSet(self.pool, config.policy, requeue, register)
+        self._steady: Optional[SteadyDecodes] = None  # the steady run of decodes, if any
+        self._steady_candidate: Optional[int] = None  # batch version of an all-decode pass
 
     def after_plan(self) -> None:
         """Called once the plan has left and the step's outputs were sent, while the worker
@@ -175,6 +178,7 @@ class Scheduler(StepResults, WorkerFaults):
             return None
         self._step_id += 1
         built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
+        self._steady_built(step)
         self.counters.num_preemptions += step.num_preemptions
         for seq in built.plan.new_seqs:
             req = self._live.get(seq.rid)
@@ -210,12 +214,16 @@ class Scheduler(StepResults, WorkerFaults):
         """Every running decode gets one token; budget always suffices (config guarantees
         max_num_batched_tokens >= max_num_seqs). Only when blocks are out and nobody ranked
         below it holds any does a decode wait a step. Static padding comes after live
-        requests. Returns the running requests in prefill, in batch order."""
+        requests. Returns the running requests in prefill, in batch order.
+
+        While the batch is steady (services/scheduler/steady.py) the last step's decodes are
+        reused and only the requests due for a check are looked at."""
+        if self._steady is not None and self._steady_decodes(step, self._steady):
+            return []
         block_size = self.block_size
         padding: list[Request] = []
         prefills: list[Request] = []
         append = step.decodes.append
-        caching, grown = self._caching, self.prefix_cache.grown.append
         for req in list(self._batch.requests.values()):
             computed = req.num_computed_tokens
             if computed < req.prefill_len:
@@ -225,17 +233,72 @@ class Scheduler(StepResults, WorkerFaults):
             if req.padding:
                 padding.append(req)
                 continue
-            if computed == len(req.token_ids) and computed + 1 >= req.max_len:
-                continue  # overlap: the sample in flight is its last (length), no extra step
-            if computed >= len(req.block_ids) * block_size:  # its table is full: grow it
-                if not self._batch.grow(req, computed + 1, step):
-                    continue  # no block and nobody ranked below it to take one from: it waits
-                if caching:  # its decode-filled blocks become findable in after_plan()
-                    grown(req)
+            if (computed == len(req.token_ids) and computed + 1 >= req.max_len) or (
+                computed >= len(req.block_ids) * block_size
+            ):
+                if not self._decode_goes_on(req, step):
+                    continue
             append(req)
         for req in padding:
             self._schedule_padding(req, step)
+        self._note_steady(step, not prefills and not padding)
         return prefills
+
+    def _decode_goes_on(self, req: Request, step: StepBuilder) -> bool:
+        """The two checks of a running decode (not in prefill, not padding): False when the
+        sample in flight is its last (length: overlap gives it no extra step) or its table is
+        full and no block can be had (nobody ranked below it to take one from: it waits)."""
+        computed = req.num_computed_tokens
+        if computed == len(req.token_ids) and computed + 1 >= req.max_len:
+            return False
+        if computed >= len(req.block_ids) * self.block_size:  # its table is full: grow it
+            if not self._batch.grow(req, computed + 1, step):
+                return False
+            if self._caching:  # its decode-filled blocks become findable in after_plan()
+                self.prefix_cache.grown.append(req)
+        return True
+
+    def _steady_decodes(self, step: StepBuilder, steady: SteadyDecodes) -> bool:
+        """The steady run's step: the last step's decodes again, after checking the requests
+        due. False (nothing scheduled yet, the run over) when it cannot be reused: the batch
+        changed, or a check says a request does not compute this step."""
+        if not steady.armed or steady.version != self._batch.version:
+            self._steady = None
+            return False
+        build, due = steady.take_due()
+        for req in due:
+            if not self._decode_goes_on(req, step) or steady.version != self._batch.version:
+                self._steady = None  # a request waits or was preempted: the full pass
+                return False
+            steady.check_later(req, build)
+        step.decodes = list(steady.decodes)
+        step.steady_rids = steady.rids
+        step.grown = due
+        return True
+
+    def _steady_built(self, step: StepBuilder) -> None:
+        """The step was built: it continues the steady run if it computed the whole list with
+        the batch unchanged (a later preemption in the step, or an admission, ends the run)."""
+        steady = self._steady
+        if steady is None:
+            return
+        if steady.version == self._batch.version and len(step.decodes) == len(steady.decodes):
+            steady.built()
+        else:
+            self._steady = None
+
+    def _note_steady(self, step: StepBuilder, all_decode: bool) -> None:
+        """After a full pass: a steady run starts when this pass and the one before it
+        scheduled every running request as a decode with the batch unchanged between them
+        (not in static batching, whose finished members stay as padding)."""
+        version = self._batch.version
+        all_decode = all_decode and len(step.decodes) == len(self._batch)
+        if not all_decode or self._rules.keeps_finished_as_padding:
+            self._steady_candidate = None
+        elif self._steady_candidate != version:
+            self._steady_candidate = version  # the first such pass: the run may start next
+        else:
+            self._steady = SteadyDecodes.start(step.decodes, version, self.block_size)
 
     def _schedule_padding(self, req: Request, step: StepBuilder) -> None:
         """Static batching computes a finished member while blocks are free; never preempts."""

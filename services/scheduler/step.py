@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Optional
 
 from services.scheduler.request import Request
 from services.scheduler.worker_view import WorkerView
@@ -50,6 +51,11 @@ class StepBuilder:
         self.num_cache_queries = 0
         self.num_cache_hits = 0
         self.decodes: list[Request] = []  # batch order; append directly
+        # A steady step (services/scheduler/steady.py): `decodes` is the last step's list,
+        # `steady_rids` its rids, and only the requests in `grown` were checked (their tables
+        # may have grown); every other decode is held by the worker with its whole table.
+        self.steady_rids: Optional[list[str]] = None
+        self.grown: list[Request] = []
         # rid -> (request, num_tokens) for prefill chunks, in batch order after the decodes
         self._chunks: dict[str, tuple[Request, int]] = {}
         self._num_chunk_tokens = 0
@@ -86,7 +92,6 @@ class StepBuilder:
         A decode costs O(1) and emits nothing unless its table grew; a chunk O(1) plus, for a
         request new to the worker, a copy of its token ids and block table.
         """
-        rids: list[str] = []  # for the step record
         block_slots: list[int] = []
         block_ids: list[int] = []
         count_slots: list[int] = []
@@ -94,16 +99,14 @@ class StepBuilder:
         chunk_samplers: set[str] = set()
         new_seqs: list[NewSequence] = []
         released = worker.take_released()
-        for r in self.decodes:  # one pass: the common case of a step, hundreds of times
-            rids.append(r.rid)
-            if r.slot is None:  # resent after the worker's batch was reset
-                new_seqs.append(_new_sequence(r, worker))
-            elif len(r.block_ids) != r.num_sent_blocks:
-                added = r.block_ids[r.num_sent_blocks :]
-                block_slots.extend([r.slot] * len(added))
-                block_ids.extend(added)
-                r.num_sent_blocks = len(r.block_ids)
-            r.num_computed_tokens += 1
+        steady = self.steady_rids is not None and len(self.steady_rids) == len(self.decodes)
+        if steady:  # the last step's decodes, none dropped since: only `grown` can send blocks
+            rids = list(self.steady_rids)  # for the step record
+            _send_blocks(self.grown, block_slots, block_ids)
+            for r in self.decodes:
+                r.num_computed_tokens += 1
+        else:
+            rids = self._decode_pass(worker, new_seqs, block_slots, block_ids)
         num_tokens = [1] * len(self.decodes)
         is_prefill = [False] * len(self.decodes)
         filled: list[Request] = []
@@ -145,6 +148,28 @@ class StepBuilder:
         return BuiltStep(plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled,
                          sampled_rids, steady, filled)  # fmt: skip
 
+    def _decode_pass(
+        self,
+        worker: WorkerView,
+        new_seqs: list[NewSequence],
+        block_slots: list[int],
+        block_ids: list[int],
+    ) -> list[str]:
+        """Every decode: resent if the worker lost it, its new blocks, one more computed
+        token. Returns their rids (the step record's list starts with them)."""
+        rids: list[str] = []
+        for r in self.decodes:  # one pass: the common case of a step, hundreds of times
+            rids.append(r.rid)
+            if r.slot is None:  # resent after the worker's batch was reset
+                new_seqs.append(_new_sequence(r, worker))
+            elif len(r.block_ids) != r.num_sent_blocks:
+                added = r.block_ids[r.num_sent_blocks :]
+                block_slots.extend([r.slot] * len(added))
+                block_ids.extend(added)
+                r.num_sent_blocks = len(r.block_ids)
+            r.num_computed_tokens += 1
+        return rids
+
     def _samplers(
         self, worker: WorkerView, chunk_samplers: set[str], steady: bool
     ) -> tuple[list[Request], list[str]]:
@@ -161,6 +186,16 @@ class StepBuilder:
         samplers = {r.rid for r in self.decodes} | chunk_samplers
         sampled = [r for r in worker.order.values() if r.rid in samplers]
         return sampled, [r.rid for r in sampled]
+
+
+def _send_blocks(reqs: list[Request], block_slots: list[int], block_ids: list[int]) -> None:
+    """The blocks of `reqs` (each held by the worker) that the worker does not know yet."""
+    for r in reqs:
+        if len(r.block_ids) != r.num_sent_blocks:
+            added = r.block_ids[r.num_sent_blocks :]
+            block_slots.extend([r.slot] * len(added))
+            block_ids.extend(added)
+            r.num_sent_blocks = len(r.block_ids)
 
 
 def _new_sequence(req: Request, worker: WorkerView) -> NewSequence:
