@@ -9,8 +9,10 @@ invariants (services/scheduler/integrity.py) after every call.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.steady import SteadyTokens
 from services.scheduler.step import StepBuilder
 from shared.protocol.engine_channel import OutputBatch, RequestOutput
 from shared.protocol.errors import ErrorCode
@@ -22,6 +24,8 @@ RUNNING = RequestStatus.RUNNING
 class StepResults:
     """Mixed into Scheduler; uses its `_inflight`, `_batch`, `_live`, `_clock`, `_rules`,
     `_caching`, `prefix_cache`, `block_size` and `counters`."""
+
+    _steady_tokens: Optional[SteadyTokens]  # the steady run's fast append, if any (steady.py)
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -51,11 +55,13 @@ class StepResults:
         if len(result.token_ids) != len(flight.sampled):
             message = (f"the worker returned {len(result.token_ids)} tokens for "
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
+            self._steady_tokens = None
             failed = self._fail_missing(flight.sampled, now, message)
             return OutputBatch(result.step_id, finished=failed)
         if flight.steady_mark == self._batch.num_changes:
             ended, ends = self._apply_steady(flight.sampled, result, now)
             return self._output_batch(result, flight.sampled_rids, ends, ended)
+        self._steady_tokens = None  # tokens appended outside it
         running = RUNNING
         finished: list[RequestOutput] = []
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
@@ -85,8 +91,15 @@ class StepResults:
     ) -> tuple[list[RequestOutput], list[int]]:
         """`update` for a steady plan with no request finished, aborted or preempted since it
         was built (`InFlightStep.steady_mark`): each request runs, has its first token and is
-        not protected, so a token costs an append and the two finish checks. Returns the final
+        not protected, so a token costs an append and the two finish checks, or, while no token
+        can end a request (steady.py `SteadyTokens`), only the append. Returns the final
         outputs and their indices in the result."""
+        fast = self._steady_tokens
+        if fast is None or fast.sampled is not sampled:
+            fast = self._steady_tokens = SteadyTokens.of(sampled)
+        if fast.append_if_none_ends(result.token_ids):
+            return [], []
+        self._steady_tokens = None  # some request ends: its list changes
         ends: list[int] = []
         for i, (req, token) in enumerate(zip(sampled, result.token_ids, strict=True)):
             tokens = req.token_ids

@@ -29,7 +29,7 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.results import StepResults
 from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters, StepRecord, step_record
-from services.scheduler.steady import SteadyDecodes
+from services.scheduler.steady import SteadyDecodes, SteadyTokens
 from services.scheduler.step import BuiltStep, StepBuilder
 from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
 from shared.protocol.worker_channel import StepPlan
@@ -140,6 +140,7 @@ class Scheduler(StepResults, WorkerFaults):
         self._batch = RunningSet(self.pool, config.policy, requeue, register)
         self._steady: Optional[SteadyDecodes] = None  # the steady run of decodes, if any
         self._steady_candidate: Optional[int] = None  # batch version of an all-decode pass
+        self._steady_tokens: Optional[SteadyTokens] = None  # update()'s side of it
 
     def after_plan(self) -> None:
         """Called once the plan has left and the step's outputs were sent, while the worker

@@ -13,6 +13,7 @@ change the list (a request waits) ends the steady run: the step falls back to th
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.request import Request
@@ -62,3 +63,36 @@ class SteadyDecodes:
         """The step just built computed every request of the list."""
         self.num_builds += 1
         self.armed = True
+
+
+@dataclass(slots=True)
+class SteadyTokens:
+    """`update`'s side of a steady run: results of steady plans over one unchanged list of
+    samplers (`sampled`, the worker view's shared list), each appending one token to every one
+    of them. While no token can end a request — none is a stop id of any of them, and every
+    request has more than one token left before its length limit — a result is appended in C
+    (`list.append` mapped over the token lists), with no per-request check in Python.
+
+    Valid only while every token the samplers get comes through `StepResults._apply_steady`
+    (the general path of `update` drops it)."""
+
+    sampled: list[Request]  # the list it was made for: compared by identity
+    token_lists: list[list[int]]  # each sampler's token_ids (the same list objects)
+    stop_ids: frozenset[int]  # every sampler's stop ids together
+    min_left: int  # the fewest tokens any sampler may still append before its length limit
+
+    @classmethod
+    def of(cls, sampled: list[Request]) -> SteadyTokens:
+        token_lists = [r.token_ids for r in sampled]
+        stop_ids = frozenset().union(*(r.stop_ids for r in sampled))
+        min_left = min((r.max_len - len(r.token_ids) for r in sampled), default=0)
+        return cls(sampled, token_lists, stop_ids, min_left)
+
+    def append_if_none_ends(self, token_ids: list[int]) -> bool:
+        """Append one result's tokens (one per sampler, in order) when none of them can end its
+        request; False (nothing appended) otherwise."""
+        if self.min_left <= 1 or not self.stop_ids.isdisjoint(token_ids):
+            return False
+        deque(map(list.append, self.token_lists, token_ids), maxlen=0)
+        self.min_left -= 1
+        return True
