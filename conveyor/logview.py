@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.steplog import with_step_columns
 from shared.env import env_str
 
 ID_KEYS = ("rid", "id", "request_id", "client_id")
@@ -31,19 +32,24 @@ def add_logs_command(sub: Any) -> None:
 
 
 def read_lines(log_dir: Path) -> Iterator[dict[str, Any]]:
-    """Every JSON object line of every *.log in `log_dir` (other lines are skipped)."""
+    """Every JSON object line of every *.log in `log_dir` (other lines are skipped), step
+    lines with their per-request lists restored (conveyor/bench/steplog.py)."""
     for path in sorted(log_dir.glob("*.log")):
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.startswith("{"):
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict):
-                    record.setdefault("service", path.stem)
-                    yield record
+        yield from with_step_columns(_read_file(path))
+
+
+def _read_file(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                record.setdefault("service", path.stem)
+                yield record
 
 
 def journey(records: list[dict[str, Any]], request_id: str, steps: bool) -> list[dict[str, Any]]:

@@ -4,12 +4,14 @@ The scheduler process writes one JSON line per step to `logs/scheduler.log` with
 the fields of `services.scheduler.stats.StepRecord` (rids, is_prefill, num_running,
 num_waiting, batch_utilization, ...) plus the server's timing fields (t_plan: plan sent,
 t_result: result received, step_s, forward_s). All times are time.time() on the engine's machine,
-the same clock the benchmark client stamps its requests with.
+the same clock the benchmark client stamps its requests with. The per-request lists are written
+compactly (services/scheduler/step_log.py): `with_step_columns` restores them, reading the
+lines of one log file in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -60,8 +62,47 @@ class RequestSpans:
     idle: list[tuple[float, float]] = field(default_factory=list)  # static padding after its end
 
 
+class StepColumns:
+    """Restores the per-request lists of step lines read in file order: `rids` from the line
+    that `rids_as_step` names (the last one that wrote them), `num_tokens` and `is_prefill`
+    from `num_decodes` and `chunk_num_tokens`. Lines in the full form pass as they are."""
+
+    def __init__(self) -> None:
+        self._rids_step: Optional[int] = None
+        self._rids: list[Any] = []
+
+    def complete(self, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """`obj` with its lists (a new dict), `obj` itself if it is not a compact step line,
+        or None for a step line whose rids were written by a line not read (a cut log)."""
+        if obj.get("event") != "step" or "num_decodes" not in obj:
+            return obj
+        out = dict(obj)
+        if "rids" in obj:
+            self._rids_step, self._rids = obj.get("step_id"), obj["rids"]
+        elif obj.get("rids_as_step") == self._rids_step and self._rids_step is not None:
+            out["rids"] = self._rids
+        else:
+            return None
+        num_decodes = int(obj["num_decodes"])
+        chunks = list(obj.get("chunk_num_tokens") or [])
+        out["num_tokens"] = [1] * num_decodes + chunks
+        out["is_prefill"] = [False] * num_decodes + [True] * len(chunks)
+        return out
+
+
+def with_step_columns(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The records of one log file, in order, with every step line's per-request lists
+    (`StepColumns`); a step line whose rids cannot be restored is left out."""
+    columns = StepColumns()
+    for obj in records:
+        done = columns.complete(obj)
+        if done is not None:
+            yield done
+
+
 def parse_step_line(obj: Mapping[str, Any]) -> Optional[StepEntry]:
-    """A StepEntry from one decoded log line, or None when the line is not a step record."""
+    """A StepEntry from one decoded log line with its per-request lists (`StepColumns`), or
+    None when the line is not a step record."""
     if obj.get("event") != "step" or "rids" not in obj:
         return None
     rids = tuple(str(r) for r in obj["rids"])
@@ -94,9 +135,10 @@ def read_step_log(
     if not path.exists():
         return []
     steps = []
+    columns = StepColumns()
     with path.open("rb") as f:
         for line in f:
-            entry = _parse_bytes(line)
+            entry = _parse_bytes(line, columns)
             if entry is None:
                 continue
             if since is not None and entry.t_plan < since:
@@ -108,14 +150,17 @@ def read_step_log(
     return steps
 
 
-def _parse_bytes(line: bytes) -> Optional[StepEntry]:
+def _parse_bytes(line: bytes, columns: StepColumns) -> Optional[StepEntry]:
     if b'"step"' not in line:  # cheap filter: most lines are other events
         return None
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
         return None
-    return parse_step_line(obj) if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        return None
+    done = columns.complete(obj)
+    return parse_step_line(done) if done is not None else None
 
 
 def request_spans(

@@ -31,6 +31,7 @@ from services.scheduler.dispatch import DispatchPolicy
 from services.scheduler.frontend_link import FrontendLink
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
 from services.scheduler.stats import StepRecord
+from services.scheduler.step_log import StepLogColumns
 from services.scheduler.summary import EngineSummary
 from services.scheduler.worker_link import WorkerLink
 from shared.protocol.codec import encode
@@ -98,6 +99,7 @@ class SchedulerServer:
         self._drain = Drain(config.drain_timeout_s, log)
         self._stopped = False
         self._summary = EngineSummary(config.summary_interval_s, log)
+        self._step_columns = StepLogColumns()  # the step log's compact columns (_log_step)
         self.frontends = FrontendLink(ctx, config, self, log)
         self.workers = WorkerLink(ctx, config, self, log)  # CURVE/ZAP: see __main__
         self.poller = zmq.Poller()
@@ -268,7 +270,7 @@ class SchedulerServer:
 
     def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
         # converted once, after the next plan has left: the record is not copied on send
-        fields = flight.record.to_dict() if flight.record is not None else {}
+        fields = self._step_columns.fields(flight.record) if flight.record is not None else {}
         fields.update(
             step_id=result.step_id,
             num_seqs=flight.plan.num_seqs,

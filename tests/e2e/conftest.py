@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import pytest
 
+from conveyor.bench.steplog import with_step_columns
 from conveyor.launcher import LocalStack
 from tests.e2e.stack_tools import ENGINE_WORKER_FLAGS, engine_settings
 
@@ -39,13 +40,14 @@ class Engine:
     stack: LocalStack  # pids and settings; do not stop or break it
 
     def log_records(self, service: str) -> list[dict[str, Any]]:
-        """Every JSON line of one service's log so far."""
+        """Every JSON line of one service's log so far (step lines with their per-request
+        lists: conveyor/bench/steplog.py `with_step_columns`)."""
         path = self.log_dir / f"{service}.log"
         out = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             if line.startswith("{"):
                 out.append(json.loads(line))
-        return out
+        return list(with_step_columns(out))
 
 
 @pytest.fixture(scope="session")

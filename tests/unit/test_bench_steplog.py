@@ -19,7 +19,10 @@ from conveyor.bench.steplog import (
     request_spans,
     step_summary,
     useful_slot_fraction,
+    with_step_columns,
 )
+from services.scheduler.stats import StepRecord
+from services.scheduler.step_log import StepLogColumns
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -173,3 +176,64 @@ def write_named_log(tmp_path: Path, rids: list[str]) -> Path:
     }
     path.write_bytes(orjson.dumps(record) + b"\n")
     return path
+
+
+# ---- the compact step line (services/scheduler/step_log.py) ------------------------------------
+
+
+def _record(step_id: int, rids: list[str], chunks: list[int]) -> StepRecord:
+    """Decodes first (one token each), then prefill chunks: the order step.py builds."""
+    num_decodes = len(rids) - len(chunks)
+    return StepRecord(
+        step_id=step_id, time=1000.0 + step_id, rids=rids, num_tokens=[1] * num_decodes + chunks,
+        is_prefill=[False] * num_decodes + [True] * len(chunks),
+        num_prefill_tokens=sum(chunks), num_decode_tokens=num_decodes, num_waiting=0,
+        num_running=len(rids), batch_utilization=0.5, num_kv_blocks_used=3, num_kv_blocks_total=9,
+        num_preemptions=0, num_released=0,
+    )  # fmt: skip
+
+
+COMPACT_STEPS = [
+    (["a", "b"], [5, 3]),  # two prefill chunks
+    (["a", "b"], [2]),  # a decodes, b's last chunk
+    (["a", "b"], []),  # steady: the same rids (written once, referred to after)
+    (["a", "b"], []),
+    (["a", "c"], [4]),  # b left, c joined: written again
+    (["a", "c"], []),
+]
+
+
+def _write_compact(path: Path, skip_first: bool = False) -> list[StepRecord]:
+    columns = StepLogColumns()
+    records = [_record(i + 1, list(rids), chunks) for i, (rids, chunks) in enumerate(COMPACT_STEPS)]
+    lines = [orjson.dumps({"event": "engine_ready", "service": "scheduler"})]
+    for rec in records:
+        fields = columns.fields(rec)
+        fields.update(event="step", t_plan=rec.time, t_result=rec.time + 0.5)
+        lines.append(orjson.dumps(fields))
+    path.write_bytes(b"\n".join(lines[2:] if skip_first else lines) + b"\n")
+    return records
+
+
+def test_compact_step_lines_read_back_as_the_records(tmp_path: Path) -> None:
+    path = tmp_path / "scheduler.log"
+    records = _write_compact(path)
+    raw = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert [("rids" in r, r.get("rids_as_step")) for r in raw[1:]] == [
+        (True, None), (False, 1), (False, 1), (False, 1), (True, None), (False, 5),
+    ]  # fmt: skip
+    assert all("is_prefill" not in r and "num_tokens" not in r for r in raw)
+    steps = read_step_log(path)
+    assert [(list(s.rids), list(s.is_prefill), s.num_tokens) for s in steps] == [
+        (r.rids, r.is_prefill, sum(r.num_tokens)) for r in records
+    ]
+    completed = [r for r in with_step_columns(raw) if r.get("event") == "step"]
+    assert [(c["rids"], c["num_tokens"], c["is_prefill"]) for c in completed] == [
+        (r.rids, r.num_tokens, r.is_prefill) for r in records
+    ]
+
+
+def test_a_cut_step_log_leaves_out_lines_whose_rids_it_lost(tmp_path: Path) -> None:
+    path = tmp_path / "scheduler.log"
+    _write_compact(path, skip_first=True)  # step 1's line (which wrote a, b) is gone
+    assert [s.step_id for s in read_step_log(path)] == [5, 6]
