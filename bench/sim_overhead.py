@@ -11,11 +11,13 @@ span (first plan sent to last result received).
 
 For each N it starts a stack (tokenizer + scheduler + `--sim-device none` worker), submits N
 requests with short prompts and long outputs so that N decodes run together for hundreds of
-steps, and reads the worker's `sim_engine_gap` log lines: the time from one step's result to
-the next plan (result transport, scheduler update, next schedule, plan transport; outputs are
-routed to the tokenizer after the plan has left), and the scheduler's step log: its own side of
-that gap (result frame in -> plan frame out). With a zero-cost device the worker's gap is the
-whole step, so it is what a GPU step would have to hide. Run it on a quiet machine only
+steps, and reads the worker's `sim_engine_gap` log lines: its idle gap between steps, the time
+from one step's result to the next plan (result transport, scheduler update, next schedule,
+plan transport; outputs are routed to the tokenizer after the plan has left), and its own
+execute time per step (`exec us`); and the scheduler's step log: its own side of that gap
+(result frame in -> plan frame out). `period us` is the pipeline's step time (the engine's span
+per step). With a zero-cost device the worker's gap is the whole step, so it is what a GPU step
+would have to hide. Run it on a quiet machine only
 (docs/simulator.md); the figures go in docs/PERFORMANCE.md.
 """
 
@@ -176,6 +178,8 @@ def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> 
         "device_busy_s": round(device_s, 3),
         "engine_span_s": round(span_s, 3),
         "engine_tok_s": round(tokens / span_s, 1),
+        # the pipeline's step time: the span per step of n tokens (one per running request)
+        "period_us": round(1e6 * span_s * n / tokens, 1),
         "bound_tok_s": round(tokens / device_s, 1) if device_s > 0 else None,
         "of_bound": round(device_s / span_s, 4),
         "steps": steps,
@@ -217,6 +221,7 @@ def main(argv: list[str]) -> int:
     print(
         f"{'running':>8}{'async':>6}{'steps':>7}{'mean us':>10}{'p50 us':>9}{'p99 us':>9}"
         f"{f'of {args.gpu_step_ms:g} ms':>10}{'tok/s':>10}{'sched p50 us':>14}{'of bound':>10}"
+        f"{'exec us':>9}{'period us':>11}"
     )
     for r in results:
         print(
@@ -224,6 +229,7 @@ def main(argv: list[str]) -> int:
             f"{r['gap_mean_us']:>10.1f}{r['gap_p50_us']:>9.1f}"
             f"{r['gap_p99_us']:>9.1f}{r['fraction_of_gpu_step']:>10.1%}"
             f"{r['engine_tok_s']:>10.0f}{r['scheduler_gap_p50_us']:>14.1f}{r['of_bound']:>10.1%}"
+            f"{r['worker_execute_mean_us']:>9.1f}{r['period_us']:>11.1f}"
         )
     if args.steplog_png is not None:
         first = [r for r in results if r["running"] == sizes[0]]
