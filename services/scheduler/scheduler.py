@@ -34,6 +34,9 @@ from services.scheduler.step import BuiltStep, StepBuilder
 from shared.protocol.engine_channel import RequestOutput, RequestRejected, SubmitRequest
 from shared.protocol.worker_channel import StepPlan
 
+# full passes in a row, all decodes with the batch unchanged, before a steady run starts
+STEADY_AFTER = 4
+
 
 class Scheduler(StepResults, WorkerFaults):
     """The result path (`update()`) is in results.py, the answers to worker faults in
@@ -139,7 +142,8 @@ class Scheduler(StepResults, WorkerFaults):
         register = self.prefix_cache.register_computed if self._caching else None
         self._batch = RunningSet(self.pool, config.policy, requeue, register)
         self._steady: Optional[SteadyDecodes] = None  # the steady run of decodes, if any
-        self._steady_candidate: Optional[int] = None  # batch version of an all-decode pass
+        # (batch version, full passes in a row at it that scheduled every request as a decode)
+        self._steady_streak: tuple[Optional[int], int] = (None, 0)
         self._steady_tokens: Optional[SteadyTokens] = None  # update()'s side of it
 
     def after_plan(self) -> None:
@@ -289,16 +293,20 @@ class Scheduler(StepResults, WorkerFaults):
             self._steady = None
 
     def _note_steady(self, step: StepBuilder, all_decode: bool) -> None:
-        """After a full pass: a steady run starts when this pass and the one before it
-        scheduled every running request as a decode with the batch unchanged between them
-        (not in static batching, whose finished members stay as padding)."""
+        """After a full pass: a steady run starts once `STEADY_AFTER` passes in a row scheduled
+        every running request as a decode with the batch unchanged between them (not in static
+        batching, whose finished members stay as padding). Starting one costs a pass over the
+        batch: a batch that changes every few steps never pays it."""
         version = self._batch.version
         all_decode = all_decode and len(step.decodes) == len(self._batch)
         if not all_decode or self._rules.keeps_finished_as_padding:
-            self._steady_candidate = None
-        elif self._steady_candidate != version:
-            self._steady_candidate = version  # the first such pass: the run may start next
+            self._steady_streak = (None, 0)
+        elif self._steady_streak[0] != version:
+            self._steady_streak = (version, 1)
+        elif self._steady_streak[1] + 1 < STEADY_AFTER:
+            self._steady_streak = (version, self._steady_streak[1] + 1)
         else:
+            self._steady_streak = (None, 0)
             self._steady = SteadyDecodes.start(step.decodes, version, self.block_size)
 
     def _schedule_padding(self, req: Request, step: StepBuilder) -> None:
