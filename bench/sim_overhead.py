@@ -127,9 +127,9 @@ def _scheduler_gaps_us(log_dir: Path, n: int) -> list[float]:
     ]
 
 
-def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> dict[str, Any]:
-    """One stack with n running requests; the summary of its engine gaps at batch n."""
-    settings = StackSettings(
+def _settings(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> StackSettings:
+    """A stack of the simulated worker for n running requests, overlap on or off."""
+    return StackSettings(
         worker="sim",
         sim_device=args.sim_device,
         sim_model=args.sim_model,
@@ -147,6 +147,11 @@ def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> 
             **({"sim_num_blocks": str(args.sim_num_blocks)} if args.sim_num_blocks else {}),
         },
     )
+
+
+def measure(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -> dict[str, Any]:
+    """One stack with n running requests; the summary of its engine gaps at batch n."""
+    settings = _settings(n, args, log_root, overlap)
     sampler = None
     with LocalStack(settings) as stack:
         if args.py_spy is not None:

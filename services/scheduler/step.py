@@ -131,12 +131,8 @@ class StepBuilder:
                 filled.append(req)
             if start + n == len(req.token_ids):
                 chunk_samplers.add(req.rid)
-        if worker.num_held > len(rids):  # held requests that wait this step compute 0 tokens
-            scheduled = set(rids)
-            for req in held:
-                if req.slot is not None and req.rid not in scheduled:
-                    count_slots.append(req.slot)
-                    counts.append(0)
+        if worker.num_held > len(rids):
+            _waiting_counts(held, rids, count_slots, counts)
         plan = StepPlan(
             step_id, worker.prev_step_id, worker.num_held,
             len(self.decodes) + self._num_chunk_tokens, new_seqs, released, block_slots,
@@ -186,6 +182,17 @@ class StepBuilder:
         samplers = {r.rid for r in self.decodes} | chunk_samplers
         sampled = [r for r in worker.order.values() if r.rid in samplers]
         return sampled, [r.rid for r in sampled]
+
+
+def _waiting_counts(
+    held: Iterable[Request], rids: list[str], count_slots: list[int], counts: list[int]
+) -> None:
+    """Held requests that wait this step (not in `rids`) compute 0 tokens."""
+    scheduled = set(rids)
+    for req in held:
+        if req.slot is not None and req.rid not in scheduled:
+            count_slots.append(req.slot)
+            counts.append(0)
 
 
 def _send_blocks(reqs: list[Request], block_slots: list[int], block_ids: list[int]) -> None:
