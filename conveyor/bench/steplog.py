@@ -64,12 +64,12 @@ class RequestSpans:
 
 class StepColumns:
     """Restores the per-request lists of step lines read in file order: `rids` from the line
-    that `rids_as_step` names (the last one that wrote them), `num_tokens` and `is_prefill`
-    from `num_decodes` and `chunk_num_tokens`. Lines in the full form pass as they are."""
+    that `rids_as_step` names (the last one of the same engine that wrote them), `num_tokens`
+    and `is_prefill` from `num_decodes` and `chunk_num_tokens`. Lines in the full form pass as
+    they are. Keyed by the lines' `engine`, so the lines of several engines may be mixed."""
 
     def __init__(self) -> None:
-        self._rids_step: Optional[int] = None
-        self._rids: list[Any] = []
+        self._rids: dict[Any, tuple[Any, list[Any]]] = {}  # engine -> (step_id, rids)
 
     def complete(self, obj: dict[str, Any]) -> Optional[dict[str, Any]]:
         """`obj` with its lists (a new dict), `obj` itself if it is not a compact step line,
@@ -77,12 +77,14 @@ class StepColumns:
         if obj.get("event") != "step" or "num_decodes" not in obj:
             return obj
         out = dict(obj)
+        engine = obj.get("engine")
         if "rids" in obj:
-            self._rids_step, self._rids = obj.get("step_id"), obj["rids"]
-        elif obj.get("rids_as_step") == self._rids_step and self._rids_step is not None:
-            out["rids"] = self._rids
+            self._rids[engine] = (obj.get("step_id"), obj["rids"])
         else:
-            return None
+            step_id, rids = self._rids.get(engine, (None, []))
+            if step_id is None or obj.get("rids_as_step") != step_id:
+                return None
+            out["rids"] = rids
         num_decodes = int(obj["num_decodes"])
         chunks = list(obj.get("chunk_num_tokens") or [])
         out["num_tokens"] = [1] * num_decodes + chunks

@@ -237,3 +237,20 @@ def test_a_cut_step_log_leaves_out_lines_whose_rids_it_lost(tmp_path: Path) -> N
     path = tmp_path / "scheduler.log"
     _write_compact(path, skip_first=True)  # step 1's line (which wrote a, b) is gone
     assert [s.step_id for s in read_step_log(path)] == [5, 6]
+
+
+def test_step_lines_of_two_engines_mixed_in_one_file_keep_their_own_rids(tmp_path: Path) -> None:
+    """Two engines' lines interleaved (one stream for both): each refers to its own lines,
+    even where their step ids coincide."""
+    a, b = StepLogColumns(), StepLogColumns()
+    lines = []
+    for step_id in (1, 2, 3):
+        for engine, columns, rids in (("0", a, ["x", "y"]), ("1", b, ["z"])):
+            fields = columns.fields(_record(step_id, rids, []))
+            fields.update(event="step", engine=engine, t_plan=float(step_id))
+            lines.append(fields)
+    completed = list(with_step_columns(lines))
+    assert [(c["engine"], c["rids"]) for c in completed] == [
+        ("0", ["x", "y"]), ("1", ["z"]), ("0", ["x", "y"]), ("1", ["z"]),
+        ("0", ["x", "y"]), ("1", ["z"]),
+    ]  # fmt: skip
