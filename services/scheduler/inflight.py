@@ -7,9 +7,13 @@ exact (tested against a worker answering out of phase, tests/unit/test_async_sch
 * the worker runs plans in order, so a block freed while building plan N+1 (a preemption) or
   after result N (a finish, an abort) may be handed out again in any later plan: whatever
   still writes to it runs first;
-* a request samples into `token_ids[len(token_ids)]`; a result's token is applied only while
-  the request has computed at least that far (a preempted request restarted from 0 drops the
-  sample, and recomputes the same token: samples depend on the rid and the output index);
+* a request samples into `token_ids[len(token_ids)]`; a result's token is applied only if the
+  request was not preempted after the plan was built and has computed at least that far. A
+  preempted request drops the samples of the plans built before its preemption and recomputes
+  the same tokens (samples depend on the rid and the output index): it may be readmitted and
+  recompute past an old sample's position before that sample lands, so how far it has
+  computed alone cannot tell an old sample from a new one (a sample at index 1 from before the
+  preemption once landed as index 2 that way);
 * a request that finished at step N is in plan N+1 already: it computes one extra token, which
   result N+1 drops (the request is no longer running); its slot and blocks were released with
   the first plan built after result N. A request whose sample in flight is its last by length
@@ -37,3 +41,6 @@ class InFlightStep:
     # when it was built; None otherwise. Unchanged when its result arrives: every request in
     # it is running, has sampled before and is not protected (the fast path of `update`)
     steady_mark: Optional[int] = None
+    # the running set's `version` when it was built: a request preempted since
+    # (`Request.preempted_at_version` above it) drops this plan's sample for it
+    version: int = 0

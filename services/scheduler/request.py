@@ -45,6 +45,9 @@ class Request:
     protected: bool = False  # just resumed after preemption: not the next victim
     padding: bool = False  # static batching: finished, but keeps its slot and is still computed
     preempted_at_step: Optional[int] = None  # the schedule() round that preempted it
+    # RunningSet.version right after its latest preemption: a sample of a plan built before
+    # it (InFlightStep.version lower) is stale, whatever the request has recomputed since
+    preempted_at_version: Optional[int] = None
     num_preemptions: int = 0
     num_worker_retries: int = 0  # times it restarted because the worker was lost
     # prefix caching: content keys of its full blocks (tokens only decide them, so they are

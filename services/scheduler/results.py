@@ -67,8 +67,12 @@ class StepResults:
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
         for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
             # A sample lands at len(token_ids) while the request has computed that far (with a
-            # plan in flight behind this one, one further): else it was preempted meanwhile.
-            if req.num_computed_tokens >= len(req.token_ids):
+            # plan in flight behind this one, one further) and was not preempted since the plan
+            # was built (inflight.py): else it is recomputed.
+            preempted = req.preempted_at_version
+            if req.num_computed_tokens >= len(req.token_ids) and (
+                preempted is None or preempted <= flight.version
+            ):
                 tokens = req.token_ids
                 if req.status is running:
                     tokens.append(token)

@@ -137,6 +137,7 @@ class RunningSet:
         step.num_preemptions += 1
         req.num_preemptions += 1
         req.preempted_at_step = self.round
+        req.preempted_at_version = self.version
         req.protected = True  # until it samples again: not the next victim
         if self.requeue is not None:
             del self.requests[req.rid]

@@ -194,7 +194,8 @@ class Scheduler(StepResults, WorkerFaults):
         steady = steady and not self._rules.keeps_finished_as_padding
         mark = self._batch.num_changes if steady else None
         self._inflight.append(InFlightStep(self._step_id, built.rids, built.sampled,
-                                           built.sampled_rids, built.filled, mark))  # fmt: skip
+                                           built.sampled_rids, built.filled, mark,
+                                           self._batch.version))  # fmt: skip
         self._record_step(built, step, now)
         return built.plan
 

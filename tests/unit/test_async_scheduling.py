@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from test_scheduler_properties import (
     EOS,
@@ -67,7 +67,36 @@ def _run_out_of_phase(
     return run, admitted
 
 
+def _arrival(step: int, max_tokens: int, priority: int) -> Arrival:
+    return Arrival(step, 1, max_tokens, priority, False, None, False)
+
+
+# Found by hypothesis: r5 is preempted with its first sample in flight and readmitted at once,
+# twice; its old sample (index 1, from before the second preemption) lands after the second
+# readmission has recomputed past it and was once taken for index 2.
+_TWICE_READMITTED = dict(
+    config=SchedulerConfig(
+        max_num_seqs=1,
+        max_num_batched_tokens=2,
+        chunk_size=2,
+        max_waiting=5,
+        policy="priority",
+        watermark=0.0,
+        batch_timeout=0.0,
+        max_wait=0.05,
+    ),  # fmt: skip
+    caching=False,
+    num_blocks=3,
+    block_size=1,
+    max_model_len=4,
+    workload=[_arrival(0, 1, 0)] * 4
+    + [_arrival(3, 1, 1), _arrival(6, 2, 0), _arrival(0, 1, 0), _arrival(1, 2, 1)],
+    phases=[True],
+)
+
+
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(**_TWICE_READMITTED)
 @given(
     config=configs(),
     caching=st.booleans(),
