@@ -133,12 +133,13 @@ def test_shared_prefix_batch_matches_caching_off_cold_and_warm(
         assert cold[i].token_ids == off[i].token_ids, f"cold prompt {i} differs from caching off"
         assert warm[i].token_ids == off[i].token_ids, f"warm prompt {i} differs from caching off"
         assert off[i].usage["num_cached_tokens"] == 0
-        # the cold batch: the first request scheduled computes the prefix, later ones may hit
+        # the cold batch: the first request scheduled computes the prefix, later ones may hit.
+        # Whether one does depends on timing: the prefix is findable once the step computing it
+        # has completed, and with overlap the next plan may be built before that result lands,
+        # so the cold batch asserts only what each request reports (the warm one asserts hits).
         assert cold[i].usage["num_cached_tokens"] in (0, shared)
         # warmed by the same prompt: every whole block but the last token's
         assert warm[i].usage["num_cached_tokens"] == bs * ((len(prompt) - 1) // bs)
-    # the budget (256 tokens) cannot admit all three ~215-token prompts in one step: some hit
-    assert any(c.usage["num_cached_tokens"] == shared for c in cold)
     for i, prompt in enumerate(prompts):
         for run, name in ((cold, "cold"), (warm, "warm")):
             computed = _prefill_tokens(engine, f"{name}-{tag}-{i}")
