@@ -3,6 +3,14 @@
     connect (DEALER, identity "worker-<rank>") -> send WorkerReady
     loop: StepPlan -> runner.execute -> StepResult (rank 0 only), until WorkerShutdown
 
+Pipelined (`pipeline=True`, a runner with launch/finish/discard: the real worker with
+`pipeline_steps` on): a plan is launched (queued on the device), and its result is sent when
+the next plan has been launched behind it, or at once when no plan is waiting by the time the
+device has finished it. Results leave in plan order; so the device gets step N+1 before the
+worker waits for step N's tokens. A plan refused while step N is in flight is answered after
+step N's result; a step N whose tokens cannot be landed fails, and so does step N+1 launched
+on it (discarded, never reported as computed): the scheduler then sends a reset plan.
+
 Liveness: both ends of the worker socket enable ZeroMQ's own heartbeats (shared/transport.py
 `set_heartbeat`). libzmq answers them on its I/O thread, which needs no GIL, so a worker busy in
 a long forward pass stays "alive", while a killed, crashed or stopped process drops its
@@ -23,8 +31,9 @@ Idle for `POLL_MS` after steps, the loop trims the heap (shared/heap.py): RSS st
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -60,6 +69,25 @@ class StepRunner(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+class Launched(Protocol):
+    """A step a PipelinedRunner launched: its id, and whether finishing it would wait."""
+
+    @property
+    def step_id(self) -> int: ...
+
+    def device_done(self) -> bool: ...
+
+
+class PipelinedRunner(StepRunner, Protocol):
+    """A runner that can launch step N+1 before finishing step N (services/worker/runner.py)."""
+
+    def launch(self, plan: StepPlan) -> Launched: ...
+
+    def finish(self, launched: Any) -> StepResult: ...
+
+    def discard(self, launched: Any) -> None: ...
+
+
 def worker_identity(rank: int) -> bytes:
     """Routing identity of a rank's socket (the scheduler addresses plans with it)."""
     return f"worker-{rank}".encode()
@@ -77,6 +105,7 @@ def serve_worker(
     context: Optional[zmq.Context] = None,
     curve_keys: Optional[Path] = None,
     trim_heap_when_idle: Optional[bool] = None,
+    pipeline: bool = False,
 ) -> int:
     """Serve plans from the scheduler at `plan_address` until WorkerShutdown or `stop` is set.
 
@@ -85,7 +114,8 @@ def serve_worker(
     is created after WorkerReady is sent (container healthchecks look at it). `curve_keys`: a
     `conveyor keys generate` folder; the connection is CURVE with its worker key pair (raises
     ValueError on bad key files). `trim_heap_when_idle` (default CONVEYOR_HEAP_TRIM, on): see
-    shared/heap.py.
+    shared/heap.py. `pipeline`: launch plan N+1 before finishing step N (the runner must be a
+    PipelinedRunner; see the module docstring).
     """
     trim = env_bool("HEAP_TRIM", True) if trim_heap_when_idle is None else trim_heap_when_idle
     ctx = context or zmq.Context.instance()
@@ -104,8 +134,17 @@ def serve_worker(
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(plan_address)
     greeter = _Greeter(runner, rank, plan_address, log, ready_file)
+
+    def send(msg: Any) -> None:
+        sock.send(encode(msg))
+
+    steps = (
+        PipelinedSteps(send, cast(PipelinedRunner, runner), log)
+        if pipeline
+        else Steps(send, runner, rank, log)
+    )
     try:
-        return _serve_loop(sock, monitor, greeter, runner, rank, log, stop, max_frame_bytes, trim)
+        return _serve_loop(sock, monitor, greeter, steps, log, stop, max_frame_bytes, trim)
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
@@ -149,8 +188,7 @@ def _serve_loop(
     sock: zmq.Socket,
     monitor: zmq.Socket,
     greeter: _Greeter,
-    runner: StepRunner,
-    rank: int,
+    steps: Steps,
     log: Any,
     stop: Optional[threading.Event],
     max_frame_bytes: Optional[int],
@@ -163,19 +201,20 @@ def _serve_loop(
     trimmed_at = 0  # num_steps when the heap was last trimmed
     seq_log = _SequenceLog(log)
     while stop is None or not stop.is_set():
-        events = dict(poller.poll(POLL_MS))
-        if trim and not events and num_steps != trimmed_at:  # idle after steps: pages to the OS
-            trimmed_at = num_steps
+        events = dict(poller.poll(steps.wait_ms()))
+        if trim and not events and num_steps != trimmed_at and steps.idle():
+            trimmed_at = num_steps  # idle after steps: pages to the OS
             trim_heap()
         if monitor in events:
             greeter.on_monitor(sock, monitor)
         if sock not in events:
+            steps.on_quiet()  # no plan behind the launched step: its result goes now
             continue
         frame = sock.recv()
         outcome = guarded(
             log,
             "worker_message_failed",
-            lambda f: _on_frame(sock, runner, rank, log, f, max_frame_bytes, seq_log),
+            lambda f: _on_frame(sock, steps, log, f, max_frame_bytes, seq_log),
             frame,
             lambda exc: _send_failure(
                 sock, ErrorCode.INTERNAL, f"worker error: {type(exc).__name__}"
@@ -188,6 +227,7 @@ def _serve_loop(
             log.error("worker_group_lost", num_steps=num_steps, exit_code=EXIT_GROUP_LOST)
             return EXIT_GROUP_LOST
         num_steps += outcome == "step"
+    steps.flush()
     log.info("worker_stopped", reason="signal", num_steps=num_steps)
     return 0
 
@@ -198,37 +238,132 @@ def _send_failure(sock: zmq.Socket, code: str, message: str) -> None:
 
 def _on_frame(
     sock: zmq.Socket,
-    runner: StepRunner,
-    rank: int,
+    steps: Steps,
     log: Any,
     frame: bytes,
     max_frame_bytes: Optional[int],
     seq_log: _SequenceLog,
 ) -> str:
     """One frame from the scheduler, answered: "step" (a plan ran), "shutdown", "group_lost"
-    (this rank must exit for its group to restart) or "other"."""
+    (this rank must exit for its group to restart) or "other". Anything but a plan first sends
+    the result of a step still in flight, so answers keep the order of the frames."""
     try:
         msg = decode(frame, max_size=max_frame_bytes)
     except DecodeError as exc:
+        steps.flush()
         log.error("bad_frame", code=exc.code, message=exc.message)
         sock.send(encode(WorkerFailure(step_id=None, code=exc.code, message=exc.message)))
         return "other"
+    if isinstance(msg, StepPlan):
+        seq_log.on_plan(msg)
+        return steps.on_plan(msg)
+    steps.flush()
     if isinstance(msg, WorkerShutdown):
         log.info("worker_shutdown_asked", reason=msg.reason, restart=msg.restart)
         return "group_lost" if msg.restart else "shutdown"
-    if not isinstance(msg, StepPlan):
-        message = f"unexpected message {type(msg).__name__} on the worker channel"
-        log.error("bad_message", message=message)
-        sock.send(encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message)))
-        return "other"
-    seq_log.on_plan(msg)
-    reply, fatal = _run_step(runner, msg, log)
-    if fatal:  # no WorkerFailure: the exit itself tells the scheduler (its requests are retried)
-        return "group_lost"
-    # Only rank 0 answers with results; every rank reports its own failures.
-    if rank == 0 or isinstance(reply, WorkerFailure):
-        sock.send(encode(reply))
-    return "step"
+    message = f"unexpected message {type(msg).__name__} on the worker channel"
+    log.error("bad_message", message=message)
+    sock.send(encode(WorkerFailure(step_id=None, code=ErrorCode.UNKNOWN_TYPE, message=message)))
+    return "other"
+
+
+class Steps:
+    """Runs each plan to its result at once (`runner.execute`); `send` gets each answer
+    (a StepResult or a WorkerFailure), in plan order."""
+
+    def __init__(
+        self, send: Callable[[Any], None], runner: StepRunner, rank: int, log: Any
+    ) -> None:
+        self._send = send
+        self._runner = runner
+        self._rank = rank
+        self._log = log
+
+    def on_plan(self, plan: StepPlan) -> str:
+        """Run one plan and answer it: "step", or "group_lost" when its failure is fatal."""
+        reply, fatal = _run_step(self._runner, plan, self._log)
+        if fatal:  # no WorkerFailure: the exit itself tells the scheduler (requests are retried)
+            return "group_lost"
+        # Only rank 0 answers with results; every rank reports its own failures.
+        if self._rank == 0 or isinstance(reply, WorkerFailure):
+            self._send(reply)
+        return "step"
+
+    def wait_ms(self) -> int:
+        """How long the loop may wait for the next frame."""
+        return POLL_MS
+
+    def idle(self) -> bool:
+        """No step in flight."""
+        return True
+
+    def on_quiet(self) -> None:
+        """The loop's wait ended without a frame."""
+
+    def flush(self) -> None:
+        """Send what is still owed (before any other answer, and on exit)."""
+
+
+class PipelinedSteps(Steps):
+    """Keeps one launched step in flight: its result is sent once the next plan is launched
+    behind it, or once the device is done with it and no plan is waiting. One rank only
+    (`pipeline_steps` refuses tensor parallelism), so rank 0 answers everything."""
+
+    WAIT_MS = 1  # poll step while the device runs the launched step: how late its result may go
+
+    def __init__(self, send: Callable[[Any], None], runner: PipelinedRunner, log: Any) -> None:
+        super().__init__(send, runner, 0, log)
+        self._pipe = runner
+        self._pending: Optional[Launched] = None
+
+    def on_plan(self, plan: StepPlan) -> str:
+        """Launch the plan, then answer the step launched before it (if any)."""
+        prev, self._pending = self._pending, None
+        try:
+            launched = self._pipe.launch(plan)
+        except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
+            if prev is not None:
+                self._finish(prev)  # step N's result (or failure) first
+            return self._fail(plan.step_id, exc)
+        if prev is not None and not self._finish(prev):
+            self._pipe.discard(launched)  # it read step N's tokens: nothing of it is reported
+            why = RuntimeError(f"step {plan.step_id} was launched on failed step {prev.step_id}")
+            return self._fail(plan.step_id, why)
+        self._pending = launched
+        return "step"
+
+    def wait_ms(self) -> int:
+        if self._pending is None:
+            return POLL_MS
+        return 0 if self._pending.device_done() else self.WAIT_MS
+
+    def idle(self) -> bool:
+        return self._pending is None
+
+    def on_quiet(self) -> None:
+        if self._pending is not None and self._pending.device_done():
+            self.flush()
+
+    def flush(self) -> None:
+        prev, self._pending = self._pending, None
+        if prev is not None:
+            self._finish(prev)
+
+    def _finish(self, launched: Launched) -> bool:
+        """Send a launched step's result, or its failure; whether it succeeded."""
+        try:
+            result = self._pipe.finish(launched)
+        except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
+            self._fail(launched.step_id, exc)
+            return False
+        self._send(result)
+        return True
+
+    def _fail(self, step_id: int, exc: Exception) -> str:
+        self._log.error("step_failed", step_id=step_id, error=repr(exc))
+        failure = WorkerFailure(step_id=step_id, code=ErrorCode.WORKER_FAILED, message=repr(exc))
+        self._send(failure)
+        return "group_lost" if isinstance(exc, FatalWorkerError) else "step"
 
 
 class _SequenceLog:

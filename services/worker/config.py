@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from shared.env import env_str
 from shared.model_files import prepare_model, read_config
@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 # measured once per machine (services/worker/dtype_probe.py): flag names cannot tell, and the
 # gap is large both ways (AVX2-only EPYC: bf16 ~5x slower; AMX Xeon: bf16 ~6x faster).
 DEFAULT_DTYPE = "auto"
+PIPELINE_MODES = ("auto", "on", "off")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small on a 24 GiB host
 
 
@@ -29,6 +30,11 @@ class WorkerConfig:
     # auto: triton on CUDA; on CPU the C++ extension ("cpu"), torch when it cannot be built
     attention_backend: str = "auto"
     num_threads: Optional[int] = None  # torch intra-op threads; None: torch's, capped at the CPUs
+    # Launch step N+1 before step N's sampled tokens reach the host (its decodes read them on
+    # the device; shared/worker_server.py). "auto": on CUDA with one rank. On a CPU the launch
+    # is the compute itself, so "on" only delays each result by a step (tests force it there);
+    # tensor parallelism refuses "on" (rank 0 broadcasts host tokens every step).
+    pipeline_steps: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +60,24 @@ class WorkerConfig:
             raise ValueError(f"max_model_len must be an integer > 0, got {self.max_model_len!r}")
         if self.num_threads is not None and not _pos_int(self.num_threads):
             raise ValueError(f"num_threads must be an integer > 0, got {self.num_threads!r}")
+        if self.pipeline_steps not in PIPELINE_MODES:
+            raise ValueError(
+                f"pipeline_steps must be one of {', '.join(PIPELINE_MODES)}, "
+                f"got {self.pipeline_steps!r}"
+            )
+
+
+def pipelines_steps(config: WorkerConfig, world_size: int) -> bool:
+    """Whether the worker launches step N+1 before step N's tokens land (`pipeline_steps`):
+    "auto" on a CUDA device with one rank. ValueError for "on" with several ranks."""
+    if config.pipeline_steps == "on" and world_size > 1:
+        raise ValueError(
+            "pipeline_steps=on needs a single rank: with tensor parallelism rank 0 shares each "
+            "step's tokens from the host (use auto or off)"
+        )
+    if config.pipeline_steps == "auto":
+        return config.device.startswith("cuda") and world_size == 1
+    return config.pipeline_steps == "on"
 
 
 def resolve_dtype(config: WorkerConfig) -> Optional[str]:

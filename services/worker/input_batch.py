@@ -66,13 +66,23 @@ class InputBatch:
             tables[b, : len(row)] = row
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         sample_rows = qsl[1:] - 1 if every_row else qsl[1:][np.asarray(step.sample, dtype=bool)] - 1
-        dev = self.device
+        up = self.upload
         return StepTensors(
-            input_ids=torch.tensor(step.token_ids(), dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            logits_indices=torch.from_numpy(sample_rows).to(dev),
+            input_ids=up(torch.tensor(step.token_ids(), dtype=torch.int64)),
+            positions=up(torch.from_numpy(positions)),
+            query_start_loc=up(torch.from_numpy(qsl.astype(np.int32))),
+            seq_lens=up(torch.from_numpy(seq_lens.astype(np.int32))),
+            block_tables=up(torch.from_numpy(tables.astype(np.int32))),
+            slot_mapping=up(torch.from_numpy(slots)),
+            logits_indices=up(torch.from_numpy(sample_rows)),
         )
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor onto the step's device. On CUDA through pinned memory, non-blocking: a
+        plain copy would wait for every kernel queued before it (step N still running when
+        step N+1's inputs are built); the copy is ordered on the stream before the kernels that
+        read it, and the pinned buffer is not reused before it is done (torch's host allocator
+        records the copy). On the CPU the tensor itself."""
+        if self.device == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

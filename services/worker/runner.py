@@ -4,6 +4,10 @@ Start: resolve and (once) convert the model, load weights, size and allocate the
 Step: apply the plan to the persistent batch, build flat tensors, run one forward over the mixed
 batch, sample at the rows that asked, return a StepResult.
 
+Pipelined (`pipeline_steps`, pipeline.py): `launch` does a step up to sampling without waiting
+for its tokens on the host, `finish` lands them and builds the StepResult; the worker loop
+launches step N+1 between the two, its decodes reading step N's tokens on the device.
+
 Tensor parallel (parallel.py): every rank runs every plan on its shard; rank 0 samples from the
 gathered logits and broadcasts the tokens, so every rank records them. A failure once the
 forward has started leaves the group out of step: it is fatal (FatalWorkerError), the process
@@ -21,7 +25,13 @@ from typing import Any, Optional
 import structlog
 import torch
 
-from services.worker.config import ParallelConfig, WorkerConfig, check_divides, resolve_dtype
+from services.worker.config import (
+    ParallelConfig,
+    WorkerConfig,
+    check_divides,
+    pipelines_steps,
+    resolve_dtype,
+)
 from services.worker.dtype_probe import resolve_auto_dtype
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
@@ -29,9 +39,16 @@ from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
 from services.worker.parallel import Group, agree_dtype, join_group
-from services.worker.sampler import SampleRow, sample
+from services.worker.pipeline import (
+    PENDING_TOKEN,
+    LaunchedStep,
+    copy_to_host,
+    device_rows,
+    land,
+)
+from services.worker.sampler import SampleRow, is_plain_greedy, reads_history, sample
 from services.worker.weights import ModelArgs, load_weights, model_args
-from shared.held_batch import ExpandedStep, HeldBatch
+from shared.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from shared.model_files import eos_token_ids, model_name, prepare_model
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 from shared.worker_server import FatalWorkerError
@@ -100,6 +117,7 @@ class ModelRunner:
         a, world = self.args, self.parallel.world_size
         check_divides(world, a.num_heads, a.num_kv_heads, a.intermediate_size)
         self.max_model_len = self._max_model_len(config, self.args)
+        self.pipelining = pipelines_steps(config, world)  # before joining: fail fast
         self.group: Group = join_group(self.parallel, config.device)
         # None: torch's default (which honours OMP_NUM_THREADS), capped at this rank's share
         # of the CPUs (ranks on one host split its cores)
@@ -124,6 +142,9 @@ class ModelRunner:
         self.kv_cache = KVCache(local, num_blocks, config.block_size, self.dtype, config.device)
         self.batch = InputBatch(config.block_size, num_blocks, self.max_model_len, config.device)
         self.last_tool_step: Optional[ExpandedStep] = None  # compute_logits' last plan
+        # the last step launched (pipelined), while its tokens may still be only on the device
+        self._last_launch: Optional[LaunchedStep] = None
+        self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
 
@@ -177,6 +198,7 @@ class ModelRunner:
         tensor-parallel group fails after the forward started. Any failure leaves the batch
         needing a reset plan."""
         start = time.perf_counter()
+        self._land_launched()
         try:
             step = self.batch.apply_plan(plan)
             if not step.seqs:
@@ -205,6 +227,7 @@ class ModelRunner:
         ranks other than 0). For tests and tools; the batch moves the same way (histories
         excepted: a decode of a sequence after it needs a token, so only chunks of known tokens
         may follow, unless `record_tokens` gives every rank the chosen tokens)."""
+        self._land_launched()
         step = self.batch.apply_plan(plan)
         self.last_tool_step = step
         tensors = self.batch.tensors(step, every_row=True)
@@ -218,11 +241,8 @@ class ModelRunner:
             raise ValueError("record_tokens() without a compute_logits() before it")
         HeldBatch.record_samples(self.last_tool_step.sampled(), token_ids)
 
-    def _finish(
-        self, step: ExpandedStep, logits: Optional[torch.Tensor], start: float
-    ) -> StepResult:
-        sampled = step.sampled()
-        rows = [
+    def _sample_rows(self, sampled: list[HeldSeq]) -> list[SampleRow]:
+        return [
             SampleRow(
                 params=s.sampling,
                 seed=self.batch.seed(s),
@@ -232,6 +252,12 @@ class ModelRunner:
             )
             for s in sampled
         ]
+
+    def _finish(
+        self, step: ExpandedStep, logits: Optional[torch.Tensor], start: float
+    ) -> StepResult:
+        sampled = step.sampled()
+        rows = self._sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
         if rows and logits is not None:  # rank 0 samples
@@ -248,3 +274,103 @@ class ModelRunner:
             logprobs=lp,
             forward_s=time.perf_counter() - start,
         )
+
+    # --- pipelined steps (`pipeline_steps`; the loop in shared/worker_server.py) ----------------
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Apply the plan, build the inputs, queue the forward and the sampling; the tokens stay
+        on the device (greedy rows) and are copied to the host without waiting. Called once
+        per plan, in order; a step launched before may still be unfinished (its decodes read its
+        tokens on the device). Raises like `execute` (the batch then needs a reset plan); the
+        step launched before stays finishable."""
+        if not self.pipelining:
+            raise ValueError("launch() needs pipeline_steps on (this runner executes steps)")
+        start = time.perf_counter()
+        try:
+            step = self.batch.apply_plan(plan)
+            launched = self._launch(step, start)
+        except BaseException:
+            self.batch.held.fail()
+            raise
+        self._last_launch = launched
+        return launched
+
+    def _launch(self, step: ExpandedStep, start: float) -> LaunchedStep:
+        sampled = step.sampled()
+        rows = self._sample_rows(sampled)
+        prev = self._last_launch
+        on_device = all(is_plain_greedy(r.params) for r in rows)
+        if prev is not None and any(reads_history(r.params) for r in rows):
+            land(prev)  # penalties read the histories: step N's tokens must be in them
+        if not step.seqs:
+            empty = torch.empty(0, dtype=torch.int64)
+            return LaunchedStep(step, [], [], start, None, empty, None, [], token_ids=[])
+        tensors = self.batch.tensors(step)
+        if prev is not None and prev.token_ids is None:
+            where, src = device_rows(step, prev)
+            if where and prev.device_tokens is not None:
+                # the decodes of step N's samples: their tokens never left the device
+                up = self.batch.upload
+                from_prev = prev.device_tokens[up(torch.tensor(src))]
+                tensors.input_ids[up(torch.tensor(where))] = from_prev
+                self.num_device_inputs += len(where)
+        logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V]
+        if not rows:
+            empty = torch.empty(0, dtype=torch.int64)
+            return LaunchedStep(step, [], [], start, None, empty, None, [], token_ids=[])
+        if logits is None:
+            raise FatalWorkerError("pipelined step without logits (several ranks)")
+        if on_device:
+            tokens = logits.argmax(dim=1)  # [S] int64, on the device
+            host, ready = copy_to_host(tokens)
+            for seq in sampled:
+                seq.token_ids.append(PENDING_TOKEN)  # written by land()
+            positions = [len(seq.token_ids) - 1 for seq in sampled]
+            return LaunchedStep(step, sampled, positions, start, tokens, host, ready,
+                                [None] * len(rows))  # fmt: skip
+        # the host path (seeded draws, logprobs, penalties): it waits for this step's logits,
+        # so the next step is not built while this one runs; its tokens land at once
+        token_ids, logprobs = sample(logits, rows)
+        HeldBatch.record_samples(sampled, token_ids)
+        positions = [len(seq.token_ids) - 1 for seq in sampled]
+        host = torch.tensor(token_ids, dtype=torch.int64)
+        return LaunchedStep(step, sampled, positions, start, None, host, None, logprobs,
+                            token_ids=token_ids)  # fmt: skip
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Land a launched step's tokens (waits for the device) and build its StepResult.
+        Called once per launched step, in launch order (step N after step N+1's launch, or at
+        once). Raises when its tokens cannot be brought back: the batch then needs a reset
+        plan, and a step launched after it must be `discard`ed."""
+        try:
+            token_ids = land(launched)
+        except BaseException:
+            self.batch.held.fail()
+            raise
+        if self._last_launch is launched:
+            self._last_launch = None  # its tokens are in the histories: the next step reads them
+        lp: dict[str, TokenLogprobs] = {
+            s.rid: entry
+            for s, entry in zip(launched.sampled, launched.logprobs, strict=True)
+            if entry is not None
+        }
+        return StepResult(
+            step_id=launched.step_id,
+            token_ids=token_ids,  # in batch order: the scheduler maps them by position
+            logprobs=lp,
+            forward_s=time.perf_counter() - launched.start,
+        )
+
+    def discard(self, launched: LaunchedStep) -> None:
+        """Drop a launched step that read a failed step's tokens: nothing of it is reported,
+        and the batch needs a reset plan (which drops the histories it extended)."""
+        self.batch.held.fail()
+        if self._last_launch is launched:
+            self._last_launch = None
+
+    def _land_launched(self) -> None:
+        """Before a synchronous step or tool call: land a launched step still in flight."""
+        if self._last_launch is not None:
+            land(self._last_launch)
+            self._last_launch = None

@@ -113,6 +113,15 @@ def draw(filtered: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return idx.clamp_(max=filtered.shape[1] - 1)
 
 
+def reads_history(params: SamplingParams) -> bool:
+    """Whether sampling reads the token history (penalties), not just the logits and (seed, n)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that reads or changes the distribution: argmax alone decides."""
     return (

@@ -59,6 +59,7 @@ def run_worker(
         return EXIT_GROUP_LOST
     if stop.is_set():
         return 0
+    log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
     code = serve_worker(
         runner,
         plan_address,
@@ -68,6 +69,7 @@ def run_worker(
         ready_file=ready_file,
         max_frame_bytes=max_frame_bytes,
         curve_keys=curve_keys,
+        pipeline=runner.pipelining,
     )
     if code == 0:  # a broken group is not torn down: a collective on it could block
         runner.close()
