@@ -10,7 +10,8 @@ Stages, each a child process with its own time limit inside one overall limit (d
    same plans (bench/gpu_e2e_correct.py);
 5. `serve_*`: `conveyor up --device cuda` + `conveyor bench` bursts per model
    (bench/gpu_e2e_serve.py); `hf_static`: the same bursts through transformers' static
-   `generate()` (bench/gpu_e2e_hf.py);
+   `generate()` (bench/gpu_e2e_hf.py); last, `serve_smollm2-pipeline-off`: burst 256 again
+   with the worker's step pipelining off (throughput and device idle, off against on);
 6. the report: `$OUT/gpu_e2e.json` (every stage, `ok` each), `gpu_e2e.md` (the table),
    `gpu_e2e.log` (every child's output), `gpu_check.json`, `logs.tar.gz` (the services' logs).
 
@@ -212,6 +213,15 @@ def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage
             "--log-dir", work / f"logs-{kind}",
         )  # fmt: skip
         runs += ["--run", kind, models / kind, served.bursts, served.scale]
+        if served.pipeline_off_bursts is not None:
+            name = f"serve_{kind}-pipeline-off"
+            stages[name] = helper(
+                name, "bench.gpu_e2e_serve", served.serve_limit_s, work,
+                "--model", models / kind, "--device", plan.device, "--dtype", plan.dtype,
+                "--bursts", served.pipeline_off_bursts, "--scale", served.scale,
+                *served.serve_args, "--pipeline-steps", "off",
+                "--log-dir", work / f"logs-{kind}-pipeline-off",
+            )  # fmt: skip
     stages["hf_static"] = helper("hf_static", "bench.gpu_e2e_hf", limits["hf_static"], work,
                                  *runs, "--device", plan.device, "--dtype", plan.dtype)  # fmt: skip
     return stages
@@ -232,6 +242,11 @@ def run_all(runner: Runner, stages: dict[str, Stage], plan: Plan) -> None:
             stages[f"serve_{kind}"].argv.append("--no-gateway")
         later.append(stages[f"serve_{kind}"])
     later.append(stages["hf_static"])  # after the stacks: the GPU is free of their KV caches
+    # the pipelining comparison last: the overall deadline trims it before anything else
+    for name in [n for n in stages if n.endswith("-pipeline-off")]:
+        if not gateway:
+            stages[name].argv.append("--no-gateway")
+        later.append(stages[name])
     if plan.parallel:
         runner.run(*later)
     else:

@@ -13,6 +13,7 @@ requests sent at once, EOS ignored, the same requests for the engine and for tra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Served:
     scale: float  # workload length scale
     serve_args: tuple[str, ...]  # extra bench/gpu_e2e_serve.py flags
     serve_limit_s: float
+    # bursts to serve again with the worker's step pipelining off (stage
+    # `serve_<kind>-pipeline-off`, run last): throughput and device idle time, off against on
+    pipeline_off_bursts: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ DEVICE = Plan(
             0.5,
             _serve_args("8GiB", 512, 8192, 512, 32, 0.1, 90),
             serve_limit_s=75.0,
+            # the smallest model has the shortest device steps: the host's share is largest
+            pipeline_off_bursts="256",
         ),
         # ~12 GiB of KV at 1,024 x 384 tokens (32 KiB per token in bf16)
         "llama-1b": Served(

@@ -12,7 +12,10 @@ Per burst it records the bench figures (output tok/s, TTFT/TPOT/ITL percentiles)
 step log: the step time (plan sent -> result back), the step period (one plan to the next), the
 worker's `forward_s` (its `execute`: inputs, forward and sampling, device synchronized by the
 sampled tokens) and the share of the period spent outside it (the scheduler, both transports,
-the frontend), over all steps and over the steps with the whole burst running.
+the frontend), over all steps and over the steps with the whole burst running. On CUDA also
+the device's idle time between forward passes over the burst, from the worker's `device_time`
+log lines (services/worker/pipeline.py DeviceClock): what step pipelining (`--pipeline-steps`,
+on by default on CUDA; `off` for the comparison stage) is meant to shrink.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def up_command(args: argparse.Namespace, frontend: str, http_port: int) -> list[
         "chunk_size": args.chunk_size, "max_model_len": args.max_model_len,
         "kv_cache_memory": args.kv_cache_memory, "frontend_addr": frontend,
         "http_port": http_port, "log_dir": args.log_dir, "ready_timeout": args.ready_timeout,
+        "pipeline_steps": args.pipeline_steps,
     }  # fmt: skip
     cmd = [sys.executable, "-m", "conveyor", "up", *as_flags(flags), "--quiet"]
     return cmd + ([] if args.gateway else ["--no-gateway"])
@@ -134,6 +138,35 @@ def step_stats(steps: list[StepEntry], size: int) -> dict[str, Any]:
     }
 
 
+def device_time(log_dir: Path, start: float, end: float) -> Optional[dict[str, Any]]:
+    """The device's busy and idle time between forward passes over [start, end] (wall clock),
+    from the difference of the first and last cumulative `device_time` lines the worker logged
+    in that window (every 32 steps); None when fewer than two (the CPU logs none)."""
+    marks = []
+    for path in sorted(log_dir.glob("worker*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"device_time"' not in line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "device_time" and start <= rec.get("t", -1.0) <= end:
+                marks.append(rec)
+    if len(marks) < 2:
+        return None
+    first, last = min(marks, key=lambda r: r["t"]), max(marks, key=lambda r: r["t"])
+    steps = last["num_steps"] - first["num_steps"]
+    idle, busy = last["idle_s"] - first["idle_s"], last["busy_s"] - first["busy_s"]
+    return {
+        "num_steps": steps,
+        "idle_share": idle / (idle + busy) if idle + busy > 0 else None,
+        "mean_idle_us": 1e6 * idle / steps if steps else None,
+        "mean_busy_us": 1e6 * busy / steps if steps else None,
+        "last_idle_p50_us": last.get("idle_p50_us"),
+    }
+
+
 BENCH_KEYS = (
     "completed",
     "failed",
@@ -166,6 +199,7 @@ def run_bursts(args: argparse.Namespace, frontend: str, report: dict[str, Any]) 
             row.update({k: result.get(k) for k in BENCH_KEYS + LATENCY_KEYS})
         steps = read_step_log(args.log_dir / "scheduler.log", start, end)
         row["steps"] = step_stats(steps, size)
+        row["device_time"] = device_time(args.log_dir, start, end)
         report["bursts"].append(row)
         print(
             f"gpu_e2e_serve: burst {size}: ok={row['ok']} "
@@ -209,6 +243,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory", default="16GiB")
     p.add_argument("--no-gateway", dest="gateway", action="store_false")
+    p.add_argument("--pipeline-steps", choices=("auto", "on", "off"), default="auto",
+                   help="the worker's step pipelining (auto: on on CUDA)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=120.0)
     p.add_argument("--log-dir", type=Path, required=True)
     p.add_argument("--json", type=Path, required=True)
@@ -226,6 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "gateway": args.gateway,
+        "pipeline_steps": args.pipeline_steps,
         "command": " ".join(cmd[1:]),
         "error": None,
         "bursts": [],

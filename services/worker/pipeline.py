@@ -14,6 +14,7 @@ embedding lookup loudly instead of computing a wrong token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,6 +41,7 @@ class LaunchedStep:
     logprobs: list[Optional[TokenLogprobs]]  # [S]
     token_ids: Optional[list[int]] = None  # [S] once landed
     error: Optional[BaseException] = None  # why landing failed (raised again on every try)
+    marks: tuple[Optional[Any], Optional[Any]] = (None, None)  # DeviceClock's forward events
 
     @property
     def step_id(self) -> int:
@@ -97,3 +99,52 @@ def device_rows(step: ExpandedStep, prev: LaunchedStep) -> tuple[list[int], list
             src.append(i)
         offset += n
     return rows, src
+
+
+class DeviceClock:
+    """On CUDA, how long the device sat idle between consecutive forward passes (what
+    pipelining is for), from timing events around each step's forward: the idle time before
+    step N+1 is from step N's end event to step N+1's start event (an event queued behind
+    running work fires when that work ends, so a step queued in time shows no gap). Sampling
+    and the token copy fall in the gap. Logged as `device_time` every LOG_EVERY steps with
+    cumulative totals and wall-clock `t`, so a reader can take the difference over a window
+    (bench/gpu_e2e_serve.py). Nothing on the CPU, where the forward is the host's own work."""
+
+    LOG_EVERY = 32
+
+    def __init__(self, device: str, log: Any) -> None:
+        self.enabled = device.startswith("cuda")
+        self._log = log
+        self._last_end: Optional[Any] = None
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._gaps: list[float] = []  # since the last log line
+
+    def mark(self) -> Optional[Any]:
+        """A timing event recorded now on the current stream (None on the CPU)."""
+        if not self.enabled:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def on_step(self, start: Optional[Any], end: Optional[Any]) -> None:
+        """Called in step order once a step's tokens are on the host (both events done)."""
+        if start is None or end is None:
+            return
+        if self._last_end is not None:
+            gap = self._last_end.elapsed_time(start) / 1000.0
+            self.idle_s += gap
+            self._gaps.append(gap)
+        self.busy_s += start.elapsed_time(end) / 1000.0
+        self._last_end = end
+        self.num_steps += 1
+        if self.num_steps % self.LOG_EVERY == 0 and self._gaps:
+            gaps = sorted(self._gaps)
+            self._log.info(
+                "device_time", t=time.time(), num_steps=self.num_steps,
+                busy_s=round(self.busy_s, 6), idle_s=round(self.idle_s, 6),
+                idle_p50_us=round(gaps[len(gaps) // 2] * 1e6, 1),
+            )  # fmt: skip
+            self._gaps = []

@@ -41,6 +41,7 @@ from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
 from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.pipeline import (
     PENDING_TOKEN,
+    DeviceClock,
     LaunchedStep,
     copy_to_host,
     device_rows,
@@ -145,6 +146,7 @@ class ModelRunner:
         # the last step launched (pipelined), while its tokens may still be only on the device
         self._last_launch: Optional[LaunchedStep] = None
         self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
+        self.clock = DeviceClock(config.device, self.log)
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
 
@@ -211,8 +213,13 @@ class ModelRunner:
     def _run(self, step: ExpandedStep, start: float) -> StepResult:
         """Forward and sampling of an applied step; with several ranks any error is fatal."""
         try:
-            logits = self.model.forward(self.batch.tensors(step), self.kv_cache.layers)
-            return self._finish(step, logits, start)  # logits: [S, V] on rank 0, else None
+            tensors = self.batch.tensors(step)
+            begin = self.clock.mark()
+            logits = self.model.forward(tensors, self.kv_cache.layers)
+            end = self.clock.mark()
+            result = self._finish(step, logits, start)  # logits: [S, V] on rank 0, else None
+            self.clock.on_step(begin, end)
+            return result
         except FatalWorkerError:
             raise
         except Exception as exc:
@@ -315,10 +322,13 @@ class ModelRunner:
                 from_prev = prev.device_tokens[up(torch.tensor(src))]
                 tensors.input_ids[up(torch.tensor(where))] = from_prev
                 self.num_device_inputs += len(where)
+        marks = (self.clock.mark(), None)
         logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V]
+        marks = (marks[0], self.clock.mark())
         if not rows:
             empty = torch.empty(0, dtype=torch.int64)
-            return LaunchedStep(step, [], [], start, None, empty, None, [], token_ids=[])
+            return LaunchedStep(step, [], [], start, None, empty, None, [], token_ids=[],
+                                marks=marks)  # fmt: skip
         if logits is None:
             raise FatalWorkerError("pipelined step without logits (several ranks)")
         if on_device:
@@ -328,7 +338,7 @@ class ModelRunner:
                 seq.token_ids.append(PENDING_TOKEN)  # written by land()
             positions = [len(seq.token_ids) - 1 for seq in sampled]
             return LaunchedStep(step, sampled, positions, start, tokens, host, ready,
-                                [None] * len(rows))  # fmt: skip
+                                [None] * len(rows), marks=marks)  # fmt: skip
         # the host path (seeded draws, logprobs, penalties): it waits for this step's logits,
         # so the next step is not built while this one runs; its tokens land at once
         token_ids, logprobs = sample(logits, rows)
@@ -336,7 +346,7 @@ class ModelRunner:
         positions = [len(seq.token_ids) - 1 for seq in sampled]
         host = torch.tensor(token_ids, dtype=torch.int64)
         return LaunchedStep(step, sampled, positions, start, None, host, None, logprobs,
-                            token_ids=token_ids)  # fmt: skip
+                            token_ids=token_ids, marks=marks)  # fmt: skip
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Land a launched step's tokens (waits for the device) and build its StepResult.
@@ -350,6 +360,7 @@ class ModelRunner:
             raise
         if self._last_launch is launched:
             self._last_launch = None  # its tokens are in the histories: the next step reads them
+        self.clock.on_step(*launched.marks)
         lp: dict[str, TokenLogprobs] = {
             s.rid: entry
             for s, entry in zip(launched.sampled, launched.logprobs, strict=True)

@@ -8,6 +8,7 @@ overall deadline is near.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -41,7 +42,12 @@ def test_every_stage_command_parses(mode: str, tmp_path: Path) -> None:
         "models",
         "gpu_check",
         "correctness",
-        *(f"serve_{k}" for k in plan.serving),
+        *(
+            name
+            for k, served in plan.serving.items()
+            for name in [f"serve_{k}"]
+            + ([f"serve_{k}-pipeline-off"] if served.pipeline_off_bursts else [])
+        ),
         "hf_static",
     ]
     for stage in stages.values():
@@ -56,6 +62,10 @@ def test_every_stage_command_parses(mode: str, tmp_path: Path) -> None:
     parsed = build_parser().parse_args(up[up.index("up") :])
     assert parsed.device == plan.device and parsed.max_num_seqs == max(serve_args.bursts)
     assert parsed.max_num_batched_tokens >= parsed.max_num_seqs
+    if plan.serving["smollm2"].pipeline_off_bursts:  # the comparison stage turns it off
+        off = gpu_e2e_serve.parse_args(stages["serve_smollm2-pipeline-off"].argv[3:])
+        up = gpu_e2e_serve.up_command(off, "tcp://127.0.0.1:5999", 8999)
+        assert build_parser().parse_args(up[up.index("up") :]).pipeline_steps == "off"
 
 
 def test_device_plan_serves_the_issue_bursts() -> None:
@@ -144,3 +154,28 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
         return f.read().split()[2] != "Z"
+
+
+def test_device_time_is_the_difference_over_the_burst(tmp_path: Path) -> None:
+    """The worker's cumulative `device_time` lines (CUDA only) -> idle and busy per step over
+    the burst's window; lines outside it and other workers' events are left out."""
+    lines = [
+        {"event": "device_time", "t": 9.0, "num_steps": 32, "busy_s": 0.1, "idle_s": 0.5},
+        {"event": "device_time", "t": 10.5, "num_steps": 64, "busy_s": 0.2, "idle_s": 0.6},
+        {"event": "step_failed", "t": 11.0},
+        {
+            "event": "device_time",
+            "t": 12.0,
+            "num_steps": 128,
+            "busy_s": 0.5,
+            "idle_s": 0.7,
+            "idle_p50_us": 40.0,
+        },  # fmt: skip
+        {"event": "device_time", "t": 30.0, "num_steps": 160, "busy_s": 0.6, "idle_s": 9.0},
+    ]
+    (tmp_path / "worker.log").write_text("".join(json.dumps(r) + "\n" for r in lines) + "{torn")
+    got = gpu_e2e_serve.device_time(tmp_path, 10.0, 20.0)
+    assert got is not None and got["num_steps"] == 64 and got["last_idle_p50_us"] == 40.0
+    assert got["idle_share"] == pytest.approx(0.1 / 0.4)
+    assert got["mean_idle_us"] == pytest.approx(1e6 * 0.1 / 64)
+    assert gpu_e2e_serve.device_time(tmp_path, 0.0, 9.5) is None  # one line: no difference
