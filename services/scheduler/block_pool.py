@@ -15,7 +15,9 @@ A block is in exactly one of three states:
 
 An owned block may be registered too (it is findable while in use). Allocation takes free
 blocks first, then evicts the least recently released cached block, and only then releases the
-held blocks (the most recently released; their pending registrations are dropped). A table's
+held blocks (the most recently released; their pending registrations are dropped).
+`evict_ahead()` does the eviction part early, off the result -> plan path: a bounded number of
+the next blocks to evict go to the free stack (unregistered) before they are needed. A table's
 blocks are released deepest first, so among blocks released together the deepest is evicted
 first and a prefix's shared root lives longest. All operations are O(blocks touched); only
 `check_integrity()` walks the pool (tests call it after every step).
@@ -70,6 +72,11 @@ class BlockPool:
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+    @property
+    def num_plain_free(self) -> int:
+        """Blocks on the free stack: never registered, or evicted already (`evict_ahead`)."""
+        return len(self._free)
 
     @property
     def num_cached(self) -> int:
@@ -127,6 +134,23 @@ class BlockPool:
         self.num_evicted += num
         self.num_dropped += num
         return blocks
+
+    def evict_ahead(self, num: int) -> int:
+        """Evict the least recently released cached blocks onto the free stack until it holds
+        `num` blocks (or nothing is cached); returns how many moved. Called off the result ->
+        plan path (the scheduler's `after_plan()`), so that the next step's allocations pop
+        the free stack instead of evicting on the path. They go under the plain free blocks,
+        the oldest highest: allocations take the same blocks in the same order as without
+        this call; the only difference is that the moved blocks stop being findable before
+        they are reused (see prefix_cache.py). O(num): it moves blocks only while the free
+        stack holds fewer than `num`."""
+        num_moved = min(num - len(self._free), len(self._evictable))
+        if num_moved <= 0:
+            return 0
+        blocks = self._evict_oldest(num_moved)
+        blocks.reverse()
+        self._free[:0] = blocks  # popped after the plain free blocks, oldest first
+        return num_moved
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; a block with no reference left becomes cached

@@ -24,10 +24,21 @@ is looked up and registered:
 Keys cost ~1-2 us per block, so they are computed off the result -> plan path where possible:
 a prompt's at `add_request` (which the server runs while the worker computes), a decode-filled
 block's in `flush()`.
+
+Eviction ahead (`after_plan`): once the free stack runs short (a full cache), every block an
+allocation takes must be evicted first (its key dropped: ~0.5 us a block, on the path). So after
+each plan the free stack is topped up from the cache's least recently used end with as many
+blocks as the most any of the last `EVICT_AHEAD_STEPS` steps took (at most what one step can
+allocate, `max_step_blocks`), and the next step pops them. This bends one rule of the cache --
+a released block stays findable until it is reused -- for a bounded set: at any moment at most
+that many blocks, the next ones to be evicted anyway, are dropped up to a step early. A lookup
+loses a hit only on those (the oldest cached blocks); with free blocks to spare, nothing is
+evicted ahead.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.block_pool import BlockPool
@@ -36,6 +47,10 @@ from services.scheduler.step import StepBuilder
 from shared.prefix_hash import extend_int_block_keys
 
 RUNNING = RequestStatus.RUNNING
+# steps over which `after_plan` remembers how many blocks a step took (evicting ahead the most
+# of them): two block periods of a decode, which crosses a block boundary every block_size steps
+# (16 by default), so a batch of decodes crossing together is remembered until they cross again
+EVICT_AHEAD_STEPS = 32
 
 
 @dataclass(slots=True)
@@ -77,6 +92,12 @@ class PrefixCache:
         # finished requests: (request, its table, its full blocks, the pool's hold id), the
         # table held in the pool until `flush()` registers and releases it
         self._finished: list[tuple[Request, list[int], int, int]] = []
+        # eviction ahead (`after_plan`): blocks each of the last steps took from the free stack
+        # or by evicting, and the free stack's length and the eviction count when the last
+        # `after_plan` ended
+        self._step_demand: deque[int] = deque(maxlen=EVICT_AHEAD_STEPS)
+        self._free_left = pool.num_plain_free
+        self._evicted_seen = pool.num_evicted
 
     def prepare(self, req: Request) -> None:
         """A request arrived: compute the keys of its prompt's full blocks now (the server
@@ -218,6 +239,21 @@ class PrefixCache:
                     self.pool.register_held(table, req.block_keys, start, num_full, hold_id)
                     req.num_registered_blocks = num_full
             self.pool.release_held()
+
+    def after_plan(self, max_step_blocks: int) -> None:
+        """Called once a plan has left, while the worker computes (the scheduler's
+        `after_plan()`): `flush()`, then evict ahead (see the module docstring) so the free
+        stack holds as many blocks as the most any of the last steps took, at most
+        `max_step_blocks` (what one step can allocate). What a step took is measured here, not
+        on the path: the free stack's shrinkage since the last call plus the blocks evicted on
+        the path (an underestimate when blocks were freed meanwhile)."""
+        pool = self.pool
+        taken = max(0, self._free_left - pool.num_plain_free)
+        self._step_demand.append(taken + pool.num_evicted - self._evicted_seen)
+        self.flush()
+        pool.evict_ahead(min(max(self._step_demand), max_step_blocks))
+        self._free_left = pool.num_plain_free
+        self._evicted_seen = pool.num_evicted
 
     def _register(self, req: Request, table: list[int], num_full: int) -> None:
         """Register `table`'s blocks [req.num_registered_blocks, num_full) under `req`'s keys."""

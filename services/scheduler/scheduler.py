@@ -148,9 +148,14 @@ class Scheduler(StepResults, WorkerFaults):
 
     def after_plan(self) -> None:
         """Called once the plan has left and the step's outputs were sent, while the worker
-        computes: work kept off the result -> plan path (prefix-cache registrations)."""
+        computes: work kept off the result -> plan path (prefix-cache registrations, and
+        evicting ahead the cached blocks the next step will allocate)."""
         if self._caching:
-            self.prefix_cache.flush()
+            # the most blocks one step can allocate: its tokens' blocks, plus one per request
+            # for a partly filled block (decodes: their one token may need a new block)
+            config = self.config
+            most = -(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs
+            self.prefix_cache.after_plan(most)
 
     def reset_prefix_cache(self) -> int:
         """The `reset_prefix_cache` command: cached blocks become free and no block is findable
