@@ -19,6 +19,13 @@ on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts
   plus a new `--turn-len`-token user message (a turn can reuse its whole history);
 * no-sharing: random distinct prompts (0% hits), to show what caching costs when it cannot help.
 
+Engine configuration (the same for both modes): with the real worker the scheduler's defaults
+(sized for this CPU: 32 running, a 256-token step budget); with `--worker sim` an H200-sized one,
+256 running and a 4,096-token step budget (chunk = budget, as the defaults have it), what §12 of
+docs/PERFORMANCE.md runs the H200 profile with and near vLLM's GPU defaults (256 sequences,
+2,048 tokens; 1,024 and 8,192 on GPUs of >= 70 GiB). The simulated worker sizes the KV pool from
+the device's memory. `--max-num-seqs` / `--max-num-batched-tokens` override either.
+
 Prints mean TTFT, output throughput, the engine's hit rate and the scheduler's median
 result -> next plan gap (`gap_s` of the step log: the scheduler's cost per step as the server
 runs it) per scenario and mode, and the on/off ratios (median over rounds); writes everything to
@@ -76,6 +83,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per user turn")
     p.add_argument("--scenarios", default="shared-prefix,multi-turn,chat,no-sharing")
+    p.add_argument(
+        "--max-num-seqs", type=int, help="default: the scheduler's with the real worker, 256 sim"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="step budget, also the chunk size; default: the scheduler's with the real worker, "
+        "4096 with the simulated one",
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("results/prefix_cache"))
     return p.parse_args(argv)
@@ -133,6 +149,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# the simulated (H200-class) device's engine configuration, see the module docstring
+SIM_MAX_NUM_SEQS = 256
+SIM_MAX_NUM_BATCHED_TOKENS = 4096
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, str]:
+    """Scheduler flags both modes share (the engine's size; empty: the scheduler's defaults)."""
+    seqs, budget = args.max_num_seqs, args.max_num_batched_tokens
+    if args.worker == "sim":
+        seqs = SIM_MAX_NUM_SEQS if seqs is None else seqs
+        budget = SIM_MAX_NUM_BATCHED_TOKENS if budget is None else budget
+    flags = {} if seqs is None else {"max_num_seqs": str(seqs)}
+    if budget is not None:
+        flags.update(max_num_batched_tokens=str(budget), chunk_size=str(budget))
+    return flags
+
+
 def _stack(args: argparse.Namespace, caching: bool, log_dir: Path) -> LocalStack:
     worker_flags = {}
     if args.worker == "model":
@@ -143,7 +176,7 @@ def _stack(args: argparse.Namespace, caching: bool, log_dir: Path) -> LocalStack
             sim_device=args.sim_device if args.worker == "sim" else None,
             sim_model=args.sim_model if args.worker == "sim" else None,
             frontend_address=f"tcp://127.0.0.1:{_free_port()}",
-            scheduler_flags={"enable_prefix_caching": str(caching)},
+            scheduler_flags={**engine_flags(args), "enable_prefix_caching": str(caching)},
             worker_flags=worker_flags,
             gateway=False,
             log_dir=log_dir,
@@ -246,6 +279,7 @@ def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     metrics["hit_rate"] = hits / queries if queries else 0.0
     metrics["prefill_tokens"] = after["num_prefill_tokens"] - before["num_prefill_tokens"]
+    metrics["kv_blocks_total"] = after["kv_blocks_total"]
     gaps = _gaps_us(log_dir)[num_gaps:]
     metrics["median_gap_us"] = statistics.median(gaps) if gaps else 0.0
     return metrics
@@ -254,6 +288,7 @@ def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     plan = scenarios(args)
+    print(f"engine: {engine_flags(args) or 'the scheduler defaults'}", flush=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s.name: {"on": [], "off": []} for s in plan}
     for r in range(args.repeats):
         for mode in ("on", "off"):
@@ -297,6 +332,7 @@ def main(argv: list[str]) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {k: str(v) for k, v in vars(args).items()}
+    meta["engine_flags"] = str(engine_flags(args))
     path = args.out / "prefix_cache.json"
     path.write_text(json.dumps({"args": meta, "summary": summary, "runs": runs}, indent=2))
     print(f"wrote {path}")
