@@ -14,10 +14,13 @@ other benchmarks run); the figures go in docs/PERFORMANCE.md. Writes JSON to --o
 Every prompt is distinct (no shared prefix: 0% prefix-cache hits), and sampled tokens differ
 per request, so prefix caching costs here what it costs a workload it cannot help.
 `--prefix-caching on,off` times each scenario with caching on and off: in each of `--repeats`
-rounds one scheduler per mode, stepped alternately (paired steps see the same moments of a shared
-machine); it reports the median over rounds of the on/off ratio of median step times and of the
-median per-step ratio. `after_plan` (the registrations the server runs off the result -> plan
-path, while the worker computes) is timed apart, as `after_plan_us_median`.
+rounds one scheduler per mode, stepped in pairs (paired steps see the same moments of a shared
+machine; which mode goes first in a pair is drawn at random, seeded: the second of a pair runs
+measurably slower, and strict alternation aliases with the mixed scenario's 4-step period, so
+one mode always went first on the same kinds of step); it reports the median over rounds of the
+on/off ratio of median step times and of the median per-step ratio. `after_plan` (the
+registrations and evictions ahead the server runs off the result -> plan path, while the worker
+computes) is timed apart, as `after_plan_us_median`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import random
 import statistics
 import sys
 import time
@@ -197,32 +202,46 @@ def _run(n: int, args: argparse.Namespace, scenario: str, caching: bool) -> dict
 
 
 def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, object]:
-    """`--repeats` rounds; in each, one scheduler per mode (same requests), stepped
-    alternately (the first mode of a pair alternates too), so both see the same moments of a
-    shared machine. Per round: the ratio of the modes' median step times, and the median of
-    the per-step ratios (step i of one mode against step i of the other: the same work).
+    """`--repeats` rounds; in each, one scheduler per mode (same requests), stepped in pairs
+    so both see the same moments of a shared machine. The first mode of a pair is drawn at
+    random (seeded by the round): the second of a pair ran ~2-3% slower here, and alternating
+    by step parity put one mode first on every step of one kind in the mixed scenario (its
+    pattern repeats every 4 steps), which biased both medians. Per round: the ratio of the
+    modes' median step times, and the median of the per-step ratios (step i of one mode
+    against step i of the other: the same work), also split by which mode went first.
     Reported: the median over rounds of each."""
     modes = args.prefix_caching.split(",")
     new_len = args.context if scenario == "mixed" else 0
     rounds: dict[str, list[float]] = {m: [] for m in modes}
     ratios: list[float] = []
     paired: list[float] = []
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         steppers = {m: _Stepper(*_warm_up(n, args, args.steps, m == "on"), new_len) for m in modes}
         gc.collect()
         times: dict[str, list[float]] = {m: [] for m in modes}
-        for i in range(args.steps):
-            for m in modes if i % 2 == 0 else modes[::-1]:
+        rng = random.Random(r)
+        on_first: list[bool] = []
+        for _ in range(args.steps):
+            order = modes if rng.random() < 0.5 else modes[::-1]
+            on_first.append(order[0] == "on")
+            for m in order:
                 times[m].append(steppers[m].step())
         meds = {m: steppers[m].summary()["step_us_median"] for m in modes}
         for m in modes:
             rounds[m].append(meds[m])
         ratios.append(meds["on"] / meds["off"])
-        paired.append(statistics.median(a / b for a, b in zip(times["on"], times["off"],
-                                                               strict=True)))  # fmt: skip
+        step_ratios = [a / b for a, b in zip(times["on"], times["off"], strict=True)]
+        paired.append(statistics.median(step_ratios))
+        split = [
+            statistics.median(
+                [x for x, f in zip(step_ratios, on_first, strict=True) if f == o] or [math.nan]
+            )
+            for o in (True, False)
+        ]
         parts = {m: {k: round(v, 1) for k, v in steppers[m].summary().items()} for m in modes}
         print(f"N={n:5d} {scenario:6s} round: on/off {meds['on']:.1f}/{meds['off']:.1f} us = "
-              f"{ratios[-1]:.3f}, paired {paired[-1]:.3f}; parts {parts}", flush=True)  # fmt: skip
+              f"{ratios[-1]:.3f}, paired {paired[-1]:.3f} (on first {split[0]:.3f}, second "
+              f"{split[1]:.3f}); parts {parts}", flush=True)  # fmt: skip
     ratio, pair = statistics.median(ratios), statistics.median(paired)
     on, off = statistics.median(rounds["on"]), statistics.median(rounds["off"])
     print(f"N={n:5d} {scenario:6s} caching on/off step median {on:.1f}/{off:.1f} us: ratio "
