@@ -1,5 +1,5 @@
-"""Helpers for the e2e tests: settings for a real stack on free ports, and process checks
-through /proc (Linux)."""
+"""Helpers for the e2e tests: settings for a real stack on free ports, a started stack for a
+fixture, and process checks through /proc (Linux)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from conveyor.launcher import StackSettings, gateway_available, probe_health
+from conveyor.launcher import LocalStack, StackSettings, gateway_available, probe_health
 from tests.bounds import SLOW_HOST_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,6 +21,20 @@ ROOT = Path(__file__).resolve().parents[2]
 # Small enough to allocate fast, large enough for 64 concurrent short requests (each block
 # holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
 ENGINE_WORKER_FLAGS = {"dtype": "float32", "kv_cache_memory": "384MiB", "max_model_len": "2048"}
+
+
+READY_TIMEOUT_S = 180.0  # a cold start loads torch (and the model) in every process
+
+
+def running_stack(settings: StackSettings) -> Iterator[LocalStack]:
+    """Start the stack, wait until it answers, yield it, stop it (also when a test failed).
+    Use as `yield from running_stack(settings)` in a fixture."""
+    stack = LocalStack(settings).start()
+    try:
+        stack.wait_ready(timeout=READY_TIMEOUT_S)
+        yield stack
+    finally:
+        stack.stop()
 
 
 def free_port() -> int:

@@ -53,7 +53,7 @@ from shared.protocol.codec import encode
 from shared.protocol.engine_channel import StatsQuery
 from shared.protocol.worker_channel import StepResult, WorkerReady
 from tests.bounds import SLOW_HOST_MARGIN_S
-from tests.e2e.stack_tools import ROOT, free_port
+from tests.e2e.stack_tools import ROOT, free_port, running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -88,12 +88,7 @@ def stack(keys_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         drain_timeout_s=5.0,
         curve_keys=keys_dir,
     )
-    st = LocalStack(settings).start()
-    try:
-        st.wait_ready(timeout=180)  # its health probes themselves go through CURVE
-        yield st
-    finally:
-        st.stop()
+    yield from running_stack(settings)  # its health probes themselves go through CURVE
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import zmq
 from conveyor.launcher import LocalStack, StackSettings
 from shared.client import Client
 from shared.protocol.errors import MAX_QUOTE_CHARS
-from tests.e2e.stack_tools import free_port
+from tests.e2e.stack_tools import free_port, running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -57,12 +57,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
             "max_requests_per_client": str(CLIENT_CAP),
         },
     )
-    st = LocalStack(settings).start()
-    try:
-        st.wait_ready(timeout=180)
-        yield st
-    finally:
-        st.stop()
+    yield from running_stack(settings)
 
 
 # ---- the normal requests that run beside the hostile ones -------------------------------------

@@ -20,6 +20,7 @@ import pytest
 from conveyor.bench.steplog import StepEntry, read_step_log
 from conveyor.launcher import LocalStack, StackSettings
 from shared.client import Client
+from tests.e2e.stack_tools import running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -43,12 +44,7 @@ def _stack(log_dir: Path, device: str, model: str) -> Iterator[LocalStack]:
         log_dir=log_dir,
         scheduler_flags={"max_num_seqs": "8", "max_num_batched_tokens": "256"},
     )
-    st = LocalStack(settings).start()
-    try:
-        st.wait_ready(timeout=180)
-        yield st
-    finally:
-        st.stop()
+    yield from running_stack(settings)
 
 
 @pytest.fixture(scope="module")

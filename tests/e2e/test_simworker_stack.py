@@ -19,6 +19,7 @@ from conveyor.launcher import LocalStack, StackSettings
 from services.simworker.cost_model import step_cost, step_work
 from services.simworker.profiles import DEVICES, MODELS
 from shared.client import AsyncClient, Client
+from tests.e2e.stack_tools import running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -43,12 +44,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         scheduler_flags={"max_num_seqs": "8", "max_num_batched_tokens": "256"},
         worker_flags={"sim_report_every": "10"},
     )
-    st = LocalStack(settings).start()
-    try:
-        st.wait_ready(timeout=180)
-        yield st
-    finally:
-        st.stop()
+    yield from running_stack(settings)
 
 
 def test_handshake_reports_the_simulated_device(stack: LocalStack) -> None:

@@ -26,7 +26,7 @@ from conveyor.launcher import LocalStack, StackSettings
 from shared.client import AsyncClient, Client, EngineError
 from shared.protocol.errors import ErrorCode
 from tests.bounds import SLOW_HOST_MARGIN_S
-from tests.e2e.stack_tools import free_port
+from tests.e2e.stack_tools import free_port, running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -47,12 +47,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         log_dir=tmp_path_factory.mktemp("logs"),
         drain_timeout_s=5.0,
     )
-    st = LocalStack(settings).start()
-    try:
-        st.wait_ready(timeout=180)
-        yield st
-    finally:
-        st.stop()
+    yield from running_stack(settings)
 
 
 async def _stream(client: AsyncClient, ids: list[int]) -> list[list[int]]:
