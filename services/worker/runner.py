@@ -272,15 +272,7 @@ class ModelRunner:
         # every rank holds the sampled tokens at the end of the step
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         HeldBatch.record_samples(sampled, token_ids)
-        lp: dict[str, TokenLogprobs] = {
-            s.rid: entry for s, entry in zip(sampled, logprobs, strict=True) if entry is not None
-        }
-        return StepResult(
-            step_id=step.step_id,
-            token_ids=token_ids,  # in batch order: the scheduler maps them by position
-            logprobs=lp,
-            forward_s=time.perf_counter() - start,
-        )
+        return _step_result(step.step_id, sampled, token_ids, logprobs, start)
 
     # --- pipelined steps (`pipeline_steps`; the loop in shared/worker_server.py) ----------------
 
@@ -361,16 +353,8 @@ class ModelRunner:
         if self._last_launch is launched:
             self._last_launch = None  # its tokens are in the histories: the next step reads them
         self.clock.on_step(*launched.marks)
-        lp: dict[str, TokenLogprobs] = {
-            s.rid: entry
-            for s, entry in zip(launched.sampled, launched.logprobs, strict=True)
-            if entry is not None
-        }
-        return StepResult(
-            step_id=launched.step_id,
-            token_ids=token_ids,  # in batch order: the scheduler maps them by position
-            logprobs=lp,
-            forward_s=time.perf_counter() - launched.start,
+        return _step_result(
+            launched.step_id, launched.sampled, token_ids, launched.logprobs, launched.start
         )
 
     def discard(self, launched: LaunchedStep) -> None:
@@ -385,3 +369,21 @@ class ModelRunner:
         if self._last_launch is not None:
             land(self._last_launch)
             self._last_launch = None
+
+
+def _step_result(
+    step_id: int,
+    sampled: list[HeldSeq],
+    token_ids: list[int],
+    logprobs: list[Optional[TokenLogprobs]],
+    start: float,
+) -> StepResult:
+    """A step's result: tokens in batch order (the scheduler maps them by position), logprobs
+    by rid for the rows that asked, and the worker's time since the step began."""
+    lp = {s.rid: entry for s, entry in zip(sampled, logprobs, strict=True) if entry is not None}
+    return StepResult(
+        step_id=step_id,
+        token_ids=token_ids,
+        logprobs=lp,
+        forward_s=time.perf_counter() - start,
+    )
