@@ -14,9 +14,14 @@ on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts
   a `--system-len`-token system prompt, at most one request per conversation in flight; the
   replies in that history are drawn in advance (conveyor bench's multi-turn workload), so a turn
   can reuse its previous turn's prompt but never its reply;
-* chat: the same conversations as a chat client holds them: all start at once, and each turn
-  resends the system prompt, the earlier user turns and the replies the engine actually gave,
-  plus a new `--turn-len`-token user message (a turn can reuse its whole history);
+* chat: the same conversations as a chat client holds them: each turn resends the system
+  prompt, the earlier user turns and the replies the engine actually gave, plus a new
+  `--turn-len`-token user message (a turn can reuse its whole history). Before each turn, the
+  first too, its user thinks for an exponentially drawn time of mean `--think-time` seconds
+  (seeded), as vLLM's multi-turn benchmark lets its clients sleep a Poisson interval between
+  requests; `--think-time 0` starts every conversation at once and sends each turn the moment
+  the previous reply ends, which keeps identical conversations in lock-step (every turn arrives
+  in a burst with the other conversations' turns);
 * no-sharing: random distinct prompts (0% hits), to show what caching costs when it cannot help.
 
 Engine configuration (the same for both modes): with the real worker the scheduler's defaults
@@ -82,6 +87,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per user turn")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=2.0,
+        help="chat: a user's mean think time (s, exponential) before each turn; 0: lock-step",
+    )
     p.add_argument("--scenarios", default="shared-prefix,multi-turn,chat,no-sharing")
     p.add_argument(
         "--max-num-seqs", type=int, help="default: the scheduler's with the real worker, 256 sim"
@@ -196,11 +207,15 @@ def _gaps_us(log_dir: Path) -> list[float]:
     return out
 
 
-async def _chat(address: str, cfg: WorkloadConfig, id_prefix: str) -> tuple[list[Any], float]:
-    """The chat scenario: `cfg.num_prompts / cfg.num_turns` conversations at once, each sending
-    its next turn when the previous reply has ended, with that reply (its actual token ids) in
-    the history. Returns the traces and the run's duration (s)."""
+async def _chat(
+    address: str, cfg: WorkloadConfig, id_prefix: str, think_time_s: float
+) -> tuple[list[Any], float]:
+    """The chat scenario: `cfg.num_prompts / cfg.num_turns` conversations, each sending its
+    next turn a think time (exponential, mean `think_time_s`; none when 0) after the previous
+    reply has ended, with that reply (its actual token ids) in the history. Returns the traces
+    and the run's duration (s, think times included)."""
     rng = random.Random(20261201)
+    think_rng = random.Random(20261202)  # its own stream: the prompts do not depend on it
     vocab = (100, cfg.vocab_size - 1)  # plain tokens, as conveyor.bench.workloads draws them
     system = [rng.randint(*vocab) for _ in range(cfg.prefix_len)]
     num_convs = cfg.num_prompts // cfg.num_turns
@@ -229,25 +244,33 @@ async def _chat(address: str, cfg: WorkloadConfig, id_prefix: str) -> tuple[list
                              itls, "" if out else "no output", rid)  # fmt: skip
         return trace, out
 
-    async def conversation(conv: int) -> None:
+    async def conversation(conv: int, think_s: list[float]) -> None:
         history = list(system)
+        user_rng = random.Random(20261201 * 1000 + conv)  # its own messages, seeded
         for t in range(cfg.num_turns):
-            prompt = history + [rng.randint(*vocab) for _ in range(cfg.input_len)]
+            prompt = history + [user_rng.randint(*vocab) for _ in range(cfg.input_len)]
+            if think_s[t] > 0:
+                await asyncio.sleep(think_s[t])
             trace, reply = await turn(conv * cfg.num_turns + t, prompt)
             traces.append(trace)
             if not trace.success:
                 return
             history = prompt + reply
 
+    thinks = [
+        [think_rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
+         for _ in range(cfg.num_turns)]
+        for _ in range(num_convs)
+    ]  # fmt: skip
     start = time.perf_counter()
     try:
-        await asyncio.gather(*(conversation(c) for c in range(num_convs)))
+        await asyncio.gather(*(conversation(c, thinks[c]) for c in range(num_convs)))
     finally:
         await client.close()
     return traces, time.perf_counter() - start
 
 
-def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
+def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -> dict[str, Any]:
     """One cold run of a scenario on a running engine: metrics and the engine's hit rate."""
     with Client(address, timeout=600.0) as client:
         # a short unrelated request first (first-use costs), then a cold cache
@@ -268,7 +291,7 @@ def _run(address: str, scenario: Scenario, log_dir: Path) -> dict[str, Any]:
 
     if scenario.name == "chat":
         prefix = f"pc-{uuid.uuid4().hex[:8]}"
-        traces, duration = asyncio.run(_chat(address, scenario.workload, prefix))
+        traces, duration = asyncio.run(_chat(address, scenario.workload, prefix, think_time_s))
     else:
         outcome = asyncio.run(go())
         traces, duration = outcome.traces, outcome.duration_s
@@ -298,7 +321,7 @@ def main(argv: list[str]) -> int:
             try:
                 stack.wait_ready(timeout=600.0)
                 for s in plan:
-                    m = _run(stack.frontend_address, s, log_dir)
+                    m = _run(stack.frontend_address, s, log_dir, args.think_time)
                     if m["failed"]:
                         raise SystemExit(f"{s.name} caching {mode}: {m['failed']} requests failed")
                     runs[s.name][mode].append(m)
