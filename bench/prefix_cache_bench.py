@@ -270,6 +270,16 @@ async def _chat(
     return traces, time.perf_counter() - start
 
 
+def _ttft_by_turn_ms(traces: list[RequestTrace], num_turns: int) -> list[float]:
+    """Mean TTFT (ms) of each turn of the chat scenario's conversations (index = conversation
+    x num_turns + turn); a turn no request reached counts 0."""
+    by_turn: list[list[float]] = [[] for _ in range(num_turns)]
+    for t in traces:
+        if t.ttft is not None:
+            by_turn[t.index % num_turns].append(t.ttft * 1e3)
+    return [statistics.mean(v) if v else 0.0 for v in by_turn]
+
+
 def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -> dict[str, Any]:
     """One cold run of a scenario on a running engine: metrics and the engine's hit rate."""
     with Client(address, timeout=600.0) as client:
@@ -296,6 +306,8 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
         outcome = asyncio.run(go())
         traces, duration = outcome.traces, outcome.duration_s
     metrics = compute_metrics(traces, duration)
+    if scenario.name == "chat":
+        metrics["mean_ttft_ms_by_turn"] = _ttft_by_turn_ms(traces, scenario.workload.num_turns)
     with Client(address, timeout=60.0) as client:
         after = client.stats()["engine"]
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
@@ -332,6 +344,9 @@ def main(argv: list[str]) -> int:
                         f" median gap {m['median_gap_us']:.0f} us",
                         flush=True,
                     )
+                    if "mean_ttft_ms_by_turn" in m:
+                        turns = [round(x) for x in m["mean_ttft_ms_by_turn"]]
+                        print(f"  mean TTFT by turn (ms): {turns}", flush=True)
             finally:
                 stack.stop()
     summary = {}
