@@ -60,6 +60,7 @@ from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import ConveyorBackend, SamplingChoice
 from conveyor.bench.metrics import RequestTrace, compute_metrics
 from conveyor.bench.runner import run_workload
+from conveyor.bench.steplog import engine_view, read_rid_map, read_step_log, request_spans
 from conveyor.bench.workloads import WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
 from shared.client import AsyncClient, Client, EngineError
@@ -280,6 +281,22 @@ def _ttft_by_turn_ms(traces: list[RequestTrace], num_turns: int) -> list[float]:
     return [statistics.mean(v) if v else 0.0 for v in by_turn]
 
 
+def _ttft_split_s(log_dir: Path, traces: list[RequestTrace], since: float) -> dict[str, float]:
+    """Where the requests' TTFT went, from the step log: mean seconds from arrival (the client's
+    send) to the first plan that holds the request (`wait_s`), from there to the result that
+    carries its first token (`prefill_s`), and the steps its prompt took (`prefill_steps`)."""
+    steps = read_step_log(log_dir / "scheduler.log", since=since)
+    arrivals, _ = engine_view(steps, traces, read_rid_map(log_dir))
+    spans = [s for s in request_spans(steps, arrivals) if s.rid in arrivals and s.prefill]
+    if not spans:
+        return {"wait_s": 0.0, "prefill_s": 0.0, "prefill_steps": 0.0}
+    return {
+        "wait_s": statistics.mean(s.prefill[0][0] - s.arrival for s in spans),
+        "prefill_s": statistics.mean(s.prefill[-1][1] - s.prefill[0][0] for s in spans),
+        "prefill_steps": statistics.mean(len(s.prefill) for s in spans),
+    }
+
+
 def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -> dict[str, Any]:
     """One cold run of a scenario on a running engine: metrics and the engine's hit rate."""
     with Client(address, timeout=600.0) as client:
@@ -288,6 +305,7 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
         client.reset_prefix_cache()
         before = client.stats()["engine"]
     num_gaps = len(_gaps_us(log_dir))
+    since = time.time()
     requests = generate(scenario.workload)
     arrivals = ArrivalConfig(max_concurrency=scenario.max_concurrency)
     sampling = SamplingChoice(temperature=0.0, ignore_eos=True)
@@ -306,6 +324,7 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
         outcome = asyncio.run(go())
         traces, duration = outcome.traces, outcome.duration_s
     metrics = compute_metrics(traces, duration)
+    metrics["ttft_split"] = _ttft_split_s(log_dir, traces, since)
     if scenario.name == "chat":
         metrics["mean_ttft_ms_by_turn"] = _ttft_by_turn_ms(traces, scenario.workload.num_turns)
     with Client(address, timeout=60.0) as client:
@@ -342,6 +361,13 @@ def main(argv: list[str]) -> int:
                         f"{m['mean_ttft_ms']:9.1f} ms, output {m['output_throughput']:8.1f} tok/s,"
                         f" hit rate {m['hit_rate']:.3f}, prefill tokens {m['prefill_tokens']:.0f},"
                         f" median gap {m['median_gap_us']:.0f} us",
+                        flush=True,
+                    )
+                    split = m["ttft_split"]
+                    print(
+                        f"  TTFT split: {split['wait_s'] * 1e3:.0f} ms to the first plan, then "
+                        f"{split['prefill_s'] * 1e3:.0f} ms to the first token "
+                        f"({split['prefill_steps']:.2f} prefill steps)",
                         flush=True,
                     )
                     if "mean_ttft_ms_by_turn" in m:
