@@ -53,6 +53,8 @@ class WorkerFaults:
         rids = [rid for flight in self._inflight for rid in flight.rids]
         if len(self._inflight) > 1 or self.config.async_scheduling:
             self.prefix_cache.reset()
+        else:  # what completed steps queued, before their requests' tables are dropped
+            self.prefix_cache.flush()
         self._inflight.clear()
         self._batch.forget_worker()
         step = [self._live[r] for r in dict.fromkeys(rids)

@@ -36,7 +36,9 @@ class InFlightStep:
     # sample of sampled[i] (the result names no rids); sampled_rids[i] is its rid
     sampled: list[Request]
     sampled_rids: list[str]
-    filled: list[Request]  # prefill chunks that fill blocks (prefix caching), see BuiltStep
+    # (request, preemption count, full blocks) of prefill chunks that fill blocks (prefix
+    # caching): queued for registration once this step's result arrives, see BuiltStep
+    filled: list[tuple[Request, int, int]]
     # a steady plan (every held request decodes, none new): the running set's `num_changes`
     # when it was built; None otherwise. Unchanged when its result arrives: every request in
     # it is running, has sampled before and is not protected (the fast path of `update`)

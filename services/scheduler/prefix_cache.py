@@ -10,8 +10,10 @@ is looked up and registered:
   (len(tokens) - 1) // block_size blocks are looked up, so at least one token is always computed
   (the last position must produce logits) and a hit block is never written to.
 * registration: a full block becomes findable only once the step that computed its last slot
-  has completed. Blocks filled by prefill chunks are queued when the step's result arrives
-  (`defer`), blocks filled by decodes when the request's table next grows (the scheduler
+  has completed. Blocks filled by prefill chunks are counted when the plan is built (step.py
+  `BuiltStep.filled`: what the chunk's table holds once that step has completed) and queued
+  when its result arrives (the scheduler extends `filled`: one list operation; a failed step's
+  never are), blocks filled by decodes when the request's table next grows (the scheduler
   appends the request to `grown`: one list append, resolved here), a finishing request's
   blocks when it finishes (`hold`: its table goes to the pool's held state, counted as free,
   registered and released here). `flush()` does all of it after the next plan has left (the
@@ -82,9 +84,11 @@ class PrefixCache:
         self.namespace = namespace
         self.enabled = enabled
         self.counters = PrefixCacheCounters()
-        # (request, its preemption count, blocks of its table whose KV is complete), queued on
-        # the result -> plan path and registered by `flush()`
-        self._pending: list[tuple[Request, int, int]] = []
+        # (request, its preemption count, blocks of its table whose KV is complete) of the
+        # chunks of completed steps: the scheduler's `update()` extends it with the step's
+        # `filled` (counted when the plan was built); `flush()` registers them. Cleared in
+        # place: the scheduler may hold its `extend`
+        self.filled: list[tuple[Request, int, int]] = []
         # decoding requests whose full table grew by a block in this schedule(): the scheduler
         # appends them (the cheapest thing on its per-decode path); `flush()` registers the
         # blocks before the new one (see `_grown_full`)
@@ -130,7 +134,7 @@ class PrefixCache:
         first miss of a lookup): only then must the queue be flushed on the result -> plan path
         (with no shared prefix, never). True when unsure (keys of decode-filled blocks are
         computed by `flush()`)."""
-        for req, _, num_full in self._pending:
+        for req, _, num_full in self.filled:
             if req.num_registered_blocks <= depth < num_full and _may_be(req, depth, key):
                 return True
         bs = self.block_size
@@ -202,12 +206,6 @@ class PrefixCache:
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         self._register(req, req.block_ids, num_full)
 
-    def defer(self, req: Request, num_full: int) -> None:
-        """The first `num_full` blocks of `req`'s table hold KV computed by completed steps:
-        register them in `flush()`, off the result -> plan path."""
-        if num_full > req.num_registered_blocks:
-            self._pending.append((req, req.num_preemptions, num_full))
-
     def hold(self, req: Request) -> None:
         """`req` finished (its last step completed): its table moves to the pool's held state
         (counted as free at once) and `req` holds no blocks any more; `flush()` registers its
@@ -218,14 +216,14 @@ class PrefixCache:
         self._finished.append((req, table, num_full, self.pool.hold(table)))
 
     def flush(self) -> None:
-        """Register what was queued: `defer`red chunks (a request preempted or finished since
+        """Register what was queued: the `filled` chunks (a request preempted or finished since
         registered at that moment, and one no longer running holds other blocks now: both are
         skipped), `grown` decodes, and `hold`-ed finished tables, which are released then."""
-        if self._pending:
-            pending, self._pending = self._pending, []
-            for req, num_preemptions, num_full in pending:
+        if self.filled:
+            for req, num_preemptions, num_full in self.filled:
                 if req.status is RUNNING and req.num_preemptions == num_preemptions:
-                    self._register(req, req.block_ids, num_full)
+                    self._register(req, req.block_ids, min(num_full, len(req.block_ids)))
+            self.filled.clear()
         if self.grown:  # cleared in place: the scheduler may hold its `append`
             bs = self.block_size
             for req in self.grown:
@@ -275,7 +273,7 @@ class PrefixCache:
         overlap); the number of keys dropped. Queued registrations are dropped too (the pool
         releases held blocks at once, their keys gone)."""
         self.counters.num_resets += 1
-        self._pending.clear()
+        self.filled.clear()
         self.grown.clear()
         self._finished.clear()
         return self.pool.reset_cache()

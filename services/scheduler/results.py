@@ -49,8 +49,8 @@ class StepResults:
             expected = self._inflight[0].step_id if self._inflight else None
             raise ValueError(f"result for step {result.step_id} but step {expected} is next")
         flight = self._inflight.popleft()
-        if flight.filled:  # the step completed: the blocks its chunks filled are valid
-            self._register_filled(flight.filled)
+        if flight.filled:  # the step completed: its chunks' blocks are registered off the path
+            self.prefix_cache.filled.extend(flight.filled)
         now = self._clock()
         if len(result.token_ids) != len(flight.sampled):
             message = (f"the worker returned {len(result.token_ids)} tokens for "
@@ -113,14 +113,6 @@ class StepResults:
         finished = [self._finish_with(sampled[i], result.token_ids[i], result.logprobs, now)
                     for i in ends]  # fmt: skip
         return finished, ends
-
-    def _register_filled(self, filled: list[Request]) -> None:
-        """Prefix caching: blocks filled by the completed step's prefill chunks are queued for
-        registration (requests aborted while it ran are skipped: their blocks are free)."""
-        batch, bs, defer = self._batch, self.block_size, self.prefix_cache.defer
-        for req in filled:
-            if req.rid in batch and batch.requests[req.rid] is req:
-                defer(req, min(req.num_computed_tokens // bs, len(req.block_ids)))
 
     def _output_batch(
         self,

@@ -31,11 +31,14 @@ class BuiltStep:
     sampled: list[Request]
     sampled_rids: list[str]
     steady: bool  # every held request decodes (and samples): `sampled` is the whole batch
-    # prefill chunks that fill at least one more block: registered in the prefix cache once
-    # the step has completed (empty with prefix caching off). A block filled by a decode is
-    # registered later, off this path: when its table next grows, or when it finishes or is
-    # preempted.
-    filled: list[Request]
+    # prefill chunks that fill at least one more block, each as (request, its preemption
+    # count, the full blocks of its table once this step has completed): a snapshot taken
+    # here, so the blocks a later plan in flight fills are not mistaken for this step's. Queued
+    # for registration in the prefix cache when the step's result arrives, registered off the
+    # result -> plan path (empty with prefix caching off). A block filled by a decode is
+    # registered later, off this path too: when its table next grows, or when it finishes or
+    # is preempted.
+    filled: list[tuple[Request, int, int]]
 
 
 class StepBuilder:
@@ -109,7 +112,7 @@ class StepBuilder:
             rids = self._decode_pass(worker, new_seqs, block_slots, block_ids)
         num_tokens = [1] * len(self.decodes)
         is_prefill = [False] * len(self.decodes)
-        filled: list[Request] = []
+        filled: list[tuple[Request, int, int]] = []
         bs = self.block_size
         for req, n in self._chunks.values():
             start = req.num_computed_tokens
@@ -127,8 +130,8 @@ class StepBuilder:
                 count_slots.append(req.slot)
                 counts.append(n)
             req.num_computed_tokens = start + n
-            if bs and (start + n) // bs > req.num_registered_blocks:
-                filled.append(req)
+            if bs and (start + n) // bs > req.num_registered_blocks:  # its table covers them
+                filled.append((req, req.num_preemptions, (start + n) // bs))
             if start + n == len(req.token_ids):
                 chunk_samplers.add(req.rid)
         if worker.num_held > len(rids):
