@@ -1,7 +1,7 @@
 """The KV block pool: free blocks, reference counts and the prefix cache over `num_blocks` blocks.
 
 The scheduler owns every block table; the worker only stores KV where a plan tells it to.
-A block is in exactly one of three states:
+A block is in exactly one of four states:
 
 * owned: ref count >= 1, in that many tables (several when a cached prefix is shared);
 * free: ref count 0, holds nothing findable, on the free stack;
@@ -49,10 +49,16 @@ class BlockPool:
         # evicting one block at a time from a large list costs O(evicted so far) each (measured
         # ~10 us per block with 40k cached blocks, vs ~0.3 us from the free stack)
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        # held blocks (ref count 0, registration pending) -> the `hold()` that released them,
-        # in release order. A block that left that state since (taken by a hit, released) is
-        # not registered by that hold's registration, even if another hold holds it again.
-        self._held: dict[int, int] = {}
+        # held blocks (ref count 0, registration pending): per block, the `hold()` that
+        # released it (None: not held), and each hold's table with its id, in hold order (a
+        # table's blocks held in reverse: the release order). A list store per block, not a
+        # dict of held blocks: `hold()` runs on the result -> plan path, and its per-block work
+        # is what freeing the table would cost. A block that left that state since (taken by a
+        # hit, released) is not registered by that hold's registration, even if another hold
+        # holds it again.
+        self._held_by: list[Optional[int]] = [None] * num_blocks
+        self._held_tables: list[tuple[list[int], int]] = []
+        self._num_held = 0
         self._num_holds = 0
         self.num_evicted = 0  # cached blocks reused for something else, since start
         # since start: registered keys dropped (evictions and resets), and registrations; a
@@ -63,7 +69,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: free plus cached (evicted on demand) plus held."""
-        return len(self._free) + len(self._evictable) + len(self._held)
+        return len(self._free) + len(self._evictable) + self._num_held
 
     @property
     def num_used(self) -> int:
@@ -71,7 +77,7 @@ class BlockPool:
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return self._num_held
 
     @property
     def num_plain_free(self) -> int:
@@ -99,7 +105,7 @@ class BlockPool:
         """
         free = self._free
         if num > len(free) + len(self._evictable):
-            if num > len(free) + len(self._evictable) + len(self._held):
+            if num > len(free) + len(self._evictable) + self._num_held:
                 return None
             self.release_held()  # their registrations are dropped: the blocks are needed
         if num == 1:  # the common case: one decode crossed a block boundary
@@ -152,51 +158,65 @@ class BlockPool:
         self._free[:0] = blocks  # popped after the plain free blocks, oldest first
         return num_moved
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; a block with no reference left becomes cached
         (registered) or free. Released in reverse, deepest first: of blocks released together
         the deepest is evicted first, and the table's first plain block is reused first."""
-        refs = self._ref_counts
-        key_of = self._key_of
-        for block in reversed(list(block_ids)):
-            if refs[block] <= 0:
-                raise ValueError(f"block {block} freed but not allocated")
-            refs[block] -= 1
-            if refs[block] == 0:
+        refs, key_of, free = self._ref_counts, self._key_of, self._free
+        for block in reversed(block_ids):
+            n = refs[block]
+            if n == 1:  # the common case: its only owner
+                refs[block] = 0
                 if key_of[block] is None:
-                    self._free.append(block)
+                    free.append(block)
                 else:
                     self._evictable[block] = None
+            elif n > 1:
+                refs[block] = n - 1
+            else:
+                raise ValueError(f"block {block} freed but not allocated")
 
-    def hold(self, block_ids: Iterable[int]) -> int:
+    def hold(self, table: list[int]) -> int:
         """`free()` for a finishing table whose registration waits for `after_plan()`: a block
         with no reference left becomes held (registered or not) instead of free or cached.
-        Returns the hold's id for `register_held()`; `release_held()` ends the state."""
-        refs = self._ref_counts
-        held = self._held
+        `table` is the pool's from now on (the caller keeps no other use of it). Returns the
+        hold's id for `register_held()`; `release_held()` ends the state."""
+        refs, held_by = self._ref_counts, self._held_by
         self._num_holds += 1
         hold_id = self._num_holds
-        for block in reversed(list(block_ids)):
-            if refs[block] <= 0:
+        num_held = 0
+        for block in table:  # released in reverse by release_held()
+            n = refs[block]
+            if n == 1:
+                refs[block] = 0
+                held_by[block] = hold_id
+                num_held += 1
+            elif n > 1:
+                refs[block] = n - 1
+            else:
                 raise ValueError(f"block {block} freed but not allocated")
-            refs[block] -= 1
-            if refs[block] == 0:
-                held[block] = hold_id
+        self._num_held += num_held
+        self._held_tables.append((table, hold_id))
         return hold_id
 
     def release_held(self) -> None:
-        """Held blocks become cached (registered) or free, in the order they were released.
-        Called after their registrations (`register_held`), off the result -> plan path, or
-        by an allocation that needs them (their registrations are dropped)."""
-        if not self._held:
+        """Held blocks become cached (registered) or free, in the order `free()` would have
+        released them (hold by hold, each table in reverse). Called after their registrations
+        (`register_held`), off the result -> plan path, or by an allocation that needs them
+        (their registrations are dropped)."""
+        if not self._held_tables:
             return
-        free, evictable, key_of = self._free, self._evictable, self._key_of
-        for block in self._held:
-            if key_of[block] is None:
-                free.append(block)
-            else:
-                evictable[block] = None
-        self._held.clear()
+        free, evictable, key_of, held_by = self._free, self._evictable, self._key_of, self._held_by
+        for table, hold_id in self._held_tables:
+            for block in reversed(table):
+                if held_by[block] == hold_id:
+                    held_by[block] = None
+                    if key_of[block] is None:
+                        free.append(block)
+                    else:
+                        evictable[block] = None
+        self._held_tables.clear()
+        self._num_held = 0
 
     # ---- the prefix cache ----------------------------------------------------------------------
 
@@ -236,8 +256,9 @@ class BlockPool:
             if refs[block] == 0:
                 if block in evictable:
                     del evictable[block]
-                else:
-                    del self._held[block]  # registered, released by a finishing table
+                else:  # registered, released by a finishing table
+                    self._held_by[block] = None
+                    self._num_held -= 1
             refs[block] += 1
 
     def register(self, block: int, key: int) -> bool:
@@ -273,10 +294,10 @@ class BlockPool:
         """`register_blocks` for a table given to `hold()` (which returned `hold_id`): only its
         blocks still held by that hold are registered (a block taken or released since may hold
         other KV now)."""
-        key_of, by_key, held = self._key_of, self._by_key, self._held
+        key_of, by_key, held_by = self._key_of, self._by_key, self._held_by
         for i in range(start, end):
             block, key = block_ids[i], keys[i]
-            if held.get(block) != hold_id or key_of[block] is not None or key in by_key:
+            if held_by[block] != hold_id or key_of[block] is not None or key in by_key:
                 continue
             key_of[block] = key
             by_key[key] = block
@@ -287,7 +308,7 @@ class BlockPool:
 
     def held_by(self, block: int) -> Optional[int]:
         """The `hold()` id that holds `block`, None unless it is held."""
-        return self._held.get(block)
+        return self._held_by[block]
 
     def reset_cache(self) -> int:
         """Forget every registered key (owned blocks stay owned but are no longer findable);
@@ -305,9 +326,10 @@ class BlockPool:
     def check_integrity(self, tables: Iterable[list[int]], shared_ok: bool = False) -> None:
         """Raise AssertionError unless every block is in exactly one state (owned, free,
         cached, held), each state's bookkeeping agrees (ref counts equal owners, the free stack,
-        the eviction list and the held set hold each of their blocks once, key maps are
-        inverse), and (unless
-        `shared_ok`) no block is owned twice. O(num_blocks): for tests and debugging only."""
+        the eviction list and the held set hold each of their blocks once, the held count is
+        right and each held block is in the table of the hold that holds it, key maps are
+        inverse), and (unless `shared_ok`) no block is owned twice. O(num_blocks): for tests
+        and debugging only."""
         owners = [0] * self.num_blocks
         for table in tables:
             for block in table:
@@ -315,7 +337,13 @@ class BlockPool:
                     raise AssertionError(f"block id {block} outside the pool")
                 owners[block] += 1
         free_set = set(self._free)
-        held = self._held
+        held = {b: h for b, h in enumerate(self._held_by) if h is not None}
+        if len(held) != self._num_held:
+            raise AssertionError(f"{len(held)} blocks held, {self._num_held} counted")
+        held_tables = {hold_id: set(table) for table, hold_id in self._held_tables}
+        for block, hold_id in held.items():
+            if block not in held_tables.get(hold_id, ()):
+                raise AssertionError(f"held block {block} is not in its hold's table")
         if len(free_set) != len(self._free):
             raise AssertionError("a block is on the free list twice")
         if free_set & self._evictable.keys():
