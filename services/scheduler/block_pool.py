@@ -26,7 +26,7 @@ first and a prefix's shared root lives longest. All operations are O(blocks touc
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Optional
 
 
@@ -42,7 +42,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_counts: list[int] = [0] * num_blocks
         self._key_of: list[Optional[int]] = [None] * num_blocks  # registered content key
-        self._by_key: dict[int, int] = {}  # content key -> the block registered under it
+        # content key -> the block registered under it (one dict for the pool's life: cleared,
+        # never replaced, since `registered_keys()` hands it out)
+        self._by_key: dict[int, int] = {}
         # cached blocks (ref count 0, registered), least recently released first; an ordered
         # set with O(1) append, removal and pop of the oldest. An OrderedDict, not a dict: a
         # dict's first entry is found by scanning past the entries deleted from its front, so
@@ -241,6 +243,11 @@ class BlockPool:
         while i < end and keys[i] in by_key:
             i += 1
         return i
+
+    def registered_keys(self) -> Mapping[int, int]:
+        """content key -> registered block, live (the same mapping for the pool's life): for
+        a caller's first probe of a lookup (`key in registered_keys()`), without a call."""
+        return self._by_key
 
     def num_reviving(self, block_ids: Iterable[int]) -> int:
         """How many of these registered blocks are cached (ref count 0): taking them uses up

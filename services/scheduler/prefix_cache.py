@@ -100,6 +100,7 @@ class PrefixCache:
         # or by evicting, and the free stack's length and the eviction count when the last
         # `after_plan` ended
         self._step_demand: deque[int] = deque(maxlen=EVICT_AHEAD_STEPS)
+        self._registered = pool.registered_keys()  # read only here (a lookup's first probe)
         self._free_left = pool.num_plain_free
         self._evicted_seen = pool.num_evicted
 
@@ -123,7 +124,10 @@ class PrefixCache:
         keys = req.block_keys
         if len(keys) < num_full:
             extend_int_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
-        hits = self.pool.find_prefix(keys, num_full)
+        if not num_full:
+            return []
+        # a prompt whose first block is not cached (no shared prefix) costs one dict read
+        hits = self.pool.find_prefix(keys, num_full) if keys[0] in self._registered else []
         if len(hits) < num_full and self._pending_holds(keys[len(hits)], len(hits)):
             self.flush()  # a completed block not registered yet would extend the hit
             hits = self.pool.find_prefix(keys, num_full)
@@ -174,10 +178,11 @@ class PrefixCache:
         """`req` (no blocks, nothing computed) starts with `hits` from `lookup()` in its table:
         they count as computed. Call before allocating its other blocks, so that allocation
         cannot evict them. Counts the query (a miss when `hits` is empty)."""
-        self.pool.take_cached(hits)
-        req.block_ids = list(hits)
-        req.num_registered_blocks = len(hits)
-        req.num_computed_tokens = len(hits) * self.block_size
+        if hits:  # a miss changes nothing but the counts
+            self.pool.take_cached(hits)
+            req.block_ids = list(hits)
+            req.num_registered_blocks = len(hits)
+            req.num_computed_tokens = len(hits) * self.block_size
         self.count(req, step)
 
     def attach_if_room(self, req: Request, step: StepBuilder) -> bool:
