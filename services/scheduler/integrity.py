@@ -51,6 +51,8 @@ def check_scheduler(
         if req.status is RequestStatus.WAITING:
             held = sched.is_held(req)  # set aside by bisection of a failed step (faults.py)
             assert not req.block_ids and (req in waiting) != held, f"{req.rid} waiting wrongly"
+            # what a lookup's `attach` assumes of a request it starts (a miss changes nothing)
+            assert req.num_computed_tokens == req.num_registered_blocks == 0, f"{req.rid} stale"
         else:
             assert req.status is RequestStatus.RUNNING and req.rid in batch, f"{req.rid} lost"
     for req in running:

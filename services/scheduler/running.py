@@ -79,8 +79,9 @@ class RunningSet:
         del self.requests[req.rid]
         self.num_changes += 1
         self.version += 1
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        if req.block_ids:  # none left when prefix caching holds a finished table (results.py)
+            self.pool.free(req.block_ids)
+            req.block_ids = []
         self.release(req)
 
     def grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
