@@ -26,6 +26,7 @@ computes) is timed apart, as `after_plan_us_median`.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import math
@@ -35,6 +36,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Optional
 
 from services.scheduler import Scheduler, SchedulerConfig
 from shared.held_batch import HeldBatch
@@ -61,7 +63,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="instead of timing: cProfile each mode's steps, print the top functions by own time",
+        help="instead of timing: cProfile each mode's timed parts, print the top functions by "
+        "own time and the largest differences between the modes",
     )
     return p.parse_args(argv)
 
@@ -124,10 +127,18 @@ class _Stepper:
     encode the plan. With `new_prompt_len`, a new prompt arrives as soon as the previous one is
     done (so every step holds a prefill chunk)."""
 
-    def __init__(self, sched: Scheduler, worker: _Worker, new_prompt_len: int) -> None:
+    def __init__(
+        self,
+        sched: Scheduler,
+        worker: _Worker,
+        new_prompt_len: int,
+        profiler: Optional[cProfile.Profile] = None,
+    ) -> None:
+        """`profiler`: enabled during the timed parts only (`--profile`)."""
         self.sched = sched
         self.worker = worker
         self.new_prompt_len = new_prompt_len
+        self.profiler = profiler
         self.parts: dict[str, list[float]] = {"decode": [], "update": [], "schedule": [],
                                               "encode": []}  # fmt: skip
         self.after: list[float] = []
@@ -139,24 +150,32 @@ class _Stepper:
 
     def step(self) -> float:
         """One step; its time (us), after_plan excluded."""
-        sched, parts = self.sched, self.parts
+        sched, parts, prof = self.sched, self.parts, self.profiler
         frame = encode(self.worker.answer(self.plan))  # the worker's side: not timed
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         result = decode(frame)
         t1 = time.perf_counter()
         sched.update(result)
         t2 = time.perf_counter()
+        if prof is not None:
+            prof.disable()
         if self.new_prompt_len and (
             self.arrivals == 0 or not sched.is_live(f"new-{self.arrivals:05d}")
         ):
             self.arrivals += 1
             sched.add_request(_submit(f"new-{self.arrivals:05d}", self.new_prompt_len, 1))
+        if prof is not None:
+            prof.enable()
         t3 = time.perf_counter()
         plan = sched.schedule()
         t4 = time.perf_counter()
         assert plan is not None
         encode(plan)
         t5 = time.perf_counter()
+        if prof is not None:
+            prof.disable()
         sched.after_plan()  # the server runs it while the worker computes: timed apart
         self.after.append((time.perf_counter() - t5) * 1e6)
         self.plan = plan
@@ -255,21 +274,48 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
 
 
 def _profile(args: argparse.Namespace) -> None:
-    """cProfile the timed loop of each scenario and mode (where the on/off difference goes:
-    call counts are exact, times inflated by the profiler)."""
-    import cProfile
+    """cProfile the timed parts of each scenario's steps (result decode, update(), schedule(),
+    plan encode; not the worker's answer, arrivals or after_plan), one scheduler per mode
+    stepped in turn as in the timed runs. Prints each mode's top functions by own time and,
+    with two modes, the functions whose own time per step differs most between them (where the
+    on/off difference goes: call counts are exact, times inflated by the profiler)."""
     import pstats
 
+    modes = args.prefix_caching.split(",")
     for n in (int(x) for x in args.running.split(",")):
         for scenario in ("decode", "mixed"):
-            for mode in args.prefix_caching.split(","):
-                sched, worker = _warm_up(n, args, args.steps, mode == "on")
-                prof = cProfile.Profile()
-                prof.enable()
-                _time_steps(sched, worker, args.steps, args.context if scenario == "mixed" else 0)
-                prof.disable()
-                print(f"==== N={n} {scenario} caching {mode}", flush=True)
-                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            new_len = args.context if scenario == "mixed" else 0
+            profs = {m: cProfile.Profile() for m in modes}
+            steppers = {m: _Stepper(*_warm_up(n, args, args.steps, m == "on"), new_len, profs[m])
+                        for m in modes}  # fmt: skip
+            for _ in range(args.steps):
+                for m in modes:
+                    steppers[m].step()
+            own: dict[str, dict[str, tuple[int, float]]] = {}
+            for m in modes:
+                print(f"==== N={n} {scenario} caching {m}: timed parts only", flush=True)
+                stats = pstats.Stats(profs[m])
+                stats.sort_stats("tottime").print_stats(15)
+                rows = stats.stats.items()  # type: ignore[attr-defined]  # (file, line, fn) -> row
+                own[m] = {f"{path.split('/')[-1]}:{line}({name})": (row[1], row[2])
+                          for (path, line, name), row in rows}  # fmt: skip
+            if len(modes) == 2:
+                _print_profile_diff(own, modes, args.steps)
+
+
+def _print_profile_diff(
+    own: dict[str, dict[str, tuple[int, float]]], modes: list[str], steps: int
+) -> None:
+    """The functions whose own time per step differs most between the two modes."""
+    a, b = modes
+    rows = []
+    for fn in own[a].keys() | own[b].keys():
+        (ca, ta), (cb, tb) = own[a].get(fn, (0, 0.0)), own[b].get(fn, (0, 0.0))
+        rows.append(((ta - tb) * 1e6 / steps, fn, ca, cb))
+    rows.sort(key=lambda r: -abs(r[0]))
+    print(f"==== own time per step, {a} - {b} (us; calls {a} / {b}):")
+    for diff, fn, ca, cb in rows[:16]:
+        print(f"{diff:+8.2f}  {fn:70s} {ca:7d} / {cb:7d}")
 
 
 def main(argv: list[str]) -> int:
