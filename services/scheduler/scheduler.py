@@ -137,6 +137,7 @@ class Scheduler(StepResults, WorkerFaults):
         config = self.config
         self.pool = BlockPool(num_blocks, self.block_size, config.watermark)
         self.prefix_cache = PrefixCache(self.pool, self._cache_namespace, self._caching)
+        self._queue_grown = self.prefix_cache.grown.append  # per decode crossing a block
         self._waiting = WaitingQueue(config.policy, config.max_wait, self.prefix_cache)
         requeue = self._waiting if self._rules.preempts_to_queue else None
         register = self.prefix_cache.register_computed if self._caching else None
@@ -266,7 +267,7 @@ class Scheduler(StepResults, WorkerFaults):
             if not self._batch.grow(req, computed + 1, step):
                 return False
             if self._caching:  # its decode-filled blocks become findable in after_plan()
-                self.prefix_cache.grown.append(req)
+                self._queue_grown(req)
         return True
 
     def _steady_decodes(self, step: StepBuilder, steady: SteadyDecodes) -> bool:
