@@ -114,7 +114,6 @@ def _warm_up(
     while True:
         plan = sched.schedule()
         assert plan is not None
-        sched.after_plan()  # as the server runs it: the first timed step starts with no backlog
         sched.update(worker.answer(plan))
         rec = sched.last_step_record
         if rec is not None and not any(rec.is_prefill) and len(rec.rids) == n:
@@ -145,7 +144,6 @@ class _Stepper:
         self.arrivals = 0
         plan = sched.schedule()
         assert plan is not None
-        sched.after_plan()
         self.plan = plan
 
     def step(self) -> float:
