@@ -11,8 +11,9 @@
 * the `lpm` policy's remembered cached lengths: while no cached block was dropped since, the
   remembered prefix is still cached, and with no registration since either, it is exactly what
   a fresh lookup finds;
-* only running requests hold blocks; running <= max_num_seqs; every live request is either
-  waiting or running, exactly once.
+* only running requests hold blocks, and a waiting one has nothing computed or registered
+  (what a lookup's `attach` of a miss relies on); running <= max_num_seqs; every live request
+  is either waiting or running, exactly once.
 """
 
 from __future__ import annotations
