@@ -31,7 +31,8 @@ docs/PERFORMANCE.md runs the H200 profile with and near vLLM's GPU defaults (256
 2,048 tokens; 1,024 and 8,192 on GPUs of >= 70 GiB). The simulated worker sizes the KV pool from
 the device's memory. `--max-num-seqs` / `--max-num-batched-tokens` override either.
 
-Prints mean TTFT, output throughput, the engine's hit rate and the scheduler's median
+Prints mean TTFT (by turn for chat, and split into arrival -> first plan -> first token from
+the step log), output throughput, the engine's hit rate and the scheduler's median
 result -> next plan gap (`gap_s` of the step log: the scheduler's cost per step as the server
 runs it) per scenario and mode, and the on/off ratios (median over rounds); writes everything to
 <out>/prefix_cache.json. Run it alone (flock -x /tmp/conveyor-cpu.lock ...): end-to-end timings
