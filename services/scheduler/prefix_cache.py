@@ -86,8 +86,7 @@ class PrefixCache:
         self.counters = PrefixCacheCounters()
         # (request, its preemption count, blocks of its table whose KV is complete) of the
         # chunks of completed steps: the scheduler's `update()` extends it with the step's
-        # `filled` (counted when the plan was built); `flush()` registers them. Cleared in
-        # place: the scheduler may hold its `extend`
+        # `filled` (counted when the plan was built); `flush()` registers them
         self.filled: list[tuple[Request, int, int]] = []
         # decoding requests whose full table grew by a block in this schedule(): the scheduler
         # appends them (the cheapest thing on its per-decode path); `flush()` registers the

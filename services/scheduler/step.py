@@ -121,11 +121,8 @@ class StepBuilder:
             is_prefill.append(True)
             if req.slot is None:
                 new_seqs.append(_new_sequence(req, worker))
-            elif len(req.block_ids) != req.num_sent_blocks:
-                added = req.block_ids[req.num_sent_blocks :]
-                block_slots.extend([req.slot] * len(added))
-                block_ids.extend(added)
-                req.num_sent_blocks = len(req.block_ids)
+            else:  # a few chunks a step: the shared helper (decodes inline it, _decode_pass)
+                _send_blocks([req], block_slots, block_ids)
             if n != 1:
                 count_slots.append(req.slot)
                 counts.append(n)
