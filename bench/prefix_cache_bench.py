@@ -55,8 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import orjson
-
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import ConveyorBackend, SamplingChoice
 from conveyor.bench.metrics import RequestTrace, compute_metrics
@@ -197,18 +195,6 @@ def _stack(args: argparse.Namespace, caching: bool, log_dir: Path) -> LocalStack
     )
 
 
-def _gaps_us(log_dir: Path) -> list[float]:
-    """Every step's result -> next plan gap so far (µs), from the scheduler's step log."""
-    out = []
-    with (log_dir / "scheduler.log").open("rb") as f:
-        for line in f:
-            if b'"event":"step"' in line:
-                gap = orjson.loads(line).get("gap_s")
-                if gap is not None:
-                    out.append(gap * 1e6)
-    return out
-
-
 async def _chat(
     address: str, cfg: WorkloadConfig, id_prefix: str, think_time_s: float
 ) -> tuple[list[Any], float]:
@@ -282,20 +268,24 @@ def _ttft_by_turn_ms(traces: list[RequestTrace], num_turns: int) -> list[float]:
     return [statistics.mean(v) if v else 0.0 for v in by_turn]
 
 
-def _ttft_split_s(log_dir: Path, traces: list[RequestTrace], since: float) -> dict[str, float]:
-    """Where the requests' TTFT went, from the step log: mean seconds from arrival (the client's
+def _from_step_log(log_dir: Path, traces: list[RequestTrace], since: float) -> dict[str, Any]:
+    """What the scheduler's step log says of the steps planned since `since`: their median
+    result -> next plan gap (`gap_s`: the scheduler's cost per step as the server runs it, µs),
+    and where the requests' TTFT went (`ttft_split`): mean seconds from arrival (the client's
     send) to the first plan that holds the request (`wait_s`), from there to the result that
     carries its first token (`prefill_s`), and the steps its prompt took (`prefill_steps`)."""
     steps = read_step_log(log_dir / "scheduler.log", since=since)
+    gaps = [s.gap_s * 1e6 for s in steps if s.gap_s is not None]
     arrivals, _ = engine_view(steps, traces, read_rid_map(log_dir))
     spans = [s for s in request_spans(steps, arrivals) if s.rid in arrivals and s.prefill]
-    if not spans:
-        return {"wait_s": 0.0, "prefill_s": 0.0, "prefill_steps": 0.0}
-    return {
-        "wait_s": statistics.mean(s.prefill[0][0] - s.arrival for s in spans),
-        "prefill_s": statistics.mean(s.prefill[-1][1] - s.prefill[0][0] for s in spans),
-        "prefill_steps": statistics.mean(len(s.prefill) for s in spans),
-    }
+    split = {"wait_s": 0.0, "prefill_s": 0.0, "prefill_steps": 0.0}
+    if spans:
+        split = {
+            "wait_s": statistics.mean(s.prefill[0][0] - s.arrival for s in spans),
+            "prefill_s": statistics.mean(s.prefill[-1][1] - s.prefill[0][0] for s in spans),
+            "prefill_steps": statistics.mean(len(s.prefill) for s in spans),
+        }
+    return {"median_gap_us": statistics.median(gaps) if gaps else 0.0, "ttft_split": split}
 
 
 def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -> dict[str, Any]:
@@ -305,7 +295,6 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
         client.generate(prompt_token_ids=[101 + i for i in range(24)], max_tokens=2)
         client.reset_prefix_cache()
         before = client.stats()["engine"]
-    num_gaps = len(_gaps_us(log_dir))
     since = time.time()
     requests = generate(scenario.workload)
     arrivals = ArrivalConfig(max_concurrency=scenario.max_concurrency)
@@ -325,7 +314,6 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
         outcome = asyncio.run(go())
         traces, duration = outcome.traces, outcome.duration_s
     metrics = compute_metrics(traces, duration)
-    metrics["ttft_split"] = _ttft_split_s(log_dir, traces, since)
     if scenario.name == "chat":
         metrics["mean_ttft_ms_by_turn"] = _ttft_by_turn_ms(traces, scenario.workload.num_turns)
     with Client(address, timeout=60.0) as client:
@@ -335,8 +323,7 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
     metrics["hit_rate"] = hits / queries if queries else 0.0
     metrics["prefill_tokens"] = after["num_prefill_tokens"] - before["num_prefill_tokens"]
     metrics["kv_blocks_total"] = after["kv_blocks_total"]
-    gaps = _gaps_us(log_dir)[num_gaps:]
-    metrics["median_gap_us"] = statistics.median(gaps) if gaps else 0.0
+    metrics.update(_from_step_log(log_dir, traces, since))
     return metrics
 
 
