@@ -25,9 +25,10 @@ first and a prefix's shared root lives longest. All operations are O(blocks touc
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Optional
+
+from services.scheduler.eviction_list import EvictionList
 
 
 class BlockPool:
@@ -45,12 +46,9 @@ class BlockPool:
         # content key -> the block registered under it (one dict for the pool's life: cleared,
         # never replaced, since `registered_keys()` hands it out)
         self._by_key: dict[int, int] = {}
-        # cached blocks (ref count 0, registered), least recently released first; an ordered
-        # set with O(1) append, removal and pop of the oldest. An OrderedDict, not a dict: a
-        # dict's first entry is found by scanning past the entries deleted from its front, so
-        # evicting one block at a time from a large list costs O(evicted so far) each (measured
-        # ~10 us per block with 40k cached blocks, vs ~0.3 us from the free stack)
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # cached blocks (ref count 0, registered), least recently released first (an ordered
+        # set with O(1) append, removal and pop of the oldest; see there why not an OrderedDict)
+        self._evictable = EvictionList(num_blocks)
         # held blocks (ref count 0, registration pending): per block, the `hold()` that
         # released it (None: not held), and each hold's table with its id, in hold order (a
         # table's blocks held in reverse: the release order). A list store per block, not a
@@ -71,7 +69,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: free plus cached (evicted on demand) plus held."""
-        return len(self._free) + len(self._evictable) + self._num_held
+        return len(self._free) + self._evictable.num_listed + self._num_held
 
     @property
     def num_used(self) -> int:
@@ -106,19 +104,15 @@ class BlockPool:
         held blocks (the newest releases) only when those do not suffice.
         """
         free = self._free
-        if num > len(free) + len(self._evictable):
-            if num > len(free) + len(self._evictable) + self._num_held:
+        if num > len(free) + self._evictable.num_listed:
+            if num > len(free) + self._evictable.num_listed + self._num_held:
                 return None
             self.release_held()  # their registrations are dropped: the blocks are needed
         if num == 1:  # the common case: one decode crossed a block boundary
             if free:
                 block = free.pop()
-            else:  # _evict_oldest(1), inlined: with a full cache this is every decode's case
-                block = self._evictable.popitem(last=False)[0]
-                del self._by_key[self._key_of[block]]  # type: ignore[index]  # it has a key
-                self._key_of[block] = None
-                self.num_evicted += 1
-                self.num_dropped += 1
+            else:  # a full cache and nothing evicted ahead
+                block = self._evict_oldest(1)[0]
             self._ref_counts[block] = 1
             return [block]
         num_plain = min(num, len(free))
@@ -134,8 +128,8 @@ class BlockPool:
 
     def _evict_oldest(self, num: int) -> list[int]:
         """Unregister the `num` least recently released cached blocks and return them."""
-        pop, key_of, by_key = self._evictable.popitem, self._key_of, self._by_key
-        blocks = [pop(last=False)[0] for _ in range(num)]
+        key_of, by_key = self._key_of, self._by_key
+        blocks = self._evictable.pop_oldest(num)
         for block in blocks:
             del by_key[key_of[block]]  # type: ignore[index]  # evictable blocks have keys
             key_of[block] = None
@@ -152,7 +146,7 @@ class BlockPool:
         this call; the only difference is that the moved blocks stop being findable before
         they are reused (see prefix_cache.py). O(num): it moves blocks only while the free
         stack holds fewer than `num`."""
-        num_moved = min(num - len(self._free), len(self._evictable))
+        num_moved = min(num - len(self._free), self._evictable.num_listed)
         if num_moved <= 0:
             return 0
         blocks = self._evict_oldest(num_moved)
@@ -172,7 +166,7 @@ class BlockPool:
                 if key_of[block] is None:
                     free.append(block)
                 else:
-                    self._evictable[block] = None
+                    self._evictable.append(block)
             elif n > 1:
                 refs[block] = n - 1
             else:
@@ -208,7 +202,8 @@ class BlockPool:
         (their registrations are dropped)."""
         if not self._held_tables:
             return
-        free, evictable, key_of, held_by = self._free, self._evictable, self._key_of, self._held_by
+        free, key_of, held_by = self._free, self._key_of, self._held_by
+        cached: list[int] = []
         for table, hold_id in self._held_tables:
             for block in reversed(table):
                 if held_by[block] == hold_id:
@@ -216,7 +211,8 @@ class BlockPool:
                     if key_of[block] is None:
                         free.append(block)
                     else:
-                        evictable[block] = None
+                        cached.append(block)
+        self._evictable.extend(cached)
         self._held_tables.clear()
         self._num_held = 0
 
@@ -262,7 +258,7 @@ class BlockPool:
         for block in block_ids:
             if refs[block] == 0:
                 if block in evictable:
-                    del evictable[block]
+                    evictable.remove(block)
                 else:  # registered, released by a finishing table
                     self._held_by[block] = None
                     self._num_held -= 1
@@ -326,8 +322,7 @@ class BlockPool:
         for block in self._by_key.values():
             self._key_of[block] = None
         self._by_key.clear()
-        self._free.extend(self._evictable)
-        self._evictable.clear()
+        self._free.extend(self._evictable.drain())
         return dropped
 
     def check_integrity(self, tables: Iterable[list[int]], shared_ok: bool = False) -> None:
@@ -343,7 +338,9 @@ class BlockPool:
                 if not 0 <= block < self.num_blocks:
                     raise AssertionError(f"block id {block} outside the pool")
                 owners[block] += 1
+        self._evictable.check_integrity()
         free_set = set(self._free)
+        cached = self._evictable.blocks()
         held = {b: h for b, h in enumerate(self._held_by) if h is not None}
         if len(held) != self._num_held:
             raise AssertionError(f"{len(held)} blocks held, {self._num_held} counted")
@@ -353,9 +350,9 @@ class BlockPool:
                 raise AssertionError(f"held block {block} is not in its hold's table")
         if len(free_set) != len(self._free):
             raise AssertionError("a block is on the free list twice")
-        if free_set & self._evictable.keys():
+        if free_set & cached:
             raise AssertionError("a block is both free and cached")
-        if held.keys() & (free_set | self._evictable.keys()):
+        if held.keys() & (free_set | cached):
             raise AssertionError("a block is both held and free or cached")
         num_owned = sum(1 for n in owners if n > 0)
         if num_owned + self.num_free != self.num_blocks:
@@ -373,10 +370,10 @@ class BlockPool:
             key = self._key_of[block]
             if key is not None and self._by_key.get(key) != block:
                 raise AssertionError(f"block {block}: key maps disagree")
-            unowned = block in free_set or block in self._evictable or block in held
+            unowned = block in free_set or block in cached or block in held
             if (n == 0) != unowned:
                 raise AssertionError(f"block {block} is both unowned and owned, or neither")
-            if block in self._evictable and key is None:
+            if block in cached and key is None:
                 raise AssertionError(f"block {block} is cached but has no key")
             if block in free_set and key is not None:
                 raise AssertionError(f"block {block} is free but still has a key")
