@@ -18,7 +18,8 @@ rounds one scheduler per mode, stepped in pairs (paired steps see the same momen
 machine; which mode goes first in a pair is drawn at random, seeded: the second of a pair runs
 measurably slower, and strict alternation aliases with the mixed scenario's 4-step period, so
 one mode always went first on the same kinds of step); it reports the median over rounds of the
-on/off ratio of median step times and of the median per-step ratio. `after_plan` (the
+on/off ratio of median step times, of the median per-step ratio and of the order-balanced
+ratio (see `_compare`). `after_plan` (the
 registrations and evictions ahead the server runs off the result -> plan path, while the worker
 computes) is timed apart, as `after_plan_us_median`.
 """
@@ -228,12 +229,17 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
     pattern repeats every 4 steps), which biased both medians. Per round: the ratio of the
     modes' median step times, and the median of the per-step ratios (step i of one mode
     against step i of the other: the same work), also split by which mode went first.
-    Reported: the median over rounds of each."""
+    Reported: the median over rounds of each, and of the order-balanced ratio, the geometric
+    mean of the two split medians: the second of a pair runs slower by a factor that grows with
+    the working set (~1% at 256 running, up to ~15% at 1,024, where the per-step ratios form
+    two clusters and their median moves with how many steps each order drew); a factor that
+    slows either mode alike cancels in the product."""
     modes = args.prefix_caching.split(",")
     new_len = args.context if scenario == "mixed" else 0
     rounds: dict[str, list[float]] = {m: [] for m in modes}
     ratios: list[float] = []
     paired: list[float] = []
+    balanced: list[float] = []
     for r in range(args.repeats):
         steppers = {m: _Stepper(*_warm_up(n, args, args.steps, m == "on"), new_len) for m in modes}
         gc.collect()
@@ -257,18 +263,22 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
             )
             for o in (True, False)
         ]
+        balanced.append(math.sqrt(split[0] * split[1]))  # nan if one order never came up
         parts = {m: {k: round(v, 1) for k, v in steppers[m].summary().items()} for m in modes}
         print(f"N={n:5d} {scenario:6s} round: on/off {meds['on']:.1f}/{meds['off']:.1f} us = "
               f"{ratios[-1]:.3f}, paired {paired[-1]:.3f} (on first {split[0]:.3f}, second "
-              f"{split[1]:.3f}); parts {parts}", flush=True)  # fmt: skip
+              f"{split[1]:.3f}, balanced {balanced[-1]:.3f}); parts {parts}",
+              flush=True)  # fmt: skip
     ratio, pair = statistics.median(ratios), statistics.median(paired)
+    bal = statistics.median(balanced)
     on, off = statistics.median(rounds["on"]), statistics.median(rounds["off"])
     print(f"N={n:5d} {scenario:6s} caching on/off step median {on:.1f}/{off:.1f} us: ratio "
-          f"{ratio:.3f}, paired {pair:.3f} (median of {args.repeats} rounds)",
-          flush=True)  # fmt: skip
+          f"{ratio:.3f}, paired {pair:.3f}, balanced {bal:.3f} (median of {args.repeats} "
+          "rounds)", flush=True)  # fmt: skip
     return {"running": n, "scenario": scenario, "on_us": on, "off_us": off,
-            "ratio_on_off": ratio, "paired_ratio_on_off": pair, "rounds": rounds,
-            "round_ratios": ratios, "round_paired_ratios": paired}  # fmt: skip
+            "ratio_on_off": ratio, "paired_ratio_on_off": pair, "balanced_ratio_on_off": bal,
+            "rounds": rounds, "round_ratios": ratios, "round_paired_ratios": paired,
+            "round_balanced_ratios": balanced}  # fmt: skip
 
 
 def _profile(args: argparse.Namespace) -> None:
