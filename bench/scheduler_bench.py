@@ -19,9 +19,9 @@ machine; which mode goes first in a pair is drawn at random, seeded: the second 
 measurably slower, and strict alternation aliases with the mixed scenario's 4-step period, so
 one mode always went first on the same kinds of step); it reports the median over rounds of the
 on/off ratio of median step times, of the median per-step ratio and of the order-balanced
-ratio (see `_compare`). `after_plan` (the
-registrations and evictions ahead the server runs off the result -> plan path, while the worker
-computes) is timed apart, as `after_plan_us_median`.
+ratio (see `_compare`). `after_plan` (the registrations and evictions ahead the server runs
+off the result -> plan path, while the worker computes) is timed apart, as
+`after_plan_us_median`.
 """
 
 from __future__ import annotations

@@ -96,10 +96,9 @@ class EvictionList:
 
     def drain(self) -> list[int]:
         """Every listed block, oldest first; the list is left empty (no stale entries either)."""
-        live = self._live()
+        live = self._live()  # every entry count is 0 now
         for block in live:
             self._listed[block] = 0
-            self._num_entries[block] = 0
         self._order.clear()
         self.num_listed = 0
         return live
