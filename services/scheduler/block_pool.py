@@ -159,6 +159,7 @@ class BlockPool:
         (registered) or free. Released in reverse, deepest first: of blocks released together
         the deepest is evicted first, and the table's first plain block is reused first."""
         refs, key_of, free = self._ref_counts, self._key_of, self._free
+        cached: list[int] = []
         for block in reversed(block_ids):
             n = refs[block]
             if n == 1:  # the common case: its only owner
@@ -166,11 +167,13 @@ class BlockPool:
                 if key_of[block] is None:
                     free.append(block)
                 else:
-                    self._evictable.append(block)
+                    cached.append(block)
             elif n > 1:
                 refs[block] = n - 1
             else:
                 raise ValueError(f"block {block} freed but not allocated")
+        if cached:
+            self._evictable.extend(cached)
 
     def hold(self, table: list[int]) -> int:
         """`free()` for a finishing table whose registration waits for `after_plan()`: a block
@@ -257,9 +260,7 @@ class BlockPool:
         refs, evictable = self._ref_counts, self._evictable
         for block in block_ids:
             if refs[block] == 0:
-                if block in evictable:
-                    evictable.remove(block)
-                else:  # registered, released by a finishing table
+                if not evictable.discard(block):  # registered, released by a finishing table
                     self._held_by[block] = None
                     self._num_held -= 1
             refs[block] += 1

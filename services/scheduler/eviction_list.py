@@ -49,17 +49,8 @@ class EvictionList:
     def __contains__(self, block: int) -> bool:
         return self._listed[block] == 1
 
-    def append(self, block: int) -> None:
-        """`block` (not listed) becomes the most recently released."""
-        self._listed[block] = 1
-        self._order.append(block)
-        self._num_entries[block] += 1
-        self.num_listed += 1
-        if len(self._order) > 2 * self.num_listed + COMPACT_SLACK:
-            self._compact()
-
     def extend(self, blocks: Iterable[int]) -> None:
-        """`append` each of `blocks` (none listed), in order."""
+        """`blocks` (none listed) become the most recently released, the last the newest."""
         listed, entries, order = self._listed, self._num_entries, self._order
         num = 0
         for block in blocks:
@@ -71,12 +62,13 @@ class EvictionList:
         if len(order) > 2 * self.num_listed + COMPACT_SLACK:
             self._compact()
 
-    def remove(self, block: int) -> None:
-        """Take a listed `block` off the list (its entry goes stale)."""
+    def discard(self, block: int) -> bool:
+        """Take `block` off the list if it is listed (its entry goes stale); whether it was."""
         if not self._listed[block]:
-            raise ValueError(f"block {block} is not on the eviction list")
+            return False
         self._listed[block] = 0
         self.num_listed -= 1
+        return True
 
     def pop_oldest(self, num: int) -> list[int]:
         """Take the `num` least recently released blocks off the list (num <= len)."""

@@ -1,7 +1,7 @@
 """The prefix cache's eviction list (services/scheduler/eviction_list.py) against its reference,
 an `OrderedDict` used as an ordered set (what the block pool kept before), ~2 s.
 
-Random streams of appends, removals, pops of the oldest and drains, over few blocks so that
+Random streams of releases, removals, pops of the oldest and drains, over few blocks so that
 blocks are taken and released again and again (stale entries pile up and the deque is
 compacted): after every operation both hold the same blocks in the same order, and the list's
 own integrity check passes.
@@ -27,18 +27,18 @@ ops_lists = st.lists(
 
 
 def _apply(op: str, block: int, num: int, lst: EvictionList, ref: OrderedDict[int, None]) -> None:
-    """One operation on both, where it is legal (appends of unlisted blocks, removals of listed
-    ones, pops of at most what is listed)."""
+    """One operation on both, where it is legal (releases of unlisted blocks, pops of at most
+    what is listed; a removal of a block not listed changes nothing and says so)."""
     if op == "append" and block not in ref:
-        lst.append(block)
+        lst.extend([block])
         ref[block] = None
     elif op == "extend":
         blocks = [b for b in range(block, block + num) if b < NUM_BLOCKS and b not in ref]
         lst.extend(blocks)
         ref.update((b, None) for b in blocks)
-    elif op == "remove" and block in ref:
-        lst.remove(block)
-        del ref[block]
+    elif op == "remove":
+        assert lst.discard(block) == (block in ref)
+        ref.pop(block, None)
     elif op == "pop":
         num = min(num, len(ref))
         expected = [ref.popitem(last=False)[0] for _ in range(num)]
@@ -64,8 +64,8 @@ def test_matches_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
 def test_a_block_taken_and_released_again_moves_to_the_back() -> None:
     lst = EvictionList(4)
     lst.extend([0, 1, 2])
-    lst.remove(0)  # a cache hit takes block 0 back ...
-    lst.append(0)  # ... and releases it again: now the most recent
+    lst.discard(0)  # a cache hit takes block 0 back ...
+    lst.extend([0])  # ... and releases it again: now the most recent
     assert lst.pop_oldest(2) == [1, 2]
     assert lst.drain() == [0]
 
@@ -76,8 +76,8 @@ def test_stale_entries_stay_bounded() -> None:
     lst = EvictionList(2)
     lst.extend([1, 0])
     for _ in range(10 * COMPACT_SLACK):
-        lst.remove(0)
-        lst.append(0)
+        lst.discard(0)
+        lst.extend([0])
         assert lst.num_entries <= 2 * lst.num_listed + COMPACT_SLACK
     lst.check_integrity()
     assert lst.drain() == [1, 0]
@@ -85,8 +85,8 @@ def test_stale_entries_stay_bounded() -> None:
 
 def test_misuse_is_refused() -> None:
     lst = EvictionList(3)
-    lst.append(1)
-    with pytest.raises(ValueError, match="not on the eviction list"):
-        lst.remove(2)
+    lst.extend([1])
+    assert not lst.discard(2)  # not listed: nothing changes
+    assert lst.blocks() == {1}
     with pytest.raises(ValueError, match="2 blocks asked"):
         lst.pop_oldest(2)
