@@ -37,8 +37,8 @@ from typing import Any, Optional
 import torch
 
 from services.worker.config import WorkerConfig
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
-from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
 from tests.support.plan_driver import PlanDriver

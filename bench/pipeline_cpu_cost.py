@@ -25,12 +25,12 @@ import structlog
 import zmq
 
 from services.worker.config import WorkerConfig
+from services.worker.loop import serve_worker
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
-from shared.plan_writer import PlanWriter
 from shared.protocol.codec import decode, encode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, WorkerShutdown
-from shared.worker_server import serve_worker
 from tests.support.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)

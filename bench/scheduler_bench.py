@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 from services.scheduler import Scheduler, SchedulerConfig
-from shared.held_batch import HeldBatch
+from services.worker.held_batch import HeldBatch
 from shared.protocol.codec import decode, encode
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class _Worker:
-    """The worker's side (not timed): its persistent batch (shared/held_batch.py) applies each
+    """The worker's side (not timed): its persistent batch (worker/held_batch.py) applies each
     plan; each sampled token differs per request and step (decode-filled blocks never match)."""
 
     def __init__(self, sched: Scheduler) -> None:

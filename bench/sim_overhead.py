@@ -39,7 +39,7 @@ from conveyor.bench.overlap_plot import plot_overlap
 from conveyor.bench.steplog import read_step_log
 from conveyor.launcher import LocalStack, StackSettings
 from conveyor.logview import read_lines
-from services.simworker.overhead import GAP_EVENT
+from services.worker.sim.overhead import GAP_EVENT
 from shared.client import AsyncClient
 
 PROMPT_TOKEN = 1000  # an ordinary token id: prompts are this id repeated

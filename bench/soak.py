@@ -12,7 +12,7 @@ first chunk, one in eight through the HTTP gateway. After each burst the engine 
 again (no KV block in use). A sampler thread reads each service's VmRSS every `--interval` s.
 
 With `--compare-untrimmed S` a first engine runs the same bursts for S seconds with the
-worker's idle heap trim off (CONVEYOR_HEAP_TRIM=0, shared/heap.py): the growth it bounds.
+worker's idle heap trim off (CONVEYOR_HEAP_TRIM=0, services/worker/heap.py): the growth it bounds.
 
 Writes <out>/rss-<phase>.csv (time, burst, service, MiB), <out>/soak.json (per service: RSS
 after the warm-up bursts, at the end, the largest after warm-up, growth; the worker's RSS after

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _plans(batch: int, prompt_len: int, decode_steps: int, block_size: int) -> Any:
-    from shared.plan_writer import PlanWriter
+    from services.worker.plan_writer import PlanWriter
     from shared.protocol.sampling import SamplingParams
     from shared.protocol.worker_channel import StepPlan
 

@@ -26,8 +26,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from bench.worker_step_bench import GREEDY, decoding_sequences, hf_decode, ours_decode
 from services.worker.config import WorkerConfig
 from services.worker.dtype_probe import linear_shapes
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
-from shared.plan_writer import PlanWriter
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul_fused", "mkldnn::_linear")
 

@@ -28,8 +28,8 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.ops import TorchOps
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
-from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence
 

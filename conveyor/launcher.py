@@ -43,7 +43,7 @@ class StackError(RuntimeError):
 @dataclass(frozen=True)
 class StackSettings:
     model: Optional[str] = None  # None/"smollm2", a .gguf file or an HF folder
-    worker: str = "model"  # "model" (the real worker) or "sim" (services.simworker)
+    worker: str = "model"  # "model" (the real worker) or "sim" (services.worker.sim)
     sim_device: Optional[str] = None
     sim_model: Optional[str] = None
     frontend_address: str = DEFAULT_FRONTEND
@@ -196,7 +196,7 @@ class LocalStack:
             if s.tensor_parallel_size > 1:
                 flags["tensor_parallel_size"] = str(s.tensor_parallel_size)
             flags.update(self._curve_flags(), **s.worker_flags)
-            self._spawn(base, "services.simworker", flags, engine=engine)
+            self._spawn(base, "services.worker.sim", flags, engine=engine)
             return
         world = s.tensor_parallel_size
         group = {"world_size": str(world), "dist_init": f"tcp://127.0.0.1:{_free_port()}"}

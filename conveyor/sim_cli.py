@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from services.simworker.calibrate import TIMINGS_FORMAT, FitResult, fit_profile, load_timings
-from services.simworker.config import SimConfig
-from services.simworker.cost_model import step_cost, step_work
-from services.simworker.measure import MeasureGrid, collect_timings
-from services.simworker.profiles import DEVICES, MODELS, get_device
+from services.worker.sim.calibrate import TIMINGS_FORMAT, FitResult, fit_profile, load_timings
+from services.worker.sim.config import SimConfig
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.measure import MeasureGrid, collect_timings
+from services.worker.sim.profiles import DEVICES, MODELS, get_device
 
 MAX_ERROR = 0.15  # the bar: simulated within 15% of measured
 

@@ -73,7 +73,7 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
                    help="which engine gets a request (frontend default: auto)")  # fmt: skip
     w = p.add_argument_group("worker kind")
     w.add_argument("--worker", choices=WORKER_KINDS, default="model",
-                   help="model: the real worker; sim: SIMULATED (services.simworker)")  # fmt: skip
+                   help="model: the real worker; sim: SIMULATED (services.worker.sim)")  # fmt: skip
     w.add_argument("--sim-device", help="simulated device profile (with --worker sim)")
     w.add_argument("--sim-model", help="simulated model shape (with --worker sim)")
     w.add_argument("--tensor-parallel-size", type=int,

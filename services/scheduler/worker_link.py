@@ -25,9 +25,14 @@ from zmq.utils.monitor import recv_monitor_message
 from services.scheduler.server_config import ServerConfig
 from shared.curve import WORKERS_DOMAIN
 from shared.protocol.codec import DecodeError, decode, encode
-from shared.protocol.worker_channel import StepResult, WorkerFailure, WorkerReady, WorkerShutdown
+from shared.protocol.worker_channel import (
+    StepResult,
+    WorkerFailure,
+    WorkerReady,
+    WorkerShutdown,
+    worker_identity,
+)
 from shared.transport import PEER_LINK_EVENTS, LinkEvents, guarded, one_turn, router_socket
-from shared.worker_server import worker_identity
 
 
 class WorkerHost(Protocol):

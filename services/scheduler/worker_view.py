@@ -7,7 +7,7 @@ the worker holds: a request is held from the plan that sends its `NewSequence` u
 releases its slot. A slot released by one plan may be taken again by the next one (the worker
 releases before it adds).
 
-The worker's batch order is the order in which its sequences joined (shared/held_batch.py), and
+The worker's batch order is the order in which its sequences joined (worker/held_batch.py), and
 a result lists its samples in that order, without rids: `order` keeps the same order, so the
 scheduler maps a result's tokens to requests by position.
 """

@@ -31,7 +31,7 @@ class WorkerConfig:
     attention_backend: str = "auto"
     num_threads: Optional[int] = None  # torch intra-op threads; None: torch's, capped at the CPUs
     # Launch step N+1 before step N's sampled tokens reach the host (its decodes read them on
-    # the device; shared/worker_server.py). "auto": on CUDA with one rank. On a CPU the launch
+    # the device; services/worker/loop.py). "auto": on CUDA with one rank. On a CPU the launch
     # is the compute itself, so "on" only delays each result by a step (tests force it there);
     # tensor parallelism refuses "on" (rank 0 broadcasts host tokens every step).
     pipeline_steps: Literal["auto", "on", "off"] = "auto"

@@ -1,6 +1,6 @@
 """The worker's batch between steps and the plan -> flat tensors step.
 
-The batch itself is shared/held_batch.py (the same for every worker): per sequence, in a slot,
+The batch itself is held_batch.py (the same for every worker): per sequence, in a slot,
 its token history (prompt, then outputs, including the tokens this worker sampled), its block
 table, computed count and sampling parameters. Plans carry only what changed; the decode token
 of a sequence is its own last sample here, never resent.
@@ -14,8 +14,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.model import StepTensors
-from shared.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from shared.protocol.worker_channel import StepPlan
 
 
@@ -26,7 +26,7 @@ def request_seed(rid: str, seed: Optional[int]) -> int:
 
 
 class InputBatch:
-    """The worker's persistent batch (shared/held_batch.py) and the plan -> StepTensors step."""
+    """The worker's persistent batch (held_batch.py) and the plan -> StepTensors step."""
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int, device: str) -> None:
         self.block_size = block_size

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from services.worker.config import ParallelConfig
-from shared.worker_server import FatalWorkerError
+from services.worker.loop import FatalWorkerError
 
 
 class SingleRank:

@@ -1,6 +1,6 @@
 """A step launched but not finished: its sampled tokens on the device, on their way to the host.
 
-With `pipeline_steps` on, the worker loop (shared/worker_server.py) launches step N+1 before it
+With `pipeline_steps` on, the worker loop (services/worker/loop.py) launches step N+1 before it
 finishes step N: N+1's decodes of the sequences that sampled at step N read those tokens from
 step N's device tensor by index (`device_rows`), so building and launching N+1 never waits for
 N's tokens on the host. Until they land, each such sequence's history ends with
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from shared.held_batch import ExpandedStep, HeldSeq
+from services.worker.held_batch import ExpandedStep, HeldSeq
 from shared.protocol.worker_channel import TokenLogprobs
 
 PENDING_TOKEN = 1 << 62  # a sampled token still only on the device (see the module docstring)

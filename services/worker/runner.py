@@ -33,8 +33,10 @@ from services.worker.config import (
     resolve_dtype,
 )
 from services.worker.dtype_probe import resolve_auto_dtype
+from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
+from services.worker.loop import FatalWorkerError
 from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import CpuOps, cache_base, try_load_cpu_ext
@@ -49,10 +51,8 @@ from services.worker.pipeline import (
 )
 from services.worker.sampler import SampleRow, is_plain_greedy, reads_history, sample
 from services.worker.weights import ModelArgs, load_weights, model_args
-from shared.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from shared.model_files import eos_token_ids, model_name, prepare_model
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
-from shared.worker_server import FatalWorkerError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -274,7 +274,7 @@ class ModelRunner:
         HeldBatch.record_samples(sampled, token_ids)
         return _step_result(step.step_id, sampled, token_ids, logprobs, start)
 
-    # --- pipelined steps (`pipeline_steps`; the loop in shared/worker_server.py) ----------------
+    # --- pipelined steps (`pipeline_steps`; the loop in services/worker/loop.py) ----------------
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:

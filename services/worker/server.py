@@ -1,6 +1,6 @@
-"""The worker process: WorkerConfig -> ModelRunner -> shared.worker_server.serve_worker.
+"""The worker process: WorkerConfig -> ModelRunner -> services.worker.loop.serve_worker.
 
-The loop itself lives in shared/worker_server.py so simulated workers run the very same one.
+The loop itself lives in services/worker/loop.py so simulated workers run the very same one.
 SIGTERM/SIGINT set a stop event: the loop finishes the step it is in, then exits with 0.
 A tensor-parallel rank that cannot join its group (a peer missing past the time-out) exits with
 EXIT_GROUP_LOST, like one whose group broke while serving.
@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from services.worker.config import ParallelConfig, WorkerConfig, check_model_divides
-from shared.worker_server import EXIT_GROUP_LOST, FatalWorkerError, serve_worker
+from services.worker.loop import EXIT_GROUP_LOST, FatalWorkerError, serve_worker
 
 EXIT_BAD_CONFIG = 2
 

@@ -111,7 +111,7 @@ class StepResult:
     """Worker (rank 0) -> scheduler, one per plan, same `step_id`.
 
     `token_ids[i]` is the sample of the i-th sequence that sampled in this step, in the
-    worker's batch order (the order its sequences joined: shared/held_batch.py). No rids: the
+    worker's batch order (the order its sequences joined: worker/held_batch.py). No rids: the
     scheduler keeps the same order and maps tokens by position, so a steady result is one
     integer per sequence on the wire. `logprobs` is keyed by rid (only requests that asked).
     """
@@ -162,3 +162,8 @@ def check_plan(plan: StepPlan) -> None:
             raise ValueError(f"new sequence {seq.rid!r}: num_computed_tokens out of range")
         if not 0 < seq.num_prompt_tokens <= len(seq.token_ids):
             raise ValueError(f"new sequence {seq.rid!r}: num_prompt_tokens out of range")
+
+
+def worker_identity(rank: int) -> bytes:
+    """Routing identity of a rank's socket (the scheduler addresses plans with it)."""
+    return f"worker-{rank}".encode()

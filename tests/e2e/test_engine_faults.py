@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 NUM_STREAMS = 16
 # `make faults-real` runs the worker test on the real worker (CONVEYOR_FAULTS_WORKER=model).
 WORKER = env_str("FAULTS_WORKER", "sim") or "sim"
-WORKER_MODULE = "services.simworker" if WORKER == "sim" else "services.worker"
+WORKER_MODULE = "services.worker.sim" if WORKER == "sim" else "services.worker"
 # sim: ~5.4 ms per modelled decode step; real (CPU): ~50-150 ms. Mid-way at the kill either way.
 MAX_TOKENS = 400 if WORKER == "sim" else 40
 # promised: 10 s (+ the model's load time with the real worker), measured: RELIABILITY.md
@@ -132,7 +132,7 @@ def test_worker_killed_under_load_loses_nothing(tmp_path: Path) -> None:
 def test_retries_exhausted_give_worker_failed_then_scheduler_restart(tmp_path: Path) -> None:
     up, address = start_up(tmp_path, "--max-retries", "0")
     try:
-        results, _ = _kill_under_load(up, address, "services.simworker")
+        results, _ = _kill_under_load(up, address, "services.worker.sim")
         codes = {r.code if isinstance(r, EngineError) else "finished" for r in results}
         assert codes == {"worker_failed"}, codes
         with Client(address, timeout=30.0) as c:

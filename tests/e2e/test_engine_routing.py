@@ -1,5 +1,5 @@
 """The scheduler process on its own (python -m services.scheduler) with a simulated worker
-(python -m services.simworker), driven by raw engine-channel frontends:
+(python -m services.worker.sim), driven by raw engine-channel frontends:
 
 * replies go to the frontend that submitted the request, never another one;
 * a frontend that says FrontendBye, or falls silent, has its requests aborted (KV freed);
@@ -124,7 +124,7 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
 def _start_worker(
     worker_addr: str, tmp_path: Path, rank: int = 0, world_size: int = 1
 ) -> subprocess.Popen[bytes]:
-    return _spawn("services.simworker", "--plan-addr", worker_addr, "--sim-num-blocks", "256",
+    return _spawn("services.worker.sim", "--plan-addr", worker_addr, "--sim-num-blocks", "256",
                   "--sim-max-model-len", "2048", "--rank", str(rank),
                   "--world-size", str(world_size),
                   log=tmp_path / f"worker-{rank}.log")  # fmt: skip

@@ -27,7 +27,7 @@ from tests.e2e.stack_tools import UpProcess, descendants, free_port, start_up, w
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("services.scheduler", "services.simworker", "services.tokenizer")
+SERVICES = ("services.scheduler", "services.worker.sim", "services.tokenizer")
 
 
 def _conveyor(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -60,7 +60,7 @@ def test_up_with_restart_no_reports_a_dead_worker_and_exits_nonzero(tmp_path: Pa
     """`--restart no` keeps the old behaviour: a dead worker stops the engine (the default,
     on-failure, restarts it: tests/e2e/test_engine_faults.py)."""
     up, children = _start_up(tmp_path, "--restart", "no")
-    worker = next(pid for pid, cmd in children.items() if "services.simworker" in cmd)
+    worker = next(pid for pid, cmd in children.items() if "services.worker.sim" in cmd)
     os.kill(worker, signal.SIGKILL)
     rc, _out, err = up.finish(timeout=60)
     assert rc == 1

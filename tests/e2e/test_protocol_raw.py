@@ -299,7 +299,7 @@ class PrivateEngine:
         commands = {
             "scheduler": [*py, "services.scheduler", "--scheduler-addr", sched_addr,
                           "--worker-addr", worker_addr, *scheduler_flags],
-            "worker": [*py, "services.simworker", "--plan-addr", worker_addr,
+            "worker": [*py, "services.worker.sim", "--plan-addr", worker_addr,
                        "--sim-model", "smollm2-135m"],
             "tokenizer": [*py, "services.tokenizer", "--frontend-addr", self.frontend_address,
                           "--scheduler-addr", sched_addr, "--scheduler-timeout", "2",

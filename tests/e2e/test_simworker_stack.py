@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conveyor.launcher import LocalStack, StackSettings
-from services.simworker.cost_model import step_cost, step_work
-from services.simworker.profiles import DEVICES, MODELS
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.profiles import DEVICES, MODELS
 from shared.client import AsyncClient, Client
 from tests.e2e.stack_tools import running_stack
 

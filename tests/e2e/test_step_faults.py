@@ -1,6 +1,6 @@
 """A failed step fails only the request it is pinned on (issue 14; bisection in
 services/scheduler/faults.py), on a real stack: tokenizer, scheduler and a SIMULATED worker
-started with `--sim-fail-token` (services/simworker/faults.py: every step holding a request
+started with `--sim-fail-token` (services/worker/sim/faults.py: every step holding a request
 whose prompt contains that token fails, as a worker fails on an input that breaks it).
 
 Nine streams at once, four running slots: one poisoned prompt, eight innocent ones; the

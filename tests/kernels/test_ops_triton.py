@@ -15,8 +15,8 @@ import pytest
 
 from services.worker.config import WorkerConfig
 from services.worker.ops_triton import TritonOps
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
-from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan
 from tests.support.plan_driver import PlanDriver

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from shared.plan_writer import PlanWriter
+from services.worker.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
 

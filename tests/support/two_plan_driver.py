@@ -1,6 +1,6 @@
 """A scheduler stand-in that keeps two plans in flight, over the real worker socket.
 
-For tests of the worker loop (shared/worker_server.py) with and without step pipelining: the
+For tests of the worker loop (services/worker/loop.py) with and without step pipelining: the
 real `serve_worker` runs in a thread with a real runner, and this driver binds the ROUTER end
 of the worker socket. Like the scheduler under `--async-scheduling` it sends plan N+1 before
 result N arrives, assuming every request goes on; a request that ends at step N (its stop
@@ -22,7 +22,8 @@ from typing import Any, Optional
 import structlog
 import zmq
 
-from shared.plan_writer import PlanWriter
+from services.worker.loop import PipelinedRunner, PipelinedSteps, StepRunner, serve_worker
+from services.worker.plan_writer import PlanWriter
 from shared.protocol.codec import decode, encode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import (
@@ -32,7 +33,6 @@ from shared.protocol.worker_channel import (
     WorkerReady,
     WorkerShutdown,
 )
-from shared.worker_server import PipelinedRunner, PipelinedSteps, StepRunner, serve_worker
 from tests.support.plan_driver import BlockAllocator
 
 RECV_TIMEOUT_MS = 120_000  # one step of the real model on a busy 2-core machine is < 1 s

@@ -1,4 +1,4 @@
-"""shared/heap.py: freed, fragmented heap memory stays resident until `trim_heap` gives it back
+"""services/worker/heap.py: freed, fragmented memory stays resident until `trim_heap` gives it back
 (what the worker does when idle; docs/RELIABILITY.md section 5). Measured in a fresh process."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.heap import can_trim
+from services.worker.heap import can_trim
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROGRAM = """
 from pathlib import Path
-from shared.heap import trim_heap
+from services.worker.heap import trim_heap
 def rss_mib():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if "VmRSS" in l)
     return int(line.split()[1]) / 1024

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "module",
-    ["services.scheduler.__main__", "services.scheduler.server", "shared.worker_server",
+    ["services.scheduler.__main__", "services.scheduler.server", "services.worker.loop",
      "shared.transport", "services.worker.__main__", "conveyor.cli", "conveyor.launcher",
      "conveyor.healthcheck"],
 )  # fmt: skip

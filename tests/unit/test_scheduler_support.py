@@ -21,8 +21,8 @@ from typing import Any, Optional
 import pytest
 
 from services.scheduler import Scheduler, SchedulerConfig
-from shared.held_batch import ExpandedStep, HeldBatch
-from shared.plan_writer import PlanWriter
+from services.worker.held_batch import ExpandedStep, HeldBatch
+from services.worker.plan_writer import PlanWriter
 from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
@@ -66,7 +66,7 @@ class CheckingWorker:
         return seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Apply `plan` to the persistent batch (shared/held_batch.py checks it against what
+        """Apply `plan` to the persistent batch (worker/held_batch.py checks it against what
         is held), write the KV of every computed token, check every context, sample."""
         step = self.held.apply(plan)
         if plan.prev_step_id is None:  # a reset: the worker's batch starts empty

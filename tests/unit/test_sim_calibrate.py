@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from conveyor.sim_cli import main
-from services.simworker.calibrate import (
+from services.worker.sim.calibrate import (
     TERM_SHARE_FLOOR,
     TIMINGS_FORMAT,
     fit_profile,
     load_timings,
 )
-from services.simworker.cost_model import step_cost, step_work
-from services.simworker.profiles import MODELS, DeviceProfile, load_device
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.profiles import MODELS, DeviceProfile, load_device
 
 MODEL = MODELS["smollm2-135m"]
 # Small decodes are memory-bound (269 MB of weights at 50 GB/s = 5.4 ms), large prefills

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.simworker.cost_model import step_cost, step_work
-from services.simworker.profiles import (
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.profiles import (
     DEVICES,
     MODELS,
     DeviceProfile,

@@ -1,4 +1,4 @@
-"""The simulated worker's fault injection (`--sim-fail-token`, services/simworker/faults.py)
+"""The simulated worker's fault injection (`--sim-fail-token`, services/worker/sim/faults.py)
 with overlap scheduling: after a poisoned step fails, the plan already in flight (built on the
 failed step) is refused by the batch like on a real worker, not counted as a second fault."""
 
@@ -8,10 +8,10 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from services.simworker.config import SimConfig
-from services.simworker.faults import FaultInjectingRunner, SimulatedStepFault
-from services.simworker.runner import SimRunner
-from shared.plan_writer import PlanWriter
+from services.worker.plan_writer import PlanWriter
+from services.worker.sim.config import SimConfig
+from services.worker.sim.faults import FaultInjectingRunner, SimulatedStepFault
+from services.worker.sim.runner import SimRunner
 from shared.protocol.sampling import SamplingParams
 
 FAIL_TOKEN = 4242

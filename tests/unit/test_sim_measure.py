@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from services.simworker.calibrate import TIMINGS_FORMAT, fit_profile, load_timings
-from services.simworker.config import SimConfig
-from services.simworker.cost_model import step_cost, step_work
-from services.simworker.measure import MeasureGrid, collect_timings
-from services.simworker.profiles import MODELS, DeviceProfile
-from services.simworker.runner import SimRunner
+from services.worker.sim.calibrate import TIMINGS_FORMAT, fit_profile, load_timings
+from services.worker.sim.config import SimConfig
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.measure import MeasureGrid, collect_timings
+from services.worker.sim.profiles import MODELS, DeviceProfile
+from services.worker.sim.runner import SimRunner
 
 SMALL = MeasureGrid(
     batch_sizes=(1, 4),

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import pytest
 import structlog.testing
 
-from services.simworker.config import SimConfig
-from services.simworker.cost_model import step_seconds
-from services.simworker.profiles import DEVICES, MODELS
-from services.simworker.runner import SimRunner, kv_capacity_blocks
-from shared.held_batch import HeldBatch
+from services.worker.held_batch import HeldBatch
+from services.worker.sim.config import SimConfig
+from services.worker.sim.cost_model import step_seconds
+from services.worker.sim.profiles import DEVICES, MODELS
+from services.worker.sim.runner import SimRunner, kv_capacity_blocks
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan, StepResult
 from tests.bounds import SLOW_HOST_MARGIN_S

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from services.simworker.config import SimConfig
-from services.simworker.cost_model import step_cost, step_work
-from services.simworker.profiles import DEVICES, NVLINK_EFFICIENCY, DeviceProfile, ModelShape
+from services.worker.sim.config import SimConfig
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.profiles import DEVICES, NVLINK_EFFICIENCY, DeviceProfile, ModelShape
 
 # L=2, hidden 4, I=8, H=2, Hkv=1, D=2, V=10 (as test_sim_cost_model.py)
 TINY = ModelShape("tiny", 2, 4, 8, 2, 1, 2, 10, True, 64, [1])

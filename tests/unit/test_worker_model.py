@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from services.worker.config import WorkerConfig
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
 from shared.model_files import prepare_model
-from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan
 from tests.greedy_reference import compare_greedy

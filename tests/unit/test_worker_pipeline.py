@@ -1,6 +1,6 @@
 """Step pipelining (`pipeline_steps`): the worker launches step N+1 before step N's tokens land,
 its decodes reading step N's tokens on the device. Forced on, on CPU (where "auto" keeps it
-off), the real worker loop (shared/worker_server.py) and a tiny random model must give the very
+off), the real worker loop (services/worker/loop.py) and a tiny random model must give the very
 tokens the unpipelined worker gives, with two plans in flight: prefill chunks, decodes, stop
 tokens and lengths ending requests mid-flight, an abort, a preemption, refused plans (the
 batch then reset), and rows that need the host path (penalties, seeded draws). Runtime ~10 s.

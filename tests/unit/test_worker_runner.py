@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from services.worker.config import WorkerConfig
+from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
-from shared.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from tests.support.plan_driver import BlockAllocator, PlanDriver
 from tests.support.tiny_model import write_tiny_model

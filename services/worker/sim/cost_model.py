@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from services.simworker.profiles import DeviceProfile, ModelShape
-from shared.held_batch import ExpandedStep
+from services.worker.held_batch import ExpandedStep
+from services.worker.sim.profiles import DeviceProfile, ModelShape
 
 ACTIVATION_BYTES = 2  # bf16 activations and logits between tensor-parallel ranks
 

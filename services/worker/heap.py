@@ -5,7 +5,7 @@ every step allocates and frees tensors of new sizes, and glibc keeps the freed c
 arenas (one per thread that allocated) for reuse. Fragmented, they stay resident: the process's
 RSS climbs with every new mix of shapes although nothing is live (docs/RELIABILITY.md section
 5, the soak). `malloc_trim(0)` returns the free pages of every arena; it takes milliseconds, so
-the worker calls it only when idle (shared/worker_server.py), never between steps under load.
+the worker calls it only when idle (services/worker/loop.py), never between steps under load.
 
 Only ctypes here. On a C library without `malloc_trim` (musl, macOS) `trim_heap` does nothing.
 """

@@ -25,7 +25,7 @@ exits with EXIT_GROUP_LOST at once (its disconnect is a lost worker to the sched
 retries the requests it held), and so does every rank the scheduler
 tells `WorkerShutdown(restart=True)` after losing one of their group; their supervisor
 (`conveyor up --restart on-failure`, or compose's restart policy) starts the group again.
-Idle for `POLL_MS` after steps, the loop trims the heap (shared/heap.py): RSS stays bounded.
+Idle for `POLL_MS` after steps, the loop trims the heap (heap.py): RSS stays bounded.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any, Optional, Protocol, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from services.worker.heap import trim_heap
 from shared.curve import make_curve_client, server_public_path, worker_secret_path
 from shared.env import env_bool
-from shared.heap import trim_heap
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
@@ -49,6 +49,7 @@ from shared.protocol.worker_channel import (
     WorkerFailure,
     WorkerReady,
     WorkerShutdown,
+    worker_identity,
 )
 from shared.transport import guarded, set_heartbeat
 
@@ -88,11 +89,6 @@ class PipelinedRunner(StepRunner, Protocol):
     def discard(self, launched: Any) -> None: ...
 
 
-def worker_identity(rank: int) -> bytes:
-    """Routing identity of a rank's socket (the scheduler addresses plans with it)."""
-    return f"worker-{rank}".encode()
-
-
 def serve_worker(
     runner: StepRunner,
     plan_address: str,
@@ -114,7 +110,7 @@ def serve_worker(
     is created after WorkerReady is sent (container healthchecks look at it). `curve_keys`: a
     `conveyor keys generate` folder; the connection is CURVE with its worker key pair (raises
     ValueError on bad key files). `trim_heap_when_idle` (default CONVEYOR_HEAP_TRIM, on): see
-    shared/heap.py. `pipeline`: launch plan N+1 before finishing step N (the runner must be a
+    heap.py. `pipeline`: launch plan N+1 before finishing step N (the runner must be a
     PipelinedRunner; see the module docstring).
     """
     trim = env_bool("HEAP_TRIM", True) if trim_heap_when_idle is None else trim_heap_when_idle

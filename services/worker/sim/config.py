@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from services.simworker.profiles import (
+from services.worker.sim.profiles import (
     DeviceProfile,
     ModelShape,
     get_device,

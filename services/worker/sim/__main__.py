@@ -1,4 +1,4 @@
-"""`python -m services.simworker --sim-device h200 --sim-model llama-3-8b --plan-addr ADDR`.
+"""`python -m services.worker.sim --sim-device h200 --sim-model llama-3-8b --plan-addr ADDR`.
 
 A SIMULATED worker process: the same handshake, plans and results as the real worker, with no
 model behind them (docs/simulator.md). Never the launcher's default. The process flags
@@ -15,22 +15,22 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from services.simworker.config import WEIGHT_DTYPE_BYTES, SimConfig
-from services.simworker.faults import FaultInjectingRunner
-from services.simworker.profiles import DEVICES, MODELS
-from services.simworker.runner import SimRunner
+from services.worker.loop import StepRunner, serve_worker
+from services.worker.sim.config import WEIGHT_DTYPE_BYTES, SimConfig
+from services.worker.sim.faults import FaultInjectingRunner
+from services.worker.sim.profiles import DEVICES, MODELS
+from services.worker.sim.runner import SimRunner
 from shared.addresses import DEFAULT_WORKER_ADDR
 from shared.curve import add_worker_key_flag, check_worker_keys
 from shared.env import add_log_flags, env_int, env_path, env_str
 from shared.logging import configure_logging
-from shared.worker_server import StepRunner, serve_worker
 
 EXIT_BAD_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m services.simworker",
+        prog="python -m services.worker.sim",
         description="SIMULATED worker: answers step plans after a modelled step time.",
     )
     sim = p.add_argument_group("simulation")
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="fault injection: steps holding a request whose prompt contains this token id "
-        "fail (services/simworker/faults.py)",
+        "fail (services/worker/sim/faults.py)",
     )
     sim.add_argument(
         "--tensor-parallel-size",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from services.worker.loop import StepRunner
 from shared.protocol.worker_channel import StepPlan, StepResult, WorkerReady
-from shared.worker_server import StepRunner
 
 
 class SimulatedStepFault(RuntimeError):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from shared.plan_writer import PlanWriter
+from services.worker.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence
 

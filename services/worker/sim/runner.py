@@ -2,7 +2,7 @@
 
 It answers every step plan after the time the cost model gives for that step on the configured
 device and model, with deterministic tokens. It keeps the same persistent batch a real worker
-keeps (shared/held_batch.py: token histories, block tables, computed counts) and so checks the
+keeps (worker/held_batch.py: token histories, block tables, computed counts) and so checks the
 plans it receives exactly as the real worker does: it doubles as a checker of the scheduler's
 side of the step contract.
 """
@@ -16,12 +16,12 @@ from typing import Any, Optional
 import numpy as np
 import structlog
 
-from services.simworker.config import DEFAULT_TOKEN_ID_HIGH, SimConfig
-from services.simworker.cost_model import step_seconds
-from services.simworker.overhead import GapRecorder
-from services.simworker.profiles import DeviceProfile, ModelShape
-from services.simworker.tokens import TokenSource, request_seed
-from shared.held_batch import ExpandedStep, HeldBatch, HeldSeq
+from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
+from services.worker.sim.config import DEFAULT_TOKEN_ID_HIGH, SimConfig
+from services.worker.sim.cost_model import step_seconds
+from services.worker.sim.overhead import GapRecorder
+from services.worker.sim.profiles import DeviceProfile, ModelShape
+from services.worker.sim.tokens import TokenSource, request_seed
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 
 SPIN_S = 2e-4  # sleep until this close to the deadline, then spin: sleep() overshoots ~50-100 us

@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from services.simworker.cost_model import StepWork, step_cost, step_work
-from services.simworker.profiles import DeviceProfile, ModelShape, get_model
+from services.worker.sim.cost_model import StepWork, step_cost, step_work
+from services.worker.sim.profiles import DeviceProfile, ModelShape, get_model
 
 TIMINGS_FORMAT = "conveyor-sim-timings/1"
 MAX_ALTERNATIONS = 50
