@@ -24,13 +24,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-import orjson
-
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import BACKENDS, SamplingChoice, make_backend
 from conveyor.bench.metrics import compute_metrics, parse_slos, per_request_fields
 from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
-from conveyor.bench.report import ProgressBar, format_result, format_table
+from conveyor.bench.report import ProgressBar, format_result, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
 from conveyor.bench.steplog import engine_view, read_rid_map, read_step_log
 from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
@@ -296,11 +294,6 @@ def _scalars(result: dict[str, Any]) -> dict[str, Any]:
 
 def _json_rate(rate: float) -> Any:
     return "inf" if math.isinf(rate) else rate
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 For each batching mode it starts an engine (`conveyor.launcher.LocalStack`: same model, worker,
 seed; `max_num_seqs` = `batch_size` = B so every mode has the same slots), runs each scenario's
 workload as a burst with EOS ignored (exact output lengths), reads the scheduler's step log, and
-stops the engine. Scenarios: uniform lengths, mixed lengths (the seeds' 32-512 in / 16-256 out),
+stops the engine. Scenarios: uniform lengths, mixed lengths (32-512 in / 16-256 out),
 high concurrency (mixed, `--high-concurrency-factor` times as many requests). Then it prints and
-saves the seeds' table with the seeds' analytical prediction beside the measured ratio.
+saves the table with the analytical prediction (analytical.py) beside the measured ratio.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import ConveyorBackend, SamplingChoice
 from conveyor.bench.metrics import compute_metrics
 from conveyor.bench.plots import plot_latency_cdfs, plot_timeline
-from conveyor.bench.report import ProgressBar, format_table
+from conveyor.bench.report import ProgressBar, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
 from conveyor.bench.steplog import (
     engine_view,
@@ -39,7 +39,7 @@ from shared.client import Client
 
 MODES = ("static", "dynamic", "continuous")
 SCENARIOS = ("uniform", "mixed", "high-concurrency", "chat")
-DEFAULT_SCENARIOS = SCENARIOS[:3]  # the seeds' three; `chat` (heavy-tailed) on request
+DEFAULT_SCENARIOS = SCENARIOS[:3]  # `chat` (heavy-tailed) only on request
 # Defaults sized to finish in ~10 minutes on 2 CPU cores with SmolLM2 (see docs/bench.md).
 DEFAULT_NUM_PROMPTS = 32
 DEFAULT_SCALE = 0.5
@@ -170,8 +170,6 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
         "runs": runs,
         "figures": figures,
     }
-    from conveyor.bench.cli import write_json
-
     write_json(args.out / "compare.json", report)
     (args.out / "compare.md").write_text(_markdown(command, headers, rows))
     print(f"results: {args.out / 'compare.json'}, {args.out / 'compare.md'}")
@@ -217,7 +215,7 @@ def _measure(
 def comparison_rows(
     plan: list[Scenario], runs: dict[str, dict[str, dict[str, Any]]], batch_size: int
 ) -> list[dict[str, Any]]:
-    """The seeds' table: one row per scenario x mode, ratios against static."""
+    """The comparison table: one row per scenario x mode, ratios against static."""
     rows = []
     for sc in plan:
         by_mode = runs[sc.name]
@@ -250,13 +248,13 @@ def comparison_rows(
 def _predicted(
     static: dict[str, Any], cont: dict[str, Any], lens: list[int], batch_size: int
 ) -> dict[str, Any]:
-    """The seeds' model's ratio for the workload's output lengths (exact: EOS is ignored), with
+    """The analytical model's ratio for the workload's output lengths (exact: EOS is ignored), with
     each mode's measured mean step time."""
     t_static, t_cont = static.get("mean_step_ms"), cont.get("mean_step_ms")
     if not t_static or not t_cont:
         return {}
     p = predict(lens, batch_size, t_static / 1000.0, t_cont / 1000.0)
-    return {"model x": p.ratio_seeds, "packing x": p.ratio_packing}
+    return {"model x": p.ratio_queue_limited, "packing x": p.ratio_packing}
 
 
 def _ratio(r: dict[str, Any], static: Optional[dict[str, Any]]) -> Optional[float]:

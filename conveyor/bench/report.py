@@ -1,11 +1,15 @@
-"""What the benchmark prints: a progress bar on stderr while it runs, a table at the end."""
+"""What the benchmark prints and writes: a progress bar on stderr while it runs, a table at the
+end, the JSON results."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Optional, TextIO
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+import orjson
 
 from conveyor.bench.metrics import LATENCY_METRICS, Number, percentile_key
 
@@ -104,3 +108,9 @@ def _cell(value: Number | str) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON (numpy values included), creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))

@@ -19,7 +19,7 @@ WORKLOADS = ("random", "uniform", "mixed", "shared-prefix", "chat", "multi-turn"
 # (SmolLM2: 0-16), and a random <|im_end|> in a prompt would change what the model does.
 FIRST_PLAIN_TOKEN_ID = 100
 
-# The seeds' mixed-length scenario: prompts 32-512 tokens, outputs 16-256 tokens.
+# The mixed-length scenario: prompts 32-512 tokens, outputs 16-256 tokens.
 MIXED_INPUT_RANGE = (32, 512)
 MIXED_OUTPUT_RANGE = (16, 256)
 
@@ -47,7 +47,7 @@ class WorkloadConfig:
     """What to generate. `scale` multiplies every length (after drawing), for short runs.
 
     random: lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)];
-    uniform: exactly input_len / output_len; mixed: the seeds' 32-512 in / 16-256 out;
+    uniform: exactly input_len / output_len; mixed: 32-512 in / 16-256 out;
     shared-prefix: a common `prefix_len`-token system prompt + an `input_len` random suffix;
     chat: heavy-tailed (log-normal) lengths;
     multi-turn: conversations of `num_turns` turns after a common `prefix_len`-token system

@@ -1,6 +1,6 @@
 """`conveyor bench` against a live engine (the session's shared `engine` fixture), tiny sizes.
 
-Eight mixed-length requests at 4 % of the seeds' lengths (prompts 1-20 tokens, outputs 1-10),
+Eight mixed-length requests at 4 % of the mixed lengths (prompts 1-20 tokens, outputs 1-10),
 EOS ignored so every output length is known in advance. Checks the JSON (vLLM's field names,
 token totals exact), the pictures (valid PNGs; one timeline row per request), and the same
 workload through the OpenAI-compatible backend (the engine's gateway, or one started here).

@@ -1,4 +1,4 @@
-"""The seeds' analytical model of static vs continuous batching, on hand-worked workloads."""
+"""The analytical (queue-limited) model of static vs continuous batching, on worked examples."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from conveyor.bench.analytical import (
     continuous_steps_packing,
-    continuous_steps_seeds,
+    continuous_steps_queue_limited,
     predict,
     static_steps,
 )
@@ -18,22 +18,23 @@ def test_static_runs_each_batch_to_its_longest_output() -> None:
     assert static_steps([7], batch_size=4) == 7
 
 
-def test_continuous_seeds_model_and_packing_bound() -> None:
+def test_continuous_queue_limited_model_and_packing_bound() -> None:
     lens = [10, 100, 20, 30, 5]
-    assert continuous_steps_seeds(lens, batch_size=2) == pytest.approx(100 * 2.5)
-    assert continuous_steps_seeds(lens, batch_size=8) == pytest.approx(100.0)  # N < B: one wave
+    assert continuous_steps_queue_limited(lens, batch_size=2) == pytest.approx(100 * 2.5)
+    # N < B: one wave
+    assert continuous_steps_queue_limited(lens, batch_size=8) == pytest.approx(100.0)
     assert continuous_steps_packing(lens, batch_size=2) == 100  # the longest one dominates
     assert continuous_steps_packing([10] * 9, batch_size=2) == 45  # ceil(90 / 2)
 
 
 def test_uniform_lengths_predict_no_gain_and_mixed_lengths_some() -> None:
     uniform = predict([64] * 32, batch_size=16, static_step_s=0.05, continuous_step_s=0.05)
-    assert uniform.ratio_seeds == pytest.approx(1.0)
+    assert uniform.ratio_queue_limited == pytest.approx(1.0)
     assert uniform.ratio_packing == pytest.approx(1.0)
     mixed = [16, 256] * 16  # every batch of 16 holds a 256: static 2 x 256 steps
     p = predict(mixed, batch_size=16, static_step_s=0.05, continuous_step_s=0.05)
     assert p.static_steps == 512
-    assert p.ratio_seeds == pytest.approx(1.0)  # the seeds' model: 256 x 32/16 steps too
+    assert p.ratio_queue_limited == pytest.approx(1.0)  # 256 x 32/16 steps too
     # packing: 16 slots, 32 x 136 = 4352 tokens -> max(256, ceil(4352 / 16) = 272) = 272 steps
     assert p.continuous_steps_packing == 272
     assert p.ratio_packing == pytest.approx(512 / 272)
@@ -42,8 +43,8 @@ def test_uniform_lengths_predict_no_gain_and_mixed_lengths_some() -> None:
 def test_step_times_enter_each_side() -> None:
     p = predict([10, 20], batch_size=1, static_step_s=0.2, continuous_step_s=0.1)
     assert p.static_time_s == pytest.approx(30 * 0.2)
-    assert p.continuous_time_s_seeds == pytest.approx(20 * 2 * 0.1)
-    assert p.ratio_seeds == pytest.approx(6.0 / 4.0)
+    assert p.continuous_time_s_queue_limited == pytest.approx(20 * 2 * 0.1)
+    assert p.ratio_queue_limited == pytest.approx(6.0 / 4.0)
     with pytest.raises(ValueError):
         predict([10], batch_size=1, static_step_s=0.0, continuous_step_s=0.1)
     with pytest.raises(ValueError):
@@ -83,6 +84,6 @@ def test_comparison_rows_put_measured_and_predicted_ratios_side_by_side() -> Non
     assert [r["x static"] for r in rows] == [1.0, 1.5, 2.5]
     assert rows[0]["model x"] is None and rows[1]["model x"] is None
     expected = predict(lens, 2, 0.020, 0.010)
-    assert rows[2]["model x"] == pytest.approx(expected.ratio_seeds)
+    assert rows[2]["model x"] == pytest.approx(expected.ratio_queue_limited)
     assert rows[2]["packing x"] == pytest.approx(expected.ratio_packing)
     assert rows[2]["mean E2EL s"] == pytest.approx(1.0)

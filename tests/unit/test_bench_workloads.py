@@ -29,7 +29,7 @@ def test_same_seed_same_requests_other_seed_differs(name: str) -> None:
     assert ids.min() >= FIRST_PLAIN_TOKEN_ID and ids.max() < 49152
 
 
-def test_mixed_lengths_cover_the_seeds_ranges() -> None:
+def test_mixed_lengths_cover_their_ranges() -> None:
     reqs = generate(WorkloadConfig(name="mixed", num_prompts=500, seed=1))
     ins = [r.prompt_len for r in reqs]
     outs = [r.max_tokens for r in reqs]
