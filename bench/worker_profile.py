@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ def bare_linear_seconds(
     return best
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=32)
@@ -129,39 +130,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=0, help="prefill tokens added to each step")
     ap.add_argument("--engine", default="ours", choices=["ours", "hf"])
-    args = ap.parse_args()
-    need = (args.batch * (args.context + 16) + args.chunk + 16) * 2 * 30 * 3 * 64 * 4
-    runner = ModelRunner(
-        WorkerConfig(
-            dtype=args.dtype, kv_cache_memory=max(need, 1 << 29), attention_backend=args.ops
-        )
-    )
+    return ap.parse_args()
+
+
+def make_step(args: argparse.Namespace, runner: ModelRunner) -> Callable[[], None]:
+    """The step to profile: ours (decode, or mixed with `--chunk`) or transformers' decode."""
     if args.engine == "hf":
         if args.chunk > 0:
             raise SystemExit("--engine hf profiles decode steps only (no --chunk)")
         from transformers import LlamaForCausalLM
 
         hf = LlamaForCausalLM.from_pretrained(runner.folder, dtype=runner.dtype).eval()
-        run = hf_decode(hf, args.batch, args.context, runner.dtype)
-    elif args.chunk > 0:
-        run = ours_mixed(runner, args.batch, args.context, args.chunk)
-    else:
-        run = ours_decode(runner, args.batch, args.context, 0)
-    run()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        run()
-    step_s = (time.perf_counter() - start) / args.steps
-    runner.model.ops = LabelledOps(runner.model.ops)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            run()
-    runner.model.ops = runner.model.ops.inner
-    events = prof.key_averages()
-    threads = torch.get_num_threads()
-    engine = "transformers" if args.engine == "hf" else f"ours, ops={runner.model.ops.name}"
-    print(f"{engine} dtype={runner.dtype_name} threads={threads}")
-    print(events.table(sort_by="cpu_time_total", row_limit=20))
+        return hf_decode(hf, args.batch, args.context, runner.dtype)
+    if args.chunk > 0:
+        return ours_mixed(runner, args.batch, args.context, args.chunk)
+    return ours_decode(runner, args.batch, args.context, 0)
+
+
+def print_summary(
+    args: argparse.Namespace, runner: ModelRunner, events: Any, step_s: float
+) -> None:
+    """Matmuls, each `ops.*` kernel and the rest per step; the matmuls against a bare loop."""
     matmul_s = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6
     matmul_s /= args.steps
     sampled = args.batch + (1 if args.chunk > 0 else 0)
@@ -183,6 +172,32 @@ def main() -> None:
         f"{bare_s * 1e3:.1f} ms (ratio {matmul_s / bare_s:.2f}); "
         f"linear share of the step {bare_s / step_s:.0%}"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    need = (args.batch * (args.context + 16) + args.chunk + 16) * 2 * 30 * 3 * 64 * 4
+    runner = ModelRunner(
+        WorkerConfig(
+            dtype=args.dtype, kv_cache_memory=max(need, 1 << 29), attention_backend=args.ops
+        )
+    )
+    run = make_step(args, runner)
+    run()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        run()
+    step_s = (time.perf_counter() - start) / args.steps
+    runner.model.ops = LabelledOps(runner.model.ops)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            run()
+    runner.model.ops = runner.model.ops.inner
+    events = prof.key_averages()
+    engine = "transformers" if args.engine == "hf" else f"ours, ops={runner.model.ops.name}"
+    print(f"{engine} dtype={runner.dtype_name} threads={torch.get_num_threads()}")
+    print(events.table(sort_by="cpu_time_total", row_limit=20))
+    print_summary(args, runner, events, step_s)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def hf_prefill(model, length: int) -> Callable:
     return run
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--batches", default="1,8,32,128")
@@ -136,26 +136,37 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="results/worker_step_bench.json")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
+    return ap.parse_args()
+
+
+def load_engines(args: argparse.Namespace, batches: list[int]) -> tuple[ModelRunner, object]:
+    """Our worker (KV pool sized for the largest batch) and transformers on the same weights;
+    `args.dtype` is resolved from "auto" as the worker does."""
     probe = ModelRunner(
         WorkerConfig(dtype=args.dtype, kv_cache_memory=64 << 20, max_model_len=1024)
     )
-    args.dtype = probe.dtype_name  # "auto" resolved as the worker does
+    args.dtype = probe.dtype_name
     del probe
     dtype = getattr(torch, args.dtype)
     need = max(batches) * (args.context + 16) * 2 * 30 * 3 * 64 * dtype.itemsize
     runner = ModelRunner(WorkerConfig(dtype=args.dtype, kv_cache_memory=max(need, 1 << 30)))
-    fast_ops, torch_ops = runner.model.ops, TorchOps()
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(runner.folder, dtype=dtype).eval()
-    rows = []
-    # each case is built just before it runs: building a decode case applies a reset plan to
-    # the worker's held batch, which would invalidate the cases built before it
-    cases: list[tuple[str, Callable[[], Callable], Callable[[], Callable]]] = [
+    return runner, model
+
+
+Case = tuple[str, Callable[[], Callable], Callable[[], Callable]]
+
+
+def build_cases(
+    args: argparse.Namespace, batches: list[int], runner: ModelRunner, model: object
+) -> list[Case]:
+    """(name, make ours, make transformers') per case. Each case is built just before it runs:
+    building a decode case applies a reset plan to the worker's held batch, which would
+    invalidate the cases built before it."""
+    dtype = getattr(torch, args.dtype)
+    cases: list[Case] = [
         (
             f"decode B={b}",
             lambda b=b, i=i: ours_decode(runner, b, args.context, i),
@@ -170,33 +181,61 @@ def main() -> None:
             lambda: hf_prefill(model, args.prefill),
         )
     )
-    for name, make_ours, make_theirs in cases:
-        ours, theirs = make_ours(), make_theirs()
-        runner.model.ops = fast_ops
-        t_ours = timed(ours, args.repeat)
-        runner.model.ops = torch_ops
-        t_old = timed(ours, args.repeat)
-        t_hf = timed(theirs, args.repeat)
-        rows.append(
-            {
-                "case": name,
-                "ops": fast_ops.name,
-                "ours_min_s": min(t_ours),
-                "torch_ops_min_s": min(t_old),
-                "hf_min_s": min(t_hf),
-                "ours_median_s": statistics.median(t_ours),
-                "torch_ops_median_s": statistics.median(t_old),
-                "hf_median_s": statistics.median(t_hf),
-                "hf_over_ours": min(t_hf) / min(t_ours),
-                "torch_ops_over_ours": min(t_old) / min(t_ours),
-            }
-        )
-        print(
-            f"{name}: ours ({fast_ops.name}) {min(t_ours) * 1e3:.1f} ms, torch ops "
-            f"{min(t_old) * 1e3:.1f} ms, transformers {min(t_hf) * 1e3:.1f} ms",
-            flush=True,
-        )
+    return cases
+
+
+def time_case(case: Case, runner: ModelRunner, torch_ops: TorchOps, repeat: int) -> dict:
+    """One case three ways: our worker with its default ops, with the torch ops, transformers."""
+    name, make_ours, make_theirs = case
+    ours, theirs = make_ours(), make_theirs()
+    fast_ops = runner.model.ops
+    t_ours = timed(ours, repeat)
+    runner.model.ops = torch_ops
+    t_old = timed(ours, repeat)
     runner.model.ops = fast_ops
+    t_hf = timed(theirs, repeat)
+    print(
+        f"{name}: ours ({fast_ops.name}) {min(t_ours) * 1e3:.1f} ms, torch ops "
+        f"{min(t_old) * 1e3:.1f} ms, transformers {min(t_hf) * 1e3:.1f} ms",
+        flush=True,
+    )
+    return {
+        "case": name,
+        "ops": fast_ops.name,
+        "ours_min_s": min(t_ours),
+        "torch_ops_min_s": min(t_old),
+        "hf_min_s": min(t_hf),
+        "ours_median_s": statistics.median(t_ours),
+        "torch_ops_median_s": statistics.median(t_old),
+        "hf_median_s": statistics.median(t_hf),
+        "hf_over_ours": min(t_hf) / min(t_ours),
+        "torch_ops_over_ours": min(t_old) / min(t_ours),
+    }
+
+
+def print_table(args: argparse.Namespace, ops_name: str, rows: list[dict]) -> None:
+    print(
+        f"\n| step ({args.dtype}, {args.context} cached) | ours, {ops_name} ops (ms) "
+        "| ours, torch ops (ms) | transformers (ms) | transformers / ours | torch ops / ours |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['ours_min_s'] * 1e3:.1f} | {r['torch_ops_min_s'] * 1e3:.1f} "
+            f"| {r['hf_min_s'] * 1e3:.1f} | {r['hf_over_ours']:.2f} "
+            f"| {r['torch_ops_over_ours']:.2f} |"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    runner, model = load_engines(args, batches)
+    torch_ops = TorchOps()
+    cases = build_cases(args, batches, runner, model)
+    rows = [time_case(case, runner, torch_ops, args.repeat) for case in cases]
     report = {
         "dtype": args.dtype,
         "context": args.context,
@@ -207,17 +246,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(
-        f"\n| step ({args.dtype}, {args.context} cached) | ours, {fast_ops.name} ops (ms) "
-        "| ours, torch ops (ms) | transformers (ms) | transformers / ours | torch ops / ours |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['case']} | {r['ours_min_s'] * 1e3:.1f} | {r['torch_ops_min_s'] * 1e3:.1f} "
-            f"| {r['hf_min_s'] * 1e3:.1f} | {r['hf_over_ours']:.2f} "
-            f"| {r['torch_ops_over_ours']:.2f} |"
-        )
+    print_table(args, runner.model.ops.name, rows)
     print(f"\nwrote {out}")
 
 
