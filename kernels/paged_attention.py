@@ -311,7 +311,7 @@ def _launch_shape(
 
 
 def _num_warps(block_m: int, head_dim: int) -> int:
-    # Registers a thread at sm_90 (bench/gpu_compile.py, 64-key tiles, bf16): 16-row blocks
+    # Registers a thread at sm_90 (bench/gpu/compile.py, 64-key tiles, bf16): 16-row blocks
     # 96 (head_dim 64) / 158 (128) with 4 warps; 64-row blocks 174 (64) with 4 warps, 248 (128)
     # with 4 and 186 with 8. None spills; 8 warps keep the largest under ~200.
     return 8 if block_m >= 64 and head_dim > 64 else 4

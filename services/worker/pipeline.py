@@ -108,7 +108,7 @@ class DeviceClock:
     running work fires when that work ends, so a step queued in time shows no gap). Sampling
     and the token copy fall in the gap. Logged as `device_time` every LOG_EVERY steps with
     cumulative totals and wall-clock `t`, so a reader can take the difference over a window
-    (bench/gpu_e2e_serve.py). Nothing on the CPU, where the forward is the host's own work."""
+    (bench/gpu/e2e_serve.py). Nothing on the CPU, where the forward is the host's own work."""
 
     LOG_EVERY = 32
 

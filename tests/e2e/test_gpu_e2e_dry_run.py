@@ -1,6 +1,6 @@
-"""`bench/gpu_e2e.sh --dry-run`: the GPU end-to-end script, every stage, at tiny sizes on CPU.
+"""`bench/gpu/e2e.sh --dry-run`: the GPU end-to-end script, every stage, at tiny sizes on CPU.
 
-The script is what a session with a GPU runs in one device call; this keeps it from rotting.
+The script is what a GPU machine runs, once, in one go; this keeps it from rotting.
 It runs for real: the wheel pack is installed (for the device's tags, into a scratch folder) or,
 without a pack, the modules are checked; random-weight folders are built; gpu_check runs a few
 kernel checks under the interpreter; the correctness checks compare against transformers; two
@@ -40,7 +40,7 @@ def test_dry_run_lists_every_stage_ok(tmp_path: Path) -> None:
     env.pop("PYTHONPATH", None)  # the script finds the repository by itself
     proc = subprocess.run(
         [
-            str(ROOT / "bench" / "gpu_e2e.sh"),
+            str(ROOT / "bench" / "gpu" / "e2e.sh"),
             "--dry-run",
             "--out",
             str(out),

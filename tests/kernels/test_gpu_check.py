@@ -17,7 +17,7 @@ FORBIDDEN = ("zmq", "msgpack", "structlog", "orjson", "pytest", "services", "sha
 
 PROBE = """
 import runpy, sys
-check = runpy.run_path("bench/gpu_check.py", run_name="gpu_check")
+check = runpy.run_path("bench/gpu/check.py", run_name="gpu_check")
 rc = check["main"](["--dry-run", "--out", sys.argv[1], "--time-limit", "500"])
 bad = sorted(n for n in {forbidden!r} if n in sys.modules)
 print("FORBIDDEN", bad)
@@ -52,7 +52,7 @@ def test_dry_run_covers_every_section_and_imports_only_torch_and_triton(tmp_path
 
 def test_soft_time_limit_stops_before_any_case(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT))
-    from bench.gpu_check import main
+    from bench.gpu.check import main
 
     out = tmp_path / "r.json"
     assert main(["--dry-run", "--out", str(out), "--time-limit", "0"]) == 1

@@ -1,6 +1,6 @@
 """Every kernel compiles for a Hopper GPU (sm_90) here, with no GPU, and spills no registers.
 
-Interpreter tests run the kernels' Python, not the compiler; bench/gpu_compile.py compiles each
+Interpreter tests run the kernels' Python, not the compiler; bench/gpu/compile.py compiles each
 kernel ahead of time to a cubin with the launch shapes the launchers choose on a GPU and reads
 its resource usage. Runtime ~15 s of CPU the first time (Triton caches compiled kernels).
 """
@@ -20,7 +20,7 @@ def test_every_kernel_compiles_for_sm90_without_spills() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run(
-        [sys.executable, "bench/gpu_compile.py", "--json", "--arch", "90"],
+        [sys.executable, "bench/gpu/compile.py", "--json", "--arch", "90"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     results = json.loads(proc.stdout.strip().splitlines()[-1])

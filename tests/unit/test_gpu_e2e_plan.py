@@ -1,7 +1,7 @@
 """The GPU end-to-end run's plan and stage runner, checked without a GPU.
 
-The device plan is only ever run on a lent GPU machine, once: every command it would start must
-already parse with the program it starts (a wrong flag would cost the whole device call), and
+The device plan is only ever run on a GPU machine, once: every command it would start must
+already parse with the program it starts (a wrong flag would cost the whole GPU run), and
 the runner must stop a stage past its limit, its children included, and start none once the
 overall deadline is near.
 """
@@ -16,20 +16,24 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_e2e_correct, gpu_e2e_hf, gpu_e2e_models, gpu_e2e_pack, gpu_e2e_serve
-from bench.gpu_check import parse_args as gpu_check_args
-from bench.gpu_e2e import MIN_STAGE_S, REPORT_RESERVE_S, Runner, Stage, stage_list
-from bench.gpu_e2e_plan import PLANS
-from bench.gpu_e2e_report import markdown, summarize
+from bench.gpu import e2e_correct as gpu_e2e_correct
+from bench.gpu import e2e_hf as gpu_e2e_hf
+from bench.gpu import e2e_models as gpu_e2e_models
+from bench.gpu import e2e_pack as gpu_e2e_pack
+from bench.gpu import e2e_serve as gpu_e2e_serve
+from bench.gpu.check import parse_args as gpu_check_args
+from bench.gpu.e2e import MIN_STAGE_S, REPORT_RESERVE_S, Runner, Stage, stage_list
+from bench.gpu.e2e_plan import PLANS
+from bench.gpu.e2e_report import markdown, summarize
 from conveyor.cli import build_parser
 from tests.bounds import SLOW_HOST_MARGIN_S
 
 PARSERS = {
-    "bench.gpu_e2e_pack": gpu_e2e_pack.parse_args,
-    "bench.gpu_e2e_models": gpu_e2e_models.parse_args,
-    "bench.gpu_e2e_correct": gpu_e2e_correct.parse_args,
-    "bench.gpu_e2e_serve": gpu_e2e_serve.parse_args,
-    "bench.gpu_e2e_hf": gpu_e2e_hf.parse_args,
+    "bench.gpu.e2e_pack": gpu_e2e_pack.parse_args,
+    "bench.gpu.e2e_models": gpu_e2e_models.parse_args,
+    "bench.gpu.e2e_correct": gpu_e2e_correct.parse_args,
+    "bench.gpu.e2e_serve": gpu_e2e_serve.parse_args,
+    "bench.gpu.e2e_hf": gpu_e2e_hf.parse_args,
 }
 
 

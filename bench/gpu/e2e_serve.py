@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from conveyor.bench.steplog import StepEntry, read_step_log
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FULL_SHARE = 0.9  # "whole burst running": at least this share of the burst in the step
 STOP_TIMEOUT_S = 30.0
 

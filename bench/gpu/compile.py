@@ -6,7 +6,7 @@ Triton can compile ahead of time, down to a cubin, for a target named by hand; c
 the triton wheel) then reads registers and stack (register spills) of each kernel. This script
 does that for the launch shapes the launchers choose on a GPU, with no GPU and no CUDA driver.
 
-    python bench/gpu_compile.py [--arch 90] [--json]
+    python bench/gpu/compile.py [--arch 90] [--json]
 
 Must run without TRITON_INTERPRET (the interpreter replaces the compiler); it removes it.
 """
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INT_POINTERS = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"}
 I64_POINTERS = {"slot_mapping_ptr", "positions_ptr"}
 FP32_POINTERS = {"part_out_ptr", "part_ml_ptr", "cos_sin_ptr"}

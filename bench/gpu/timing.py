@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from bench.gpu_model import LLAMA_1B, TINY, RandomLlama, make_step
+from bench.gpu.model import LLAMA_1B, TINY, RandomLlama, make_step
 from kernels import paged_attention
 
 BLOCK_SIZE = 16

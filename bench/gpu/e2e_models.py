@@ -17,7 +17,7 @@ tokenizer.json, tokenizer_config.json) that both the engine and transformers loa
 so the 1B folder is 2.5 GB (both engines read the same rounded values, so fp32 comparisons
 stay exact). Imports torch, safetensors and the standard library only.
 
-    python bench/gpu_e2e_models.py --out DIR --tokenizer-from DIR [--device cuda] [--tiny]
+    python bench/gpu/e2e_models.py --out DIR --tokenizer-from DIR [--device cuda] [--tiny]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_135M: dict[str, Any] = {
     "hidden_size": 576,
     "intermediate_size": 1536,

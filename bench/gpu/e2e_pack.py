@@ -1,15 +1,15 @@
 """The pack that travels to the GPU machine: wheels of the engine's missing dependencies and
-SmolLM2's tokenizer files, in one ignored folder (`.gpu/`, named in the device call's `carry`).
+SmolLM2's tokenizer files, in one ignored folder (`.gpu/`, copied to the GPU machine with the tree).
 
-    python bench/gpu_e2e_pack.py download [--dest .gpu]        here: `make gpu-wheels`
-    python bench/gpu_e2e_pack.py install --wheels .gpu/wheels --target DIR [--cross] --json J
+    python bench/gpu/e2e_pack.py download [--dest .gpu]        here: `make gpu-wheels`
+    python bench/gpu/e2e_pack.py install --wheels .gpu/wheels --target DIR [--cross] --json J
 
 `download` fetches, for the device's Python (3.12, CPython, manylinux x86_64), the wheel of every
 package in `WHEEL_PACKAGES` at the version installed here (what the tests ran with), without
 dependencies; then checks that every requirement of every wheel is either in the folder or in
-`DEVICE_PREINSTALLED` (the machine's image, /work/.library/device/KINDS.md), copies SmolLM2's
+`DEVICE_PREINSTALLED` (what the GPU machine's image holds), copies SmolLM2's
 tokenizer.json, tokenizer_config.json and config.json from the converted model, and checks that
-the working tree plus the pack stays under the 64 MiB a device call carries.
+the working tree plus the pack stays under `COPY_LIMIT` (what one copy to the machine may hold).
 
 `install` runs `pip install --no-index --no-deps --target DIR` (the device's python3 is itself a
 venv holding CUDA torch and triton: a nested venv would not see them, a target folder on
@@ -33,8 +33,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON_VERSION = "3.12"  # the device's python3 (KINDS.md: Python 3.12.3)
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON_VERSION = "3.12"  # the GPU machine's python3 (3.12.3)
 PLATFORMS = (
     "manylinux2014_x86_64",
     "manylinux_2_17_x86_64",
@@ -43,7 +43,7 @@ PLATFORMS = (
     "manylinux_2_28_x86_64",
     "manylinux1_x86_64",
 )
-DEVICE_CARRY_LIMIT = 64 << 20  # bytes: working tree + carried paths, per device call
+COPY_LIMIT = 64 << 20  # bytes: working tree + .gpu/, what one copy to the GPU machine may hold
 # The engine's dependencies the device lacks, and theirs (fastapi: starlette, pydantic...).
 # typing-extensions is there, but pydantic needs a recent one: ours shadows it on PYTHONPATH.
 WHEEL_PACKAGES = (
@@ -79,7 +79,7 @@ ENGINE_MODULES = (
 )
 GATEWAY_MODULES = ("fastapi", "uvicorn", "pydantic")
 HEAVY_MODULES = ("torch", "triton", "transformers")  # found, not imported (seconds each)
-# The device image's Python packages (KINDS.md, as read on 2026-11-17).
+# The GPU machine image's Python packages (as listed on 2026-11-17).
 DEVICE_PREINSTALLED = frozenset(
     """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
@@ -204,9 +204,9 @@ def report_size(dest: Path) -> int:
     total = tree + pack
     print(
         f"gpu-wheels: working tree {tree / 2**20:.1f} MiB + {dest} {pack / 2**20:.1f} MiB "
-        f"= {total / 2**20:.1f} MiB of the {DEVICE_CARRY_LIMIT >> 20} MiB a device call carries"
+        f"= {total / 2**20:.1f} MiB of the {COPY_LIMIT >> 20} MiB one copy may hold"
     )
-    return 0 if total <= DEVICE_CARRY_LIMIT else 1
+    return 0 if total <= COPY_LIMIT else 1
 
 
 # ---- install (device, or cross-checked in the dry run) -----------------------------------------

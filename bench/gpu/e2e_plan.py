@@ -1,4 +1,4 @@
-"""What `bench/gpu_e2e.py` runs, per mode: sizes, flags and time limits (standard library only).
+"""What `bench/gpu/e2e.py` runs, per mode: sizes, flags and time limits (standard library only).
 
 The device plan fits 300 s on one H200 with room to spare; expected durations (not measured
 yet): install ~5 s, models ~15 s (beside gpu_check), gpu_check <= its 75 s soft limit,
@@ -22,7 +22,7 @@ class Served:
 
     bursts: str  # burst sizes, "64,256"
     scale: float  # workload length scale
-    serve_args: tuple[str, ...]  # extra bench/gpu_e2e_serve.py flags
+    serve_args: tuple[str, ...]  # extra bench/gpu/e2e_serve.py flags
     serve_limit_s: float
     # bursts to serve again with the worker's step pipelining off (stage
     # `serve_<kind>-pipeline-off`, run last): throughput and device idle time, off against on
@@ -48,7 +48,7 @@ class Plan:
 def _serve_args(
     kv: str, max_len: int, budget: int, chunk: int, warmup: int, warm_scale: float, ready_s: float
 ) -> tuple[str, ...]:
-    """bench/gpu_e2e_serve.py's sizing flags."""
+    """bench/gpu/e2e_serve.py's sizing flags."""
     flags = {"kv-cache-memory": kv, "max-model-len": max_len, "max-num-batched-tokens": budget,
              "chunk-size": chunk, "warmup-prompts": warmup, "warmup-scale": warm_scale,
              "ready-timeout": ready_s}  # fmt: skip

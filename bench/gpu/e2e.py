@@ -1,16 +1,16 @@
-"""The engine on a GPU, end to end, in one run that stops itself in time (`bench/gpu_e2e.sh`).
+"""The engine on a GPU, end to end, in one run that stops itself in time (`bench/gpu/e2e.sh`).
 
 Stages, each a child process with its own time limit inside one overall limit (default 300 s):
 
 1. `install`: the engine's missing dependencies from `.gpu/wheels` (`make gpu-wheels`) with
    `pip install --no-index --no-deps --target`, then every module imported from there;
 2. `models` (beside `gpu_check`): random-weight SmolLM2-135M- and Llama-3.2-1B-shaped folders;
-3. `gpu_check`: bench/gpu_check.sh (kernel checks, copy bandwidth, attention, engine step);
+3. `gpu_check`: bench/gpu/check.sh (kernel checks, copy bandwidth, attention, engine step);
 4. `correctness`: fp32 greedy = transformers, bf16 within tolerance, Triton = torch on the
-   same plans (bench/gpu_e2e_correct.py);
+   same plans (bench/gpu/e2e_correct.py);
 5. `serve_*`: `conveyor up --device cuda` + `conveyor bench` bursts per model
-   (bench/gpu_e2e_serve.py); `hf_static`: the same bursts through transformers' static
-   `generate()` (bench/gpu_e2e_hf.py); last, `serve_smollm2-pipeline-off`: burst 256 again
+   (bench/gpu/e2e_serve.py); `hf_static`: the same bursts through transformers' static
+   `generate()` (bench/gpu/e2e_hf.py); last, `serve_smollm2-pipeline-off`: burst 256 again
    with the worker's step pipelining off (throughput and device idle, off against on);
 6. the report: `$OUT/gpu_e2e.json` (every stage, `ok` each), `gpu_e2e.md` (the table),
    `gpu_e2e.log` (every child's output), `gpu_check.json`, `logs.tar.gz` (the services' logs).
@@ -37,17 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: bench/ is found from the repository root
     sys.path.insert(0, str(ROOT))
-from bench.gpu_e2e_plan import PLANS, Plan  # noqa: E402 - standard library only, like this
-from bench.gpu_e2e_report import markdown, summarize  # noqa: E402
+from bench.gpu.e2e_plan import PLANS, Plan  # noqa: E402 - standard library only, like this
+from bench.gpu.e2e_report import markdown, summarize  # noqa: E402
 
 REPORT_RESERVE_S = 10.0  # kept back from the last stages for the report and the log archive
 MIN_STAGE_S = 5.0  # a stage with less than this left is not started
 KILL_GRACE_S = 5.0
 POLL_S = 0.1
-TAIL_LINES = 40  # of a failed stage's output, printed (the device returns the output's end)
+TAIL_LINES = 40  # of a failed stage's output, printed (a remote run shows the output's end)
 
 
 @dataclass
@@ -131,7 +131,7 @@ class Runner:
         self.finish(*stages)
 
     def _print_tail(self, stage: Stage) -> None:
-        """The last lines a failed stage wrote, so the device call's output shows why."""
+        """The last lines a failed stage wrote, so the run's printed output shows why."""
         self.log.flush()
         text = Path(self.log.name).read_text(errors="replace")
         own = text[text.rfind(f"===== {stage.name}:") :].splitlines()
@@ -190,24 +190,24 @@ def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage
     models, limits = work / "models", plan.limits
     wheels = ROOT / ".gpu" / "wheels"
     dry = plan.dry_run
-    check = [ROOT / "bench" / "gpu_check.sh", "--out", out / "gpu_check.json", "--time-limit",
+    check = [ROOT / "bench" / "gpu" / "check.sh", "--out", out / "gpu_check.json", "--time-limit",
              plan.check_soft_limit_s, *(["--dry-run"] if dry else [])]  # fmt: skip
     stages = {
-        "install": helper("install", "bench.gpu_e2e_pack", limits["install"], work, "install",
+        "install": helper("install", "bench.gpu.e2e_pack", limits["install"], work, "install",
                           "--wheels", wheels, "--target", site, *(["--cross"] if dry else [])),
         # drawn on the CPU: the GPU is busy with gpu_check's timings meanwhile
-        "models": helper("models", "bench.gpu_e2e_models", limits["models"], work, "--out",
+        "models": helper("models", "bench.gpu.e2e_models", limits["models"], work, "--out",
                          models, "--device", "cpu", *(["--tiny"] if dry else [])),
         "gpu_check": Stage("gpu_check", [str(a) for a in check], limits["gpu_check"],
                            out / "gpu_check.json"),
-        "correctness": helper("correctness", "bench.gpu_e2e_correct", limits["correctness"],
+        "correctness": helper("correctness", "bench.gpu.e2e_correct", limits["correctness"],
                               work, "--model", models / "smollm2", "--extra-model",
                               models / "llama-1b", "--device", plan.device, *plan.correct_args),
     }  # fmt: skip
     runs: list[Any] = []
     for kind, served in plan.serving.items():
         stages[f"serve_{kind}"] = helper(
-            f"serve_{kind}", "bench.gpu_e2e_serve", served.serve_limit_s, work,
+            f"serve_{kind}", "bench.gpu.e2e_serve", served.serve_limit_s, work,
             "--model", models / kind, "--device", plan.device, "--dtype", plan.dtype,
             "--bursts", served.bursts, "--scale", served.scale, *served.serve_args,
             "--log-dir", work / f"logs-{kind}",
@@ -216,13 +216,13 @@ def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage
         if served.pipeline_off_bursts is not None:
             name = f"serve_{kind}-pipeline-off"
             stages[name] = helper(
-                name, "bench.gpu_e2e_serve", served.serve_limit_s, work,
+                name, "bench.gpu.e2e_serve", served.serve_limit_s, work,
                 "--model", models / kind, "--device", plan.device, "--dtype", plan.dtype,
                 "--bursts", served.pipeline_off_bursts, "--scale", served.scale,
                 *served.serve_args, "--pipeline-steps", "off",
                 "--log-dir", work / f"logs-{kind}-pipeline-off",
             )  # fmt: skip
-    stages["hf_static"] = helper("hf_static", "bench.gpu_e2e_hf", limits["hf_static"], work,
+    stages["hf_static"] = helper("hf_static", "bench.gpu.e2e_hf", limits["hf_static"], work,
                                  *runs, "--device", plan.device, "--dtype", plan.dtype)  # fmt: skip
     return stages
 
@@ -350,7 +350,7 @@ def _host_facts(plan: Plan) -> dict[str, Any]:
 
 
 def _archive_logs(work: Path, dest: Path) -> None:
-    """The services' logs and the bench outputs, as one file (the device returns 8 at most)."""
+    """The services' logs and the bench outputs, as one file (fewer files to copy back)."""
     with tarfile.open(dest, "w:gz") as tar:
         for folder in sorted(work.glob("logs-*")):
             tar.add(folder, arcname=folder.name)

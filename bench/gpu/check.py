@@ -3,7 +3,7 @@
 Run on a CUDA machine with torch and triton installed (nothing else: it imports only torch,
 triton, numpy, the standard library and this repository's kernels/ and bench/gpu_*.py):
 
-    bench/gpu_check.sh [--out results/gpu_check.json] [--time-limit 390]
+    bench/gpu/check.sh [--out results/gpu_check.json] [--time-limit 390]
 
 Sections: kernel checks; device-to-device copy bandwidth; decode attention at batch 1-256 x
 context 1k-8k (GB/s of K/V read, and its share of the copy bandwidth); prefill attention
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HARD_STOP_MARGIN_S = 20  # the alarm fires this long after the soft limit; both under 7 min
 
 
@@ -113,8 +113,8 @@ def _new_report(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_sections(report: dict[str, Any], deadline: Deadline, dry: bool) -> None:
-    from bench import gpu_timing
-    from bench.gpu_kernel_checks import attention_cases, small_kernel_cases
+    from bench.gpu import timing as gpu_timing
+    from bench.gpu.kernel_checks import attention_cases, small_kernel_cases
 
     device = "cpu" if dry else "cuda"
     for cases in (small_kernel_cases(device, dry), attention_cases(device, dry)):

@@ -1,2 +1,0 @@
-#!/usr/bin/env bash
-cd "$(dirname "$0")/.." && exec "${PYTHON:-python3}" bench/gpu_check.py "$@"
