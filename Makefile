@@ -67,11 +67,12 @@ soak: model
 bench: model
 	$(BIN)/python -m conveyor bench --compare-batching --out results/bench
 
-# Peers on this CPU (docs/PERFORMANCE.md §8, bench/README.md): builds llama.cpp's llama-server
-# once into .cache/peers/ (under the shared lock), then the 64-request burst through
+# Peers on this CPU (docs/PERFORMANCE.md §1, bench/README.md): builds llama.cpp's llama-server
+# once into .cache/peers/ (under a shared lock), then the 64-request burst through
 # llama-server, Conveyor, transformers' static generate() and the linear-layer floor, one
-# after the other under the exclusive lock (~10-15 min on 2 cores); results in results/peers-*.
-CPU_LOCK := /tmp/conveyor-cpu.lock
+# after the other under an exclusive lock (~10-15 min on 2 cores); results in results/peers-*.
+# CPU_LOCK: the lock file every heavy job on a shared machine takes (figures only from runs alone).
+CPU_LOCK ?= /tmp/conveyor-cpu.lock
 peer-bench: model
 	flock -s $(CPU_LOCK) bash bench/peer_llama_server.sh build
 	flock -x $(CPU_LOCK) bash bench/peer_llama_server.sh run

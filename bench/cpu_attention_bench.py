@@ -4,9 +4,9 @@ SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, block 16). Per case, b
 `--repeat` calls of: the C++ extension (kernels/csrc/paged_attention.cpp), the worker's torch
 path (TorchOps.paged_attention: block gather + SDPA with a mask) and, for the fresh prefill,
 torch's causal SDPA over contiguous q/k/v with no paging at all (the fastest torch can do).
-Run it alone (under the exclusive lock) and quote ratios from one run:
+Run it alone on the machine and quote ratios from one run:
 
-    flock -x /tmp/conveyor-cpu.lock env PYTHONPATH=. .venv/bin/python bench/cpu_attention_bench.py
+    PYTHONPATH=. .venv/bin/python bench/cpu_attention_bench.py --repeat 10
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@
   mean / p90 TTFT, throughput and the prefill tokens the engines computed (their
   `num_prefill_tokens`, summed): the cache-aware router should need far fewer.
 
-Each configuration gets a fresh stack (cold prefix caches). Run it alone:
-`flock -x /tmp/conveyor-cpu.lock ...` (end-to-end timings on a shared machine swing).
+Each configuration gets a fresh stack (cold prefix caches). Run it alone on the machine
+(end-to-end timings on a shared machine swing).
 Writes <out>/dp_<mode>.json.
 """
 

@@ -6,9 +6,9 @@ The very requests `conveyor bench --compare-batching --scenarios mixed --num-pro
 left-padded to its longest prompt and generating its longest output (bench/gpu/e2e_hf.py's
 `static_burst`). Only the tokens each request asked for count. TTFT of a request is bounded
 below by its batch's start (every earlier batch ran first); the p50 of that bound is printed.
-Run alone, under the exclusive lock:
+Run it alone on the machine:
 
-    flock -x /tmp/conveyor-cpu.lock env PYTHONPATH=. .venv/bin/python bench/hf_static_burst.py \\
+    PYTHONPATH=. .venv/bin/python bench/hf_static_burst.py \\
         --num-prompts 64 --scale 1 --batch-size 32 --dtype float32
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Peers side by side on this CPU (issue 13): llama.cpp's llama-server, Conveyor, transformers'
+# Peers side by side on this CPU: llama.cpp's llama-server, Conveyor, transformers'
 # static generate() and the linear-layer floor, on the same burst, one engine at a time.
 #
 #   bench/peer_llama_server.sh build            # build llama-server once (run under flock -s)
@@ -25,7 +25,7 @@ BUILD=$CACHE/build-$LLAMA_CPP_PYTHON_VERSION
 SERVER_BIN=$BUILD/bin/llama-server
 JOBS=${PEER_BUILD_JOBS:-2}
 
-# Workload (docs/PERFORMANCE.md §8): 64 requests at once, the mixed scenario, EOS ignored, greedy.
+# Workload (docs/PERFORMANCE.md §1): 64 requests at once, the mixed scenario, EOS ignored, greedy.
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 SCALE=${SCALE:-1}
 BATCH_SIZE=32

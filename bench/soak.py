@@ -1,7 +1,7 @@
 """Memory soak: mixed bursts against one engine for `--duration` seconds, every service's RSS
 recorded over time (`make soak`; docs/RELIABILITY.md section 5).
 
-    flock -x /tmp/conveyor-cpu.lock env PYTHONPATH=. .venv/bin/python bench/soak.py \\
+    PYTHONPATH=. .venv/bin/python bench/soak.py \\
         --duration 600 --out results/soak
 
 One engine (conveyor.launcher.LocalStack: tokenizer, scheduler, REAL worker in float32, HTTP
@@ -18,7 +18,7 @@ Writes <out>/rss-<phase>.csv (time, burst, service, MiB), <out>/soak.json (per s
 after the warm-up bursts, at the end, the largest after warm-up, growth; the worker's RSS after
 each burst) and <out>/rss.png. Exit status 1 when a service's RSS after warm-up grows more than
 `--bound-mib` (the documented bound) in the shipped configuration.
-Run it alone (flock -x): it loads the machine's cores for the whole duration.
+Run it alone on the machine: it loads the machine's cores for the whole duration.
 """
 
 from __future__ import annotations

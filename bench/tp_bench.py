@@ -1,6 +1,6 @@
-"""Tensor-parallel step time on this machine: the same workload at each world size (issue 16).
+"""Tensor-parallel step time on this machine: the same workload at each world size.
 
-    flock -x /tmp/conveyor-cpu.lock .venv/bin/python bench/tp_bench.py --world-sizes 1,3
+    .venv/bin/python bench/tp_bench.py --world-sizes 1,3
 
 For each N it starts N worker ranks (`python bench/tp_bench.py --rank R ...`, gloo over
 loopback, each a ModelRunner on SmolLM2-135M in fp32) and runs on every rank: one prefill step
