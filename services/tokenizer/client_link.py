@@ -22,7 +22,11 @@ CommandHandler = Callable[[bytes, cc.ClientCommand], None]
 
 
 class ClientLink:
-    """Call `bind()` (raises zmq.ZMQError), register `socket` in the loop's poller."""
+    """Call `bind()` (raises zmq.ZMQError), register `socket` in the loop's poller.
+
+    Owns the client socket, when each connection last heard from the frontend (heartbeats)
+    and the count of error replies (`stats`). `on_gone(identity, reason)` is called from
+    inside `send` when a client is gone; it may send to other clients, never to this one."""
 
     def __init__(
         self,
@@ -36,7 +40,12 @@ class ClientLink:
         self.socket = context.socket(zmq.ROUTER)
         self._on_gone = on_gone
         self._last_tx: dict[bytes, float] = {}  # identity -> last frame sent (heartbeats)
-        self.num_errors_total = 0  # error replies sent (for `stats`)
+        self._num_errors_total = 0  # error replies sent (for `stats`)
+
+    @property
+    def num_errors_total(self) -> int:
+        """Error replies sent since start (client errors and failed requests)."""
+        return self._num_errors_total
 
     def bind(self) -> None:
         sock, cfg = self.socket, self.config
@@ -79,9 +88,15 @@ class ClientLink:
         self.reply_error(parts[0], ErrorCode.INTERNAL, msg, cc.peek_id(parts[-1]))
 
     def reply_error(self, ident: bytes, code: str, message: str, client_id: Optional[str]) -> None:
-        self.num_errors_total += 1
+        """A message refused before it became a request: counted, logged, answered."""
+        self._num_errors_total += 1
         self.log.info("client_error", code=code, client_id=client_id, message=message)
         self.send(ident, cc.error_reply(code, message, client_id))
+
+    def send_error(self, ident: bytes, frame: bytes) -> bool:
+        """A request's `error` reply (its caller logged why): counted, then sent."""
+        self._num_errors_total += 1
+        return self.send(ident, frame)
 
     def send(self, ident: bytes, frame: bytes) -> bool:
         """False (and `on_gone` called) when the client is gone."""
@@ -102,6 +117,13 @@ class ClientLink:
         for ident in active:
             if now - self._last_tx.get(ident, float("-inf")) >= self.config.heartbeat_s:
                 self.send(ident, cc.heartbeat_reply())
+
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when a send time lies in the future (monotonic)
+        or the error count went negative."""
+        now = time.monotonic()
+        assert self._num_errors_total >= 0
+        assert all(t <= now for t in self._last_tx.values()), self._last_tx
 
     def close(self) -> None:
         self.socket.close()

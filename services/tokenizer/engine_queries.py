@@ -82,6 +82,15 @@ class PendingQueries:
         late = [qid for qid, q in self._open.items() if now > q.deadline]
         return [self._open.pop(qid) for qid in late]
 
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when an open query waits on an engine it did not
+        ask, holds an answer it still waits for, or waits on nothing (it would be closed)."""
+        for qid, query in self._open.items():
+            asked = set(query.asked)
+            assert query.waiting and query.waiting <= asked, (qid, query)
+            assert set(query.answers) <= asked and not set(query.answers) & query.waiting, qid
+            assert query.kind in (STATS, RESET_PREFIX_CACHE), query.kind
+
 
 def combine_stats(per_engine: list[dict[str, float]]) -> Optional[dict[str, float]]:
     """The stats of several engines as one engine's: counts and gauges summed, KV use and the
