@@ -1,7 +1,7 @@
 """The frontend's client side: the ROUTER clients connect to, sends and client heartbeats.
 
 Clients that vanish are found by ROUTER_MANDATORY: a reply or a heartbeat that cannot be routed
-fails, and `on_gone(identity, reason)` runs (the server aborts that connection's requests).
+fails, and `on_gone(identity, reason)` runs (the request flow ends that connection's requests).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class ClientLink:
         return self._num_errors_total
 
     def bind(self) -> None:
+        """Called once by the server's `open()`. A peer that sends a frame over the hard cap
+        is dropped; a reply that cannot be routed raises (the client is gone)."""
         sock, cfg = self.socket, self.config
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable reply -> error: client gone
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.hard_cap_bytes)
@@ -126,4 +128,5 @@ class ClientLink:
         assert all(t <= now for t in self._last_tx.values()), self._last_tx
 
     def close(self) -> None:
+        """Called once when the loop ends."""
         self.socket.close()

@@ -3,7 +3,8 @@
 An engine (one scheduler and its worker ranks) is known by its index in the frontend's
 `--scheduler-addr` list: engine "0", "1", ... in logs, `health`, `stats` and /metrics. The link
 says whether the engine is ready (its last EngineReady, not followed by EngineNotReady or a
-loss) and when it was last heard; the server decides what a loss means for requests.
+loss) and when it was last heard; the request flow (request_flow.py) decides what a loss
+means for requests.
 
 Liveness: a scheduler that dies closes the connection (DisconnectWatch: found at once); a hung
 one is found by silence (no message for `scheduler_timeout_s`; it answers each FrontendHello,
@@ -74,6 +75,7 @@ class EngineLink:
         return self._not_ready_reason
 
     def connect(self, now: float) -> None:
+        """Called once at `open()`; the DEALER reconnects by itself from then on."""
         self._last_rx = now  # the silence time-out counts from here
         self.socket.connect(self.address)
 
@@ -118,6 +120,7 @@ class EngineLink:
         guarded(log, "monitor_event_failed", lambda _: self.watch.on_events(), 0)
 
     def silent_for(self, now: float) -> float:
+        """Seconds since the scheduler's last message (the housekeeping's liveness check)."""
         return now - self._last_rx
 
     def health(self, load: int, kv_usage: float) -> dict[str, Any]:
@@ -138,5 +141,6 @@ class EngineLink:
         assert self.name == str(self.index)
 
     def close(self) -> None:
+        """Called once when the loop ends."""
         self.watch.close()
         self.socket.close()

@@ -1,8 +1,8 @@
 """Queries a client asks and the engines answer (`stats`, `reset_prefix_cache`), fanned out.
 
 The frontend sends each query to every engine it is connected to and keeps it open until all
-of them answered or the query's deadline, whichever comes first; the server answers the client
-either way (with what it got: an engine that did not answer is reported as None).
+of them answered or the query's deadline, whichever comes first; reports.py answers the
+client either way (with what it got: an engine that did not answer is reported as None).
 """
 
 from __future__ import annotations

@@ -48,10 +48,12 @@ class Engines:
         self._router = Router(config.router, len(self.links))
 
     def connect(self, now: float) -> None:
+        """Called once at `open()`: every link connects; silence counts from `now`."""
         for link in self.links:
             link.connect(now)
 
     def close(self) -> None:
+        """Called once when the loop ends."""
         for link in self.links:
             link.close()
 
@@ -117,6 +119,7 @@ class Engines:
 
     @property
     def num_ready(self) -> int:
+        """Engines taking requests now (`stats`)."""
         return sum(link.ready is not None for link in self.links)
 
     def on_ready(self, link: EngineLink, msg: EngineReady) -> None:

@@ -62,9 +62,11 @@ class Reports:
         ))  # fmt: skip
 
     def on_stats(self, ident: bytes, cmd: cc.StatsCommand) -> None:
+        """A client's `stats`: asked of every engine, answered with the frontend's own."""
         self._ask(ident, cmd.id, STATS)
 
     def on_reset_prefix_cache(self, ident: bytes, cmd: cc.ResetPrefixCacheCommand) -> None:
+        """A client's `reset_prefix_cache`: asked of every engine, answered with their sum."""
         self._ask(ident, cmd.id, RESET_PREFIX_CACHE)
 
     def _ask(self, ident: bytes, client_id: Optional[str], kind: str) -> None:
@@ -79,9 +81,11 @@ class Reports:
     # ---- engine answers and deadlines ------------------------------------------------------
 
     def on_stats_reply(self, link: EngineLink, msg: StatsReply) -> None:
+        """An engine's answer to a `stats` query (a late or unknown one is dropped)."""
         self._answer(msg.query_id, link.index, msg.stats)
 
     def on_prefix_cache_reset(self, link: EngineLink, msg: PrefixCacheReset) -> None:
+        """An engine's answer to `reset_prefix_cache` (a late or unknown one is dropped)."""
         self._answer(msg.query_id, link.index, msg.num_blocks_dropped)
 
     def expire(self, now: float) -> None:

@@ -68,10 +68,12 @@ class RequestFlow:
 
     @property
     def num_requests_total(self) -> int:
+        """Requests admitted since start (`stats`)."""
         return self._num_requests_total
 
     @property
     def num_resubmitted_total(self) -> int:
+        """Requests moved to another engine after theirs was lost (`stats`)."""
         return self._num_resubmitted_total
 
     def ready(self) -> bool:
@@ -79,6 +81,7 @@ class RequestFlow:
         return self._engines.reference() is not None and not self._drain.requested
 
     def not_ready_reason(self) -> Optional[str]:
+        """Why `ready()` is False (health's `reason`, the not_ready error); None when ready."""
         if self._drain.requested:
             return "shutting_down"
         if self._engines.reference() is not None:
@@ -187,6 +190,7 @@ class RequestFlow:
             self._clients.send_error(state.identity, state.error(msg.code, msg.message))
 
     def on_shutdown(self, link: EngineLink, msg: EngineShutdown) -> None:
+        """The scheduler said it stops: the engine is lost."""
         self.engine_lost(link.index, LOST, f"the scheduler stopped: {msg.reason}")
 
     def scheduler_gone(self, engine: int) -> None:

@@ -161,6 +161,7 @@ class ClientRequest:
         self.engine = engine
 
     def error(self, code: str, message: str) -> bytes:
+        """The `error` reply that ends this request when the frontend or engine fails it."""
         return error_reply(code, message, self.client_id)
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class RequestTable:
         return iter(self._by_rid.values())
 
     def rid_of(self, identity: bytes, client_id: str) -> Optional[str]:
+        """The open request a client calls `client_id` on its connection, if any."""
         return self._by_client.get((identity, client_id))
 
     def num_on(self, identity: bytes) -> int:

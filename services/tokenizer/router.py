@@ -17,7 +17,7 @@ Policies (`--router-policy`):
   without bound. The picture of an engine is dropped when it goes away (its cache is gone).
 
 Several frontends each keep their own picture; their choices may differ, and each one still
-balances by load, so none can starve an engine. Kept free of sockets: the server feeds it.
+balances by load, so none can starve an engine. Kept free of sockets: engines.py feeds it.
 """
 
 from __future__ import annotations
@@ -136,10 +136,12 @@ class Router:
 
     @property
     def prefix_caching(self) -> bool:
+        """Whether every ready engine caches prefixes (as last reported)."""
         return self._prefix_caching
 
     @property
     def cache_aware(self) -> bool:
+        """Whether `choose` looks for the engine holding the prompt's prefix."""
         policy = self.config.policy
         return policy == "cache-aware" or (policy == AUTO and self._prefix_caching)
 

@@ -123,6 +123,8 @@ class FrontendServer:
         )
 
     def request_drain(self) -> None:
+        """SIGTERM: new requests get `shutting_down`; the loop stops once the open ones ended
+        or the grace period is over. Only sets a flag (safe from a signal handler)."""
         self._drain.request()
 
     @property
@@ -155,6 +157,7 @@ class FrontendServer:
         self._housekeeping(time.monotonic())
 
     def close(self) -> None:
+        """Called once the loop stopped (by `run()`, or by whoever turns it)."""
         self._clients.close()
         self._engines.close()
         self.log.info("frontend_stopped")
