@@ -228,6 +228,7 @@ def test_engine_loss_moves_what_streamed_nothing_and_fails_the_rest(
     s.engines[0].send(EngineShutdown("test"))
     s.pump(lambda: rid_c in s.engines[1].submitted() and len(s.client.of("a")) == 2, "the move")
     assert s.client.of("a")[-1]["code"] == "engine_unreachable"
+    s.pump(lambda: len(s.engines[0].aborted()) == 2, "the aborts at the lost engine")
     assert s.engines[0].aborted() == {rid_a: "engine_lost", rid_c: "engine_lost"}
     s.engines[0].send(OutputBatch(2, [rid_c], [65]))  # the old engine's output: dropped
     s.engines[1].send(RequestRejected(rid_b, "overloaded", "full"))
@@ -257,7 +258,7 @@ def test_abort_a_client_gone_and_drain_close_every_request(
     assert s.client.of("zz")[0]["found"] is False
     other.sock.close()  # its request ends when a heartbeat to it fails
     reasons = lambda: {**s.engines[0].aborted(), **s.engines[1].aborted()}  # noqa: E731
-    s.pump(lambda: "client_gone" in reasons().values(), "the gone client's abort")
+    s.pump(lambda: len(reasons()) == 2, "the abort and the gone client's abort")
     assert sorted(reasons().values()) == ["abort", "client_gone"]
     s.server.request_drain()
     s.client.generate("late")
