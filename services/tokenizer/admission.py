@@ -1,6 +1,6 @@
 """A validated `generate` -> prompt token ids, checked against the model's limits.
 
-Runs after shared/protocol/client_channel.py has checked the message's shape; what is left
+Runs after shared/protocol/client_channel/ has checked the message's shape; what is left
 needs the tokenizer (chat template, tokenization) or the engine's limits (vocabulary size,
 max_model_len), which the frontend learns from the scheduler's EngineReady.
 """

@@ -1,7 +1,7 @@
 """The frontend's client side: the ROUTER clients connect to, sends and client heartbeats.
 
 Clients that vanish are found by ROUTER_MANDATORY: a reply or a heartbeat that cannot be routed
-fails, and `on_gone(identity, reason)` runs (the server aborts that connection's requests).
+fails, and `on_gone(identity, reason)` runs (the request flow ends that connection's requests).
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ CommandHandler = Callable[[bytes, cc.ClientCommand], None]
 
 
 class ClientLink:
-    """Call `bind()` (raises zmq.ZMQError), register `socket` in the loop's poller."""
+    """Call `bind()` (raises zmq.ZMQError), register `socket` in the loop's poller.
+
+    Owns the client socket, when each connection last heard from the frontend (heartbeats)
+    and the count of error replies (`stats`). `on_gone(identity, reason)` is called from
+    inside `send` when a client is gone; it may send to other clients, never to this one."""
 
     def __init__(
         self,
@@ -36,9 +40,16 @@ class ClientLink:
         self.socket = context.socket(zmq.ROUTER)
         self._on_gone = on_gone
         self._last_tx: dict[bytes, float] = {}  # identity -> last frame sent (heartbeats)
-        self.num_errors_total = 0  # error replies sent (for `stats`)
+        self._num_errors_total = 0  # error replies sent (for `stats`)
+
+    @property
+    def num_errors_total(self) -> int:
+        """Error replies sent since start (client errors and failed requests)."""
+        return self._num_errors_total
 
     def bind(self) -> None:
+        """Called once by the server's `open()`. A peer that sends a frame over the hard cap
+        is dropped; a reply that cannot be routed raises (the client is gone)."""
         sock, cfg = self.socket, self.config
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable reply -> error: client gone
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.hard_cap_bytes)
@@ -79,9 +90,15 @@ class ClientLink:
         self.reply_error(parts[0], ErrorCode.INTERNAL, msg, cc.peek_id(parts[-1]))
 
     def reply_error(self, ident: bytes, code: str, message: str, client_id: Optional[str]) -> None:
-        self.num_errors_total += 1
+        """A message refused before it became a request: counted, logged, answered."""
+        self._num_errors_total += 1
         self.log.info("client_error", code=code, client_id=client_id, message=message)
         self.send(ident, cc.error_reply(code, message, client_id))
+
+    def send_error(self, ident: bytes, frame: bytes) -> bool:
+        """A request's `error` reply (its caller logged why): counted, then sent."""
+        self._num_errors_total += 1
+        return self.send(ident, frame)
 
     def send(self, ident: bytes, frame: bytes) -> bool:
         """False (and `on_gone` called) when the client is gone."""
@@ -103,5 +120,13 @@ class ClientLink:
             if now - self._last_tx.get(ident, float("-inf")) >= self.config.heartbeat_s:
                 self.send(ident, cc.heartbeat_reply())
 
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when a send time lies in the future (monotonic)
+        or the error count went negative."""
+        now = time.monotonic()
+        assert self._num_errors_total >= 0
+        assert all(t <= now for t in self._last_tx.values()), self._last_tx
+
     def close(self) -> None:
+        """Called once when the loop ends."""
         self.socket.close()

@@ -3,7 +3,8 @@
 An engine (one scheduler and its worker ranks) is known by its index in the frontend's
 `--scheduler-addr` list: engine "0", "1", ... in logs, `health`, `stats` and /metrics. The link
 says whether the engine is ready (its last EngineReady, not followed by EngineNotReady or a
-loss) and when it was last heard; the server decides what a loss means for requests.
+loss) and when it was last heard; the request flow (request_flow.py) decides what a loss
+means for requests.
 
 Liveness: a scheduler that dies closes the connection (DisconnectWatch: found at once); a hung
 one is found by silence (no message for `scheduler_timeout_s`; it answers each FrontendHello,
@@ -25,9 +26,17 @@ from shared.protocol.codec import encode
 from shared.protocol.engine_channel import EngineReady, FrontendHello
 from shared.transport import DisconnectWatch, guarded
 
+# Why an engine is not ready: no handshake yet, its worker went away after one, or its
+# scheduler was lost (closed the connection, said EngineShutdown, or fell silent).
+NOT_READY_REASONS = ("waiting_for_worker", "worker_lost", "scheduler_unreachable")
+
 
 class EngineLink:
-    """Create, `connect()`, register `socket` and `watch.monitor` in the loop's poller."""
+    """Create, `connect()`, register `socket` and `watch.monitor` in the loop's poller.
+
+    Owns the engine's readiness and liveness; the frontend changes them only through
+    `heard`, `mark_ready`, `mark_not_ready` and `mark_lost`. Invariant: ready (an EngineReady
+    held) implies it was ever ready, and a not-ready engine has one of NOT_READY_REASONS."""
 
     def __init__(
         self,
@@ -49,14 +58,25 @@ class EngineLink:
         self.socket.setsockopt(zmq.LINGER, 1000)
         self._frontend_id = frontend_id
         self.watch = DisconnectWatch(self.socket, lambda: on_gone(index))
-        self.ready: Optional[EngineReady] = None  # set while the engine takes requests
-        self.ever_ready = False
-        self.not_ready_reason = "waiting_for_worker"
-        self.last_rx: float = 0.0  # time.monotonic() of its last message
-        self.last_hello = float("-inf")
+        self._ready: Optional[EngineReady] = None  # set while the engine takes requests
+        self._ever_ready = False
+        self._not_ready_reason = "waiting_for_worker"
+        self._last_rx: float = 0.0  # time.monotonic() of its last message
+        self._last_hello = float("-inf")
+
+    @property
+    def ready(self) -> Optional[EngineReady]:
+        """The engine's last handshake while it takes requests, else None."""
+        return self._ready
+
+    @property
+    def not_ready_reason(self) -> str:
+        """Why it is not ready (meaningful while `ready` is None)."""
+        return self._not_ready_reason
 
     def connect(self, now: float) -> None:
-        self.last_rx = now  # the silence time-out counts from here
+        """Called once at `open()`; the DEALER reconnects by itself from then on."""
+        self._last_rx = now  # the silence time-out counts from here
         self.socket.connect(self.address)
 
     def send(self, frame: bytes) -> bool:
@@ -67,10 +87,32 @@ class EngineLink:
             return False
         return True
 
+    def heard(self, now: float) -> None:
+        """Called on every message from the scheduler: the silence time-out restarts."""
+        self._last_rx = now
+
+    def mark_ready(self, msg: EngineReady) -> bool:
+        """Called on EngineReady: the engine takes requests. True when it did not before."""
+        was_ready = self._ready is not None
+        self._ready, self._ever_ready = msg, True
+        return not was_ready
+
+    def mark_not_ready(self) -> bool:
+        """Called on EngineNotReady (its worker is not there). True when it was ready."""
+        was_ready = self._ready is not None
+        self._ready = None
+        self._not_ready_reason = "worker_lost" if self._ever_ready else "waiting_for_worker"
+        return was_ready
+
+    def mark_lost(self, reason: str) -> None:
+        """Called when the scheduler is lost: out of rotation until it says EngineReady."""
+        self._ready = None
+        self._not_ready_reason = reason
+
     def hello(self, now: float, heartbeat_s: float) -> None:
         """The heartbeat: at most one FrontendHello per `heartbeat_s`."""
-        if now - self.last_hello >= heartbeat_s:
-            self.last_hello = now
+        if now - self._last_hello >= heartbeat_s:
+            self._last_hello = now
             self.send(encode(FrontendHello(self._frontend_id)))
 
     def on_monitor(self, log: Any) -> None:
@@ -78,19 +120,27 @@ class EngineLink:
         guarded(log, "monitor_event_failed", lambda _: self.watch.on_events(), 0)
 
     def silent_for(self, now: float) -> float:
-        return now - self.last_rx
+        """Seconds since the scheduler's last message (the housekeeping's liveness check)."""
+        return now - self._last_rx
 
     def health(self, load: int, kv_usage: float) -> dict[str, Any]:
         """This engine in the `health` reply (docs/protocol.md)."""
         return {
             "engine": self.name,
             "address": self.address,
-            "ready": self.ready is not None,
-            "reason": None if self.ready is not None else self.not_ready_reason,
+            "ready": self._ready is not None,
+            "reason": None if self._ready is not None else self._not_ready_reason,
             "load": load,
             "kv_usage": kv_usage,
         }
 
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when the link's state is inconsistent."""
+        assert self._ready is None or self._ever_ready, f"engine {self.name}: ready, never ready"
+        assert self._not_ready_reason in NOT_READY_REASONS, self._not_ready_reason
+        assert self.name == str(self.index)
+
     def close(self) -> None:
+        """Called once when the loop ends."""
         self.watch.close()
         self.socket.close()

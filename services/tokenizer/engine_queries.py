@@ -1,8 +1,8 @@
 """Queries a client asks and the engines answer (`stats`, `reset_prefix_cache`), fanned out.
 
 The frontend sends each query to every engine it is connected to and keeps it open until all
-of them answered or the query's deadline, whichever comes first; the server answers the client
-either way (with what it got: an engine that did not answer is reported as None).
+of them answered or the query's deadline, whichever comes first; reports.py answers the
+client either way (with what it got: an engine that did not answer is reported as None).
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ class PendingQueries:
         """Every open query past its deadline, now closed."""
         late = [qid for qid, q in self._open.items() if now > q.deadline]
         return [self._open.pop(qid) for qid in late]
+
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when an open query waits on an engine it did not
+        ask, holds an answer it still waits for, or waits on nothing (it would be closed)."""
+        for qid, query in self._open.items():
+            asked = set(query.asked)
+            assert query.waiting and query.waiting <= asked, (qid, query)
+            assert set(query.answers) <= asked and not set(query.answers) & query.waiting, qid
+            assert query.kind in (STATS, RESET_PREFIX_CACHE), query.kind
 
 
 def combine_stats(per_engine: list[dict[str, float]]) -> Optional[dict[str, float]]:

@@ -41,6 +41,14 @@ class LatencyWindow:
                     out[f"{name}_p{q}_s"] = nearest_rank(values, q)
         return out
 
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when entries are out of time order or a duration
+        is negative."""
+        times = [e[0] for e in self._entries]
+        assert times == sorted(times), times
+        for _, ttft_s, tpot_s in self._entries:
+            assert (ttft_s is None or ttft_s >= 0) and (tpot_s is None or tpot_s >= 0)
+
     def _expire(self, now: float) -> None:
         while self._entries and self._entries[0][0] < now - self.window_s:
             self._entries.popleft()

@@ -1,15 +1,16 @@
 """One client request inside the frontend: from the scheduler's token ids to client replies.
 
-Owns the request's detokenizer, stop strings, the text generated so far and its timings. The
-server calls `on_token` for each new token of a request that goes on, `on_output` for its final
-output, and `abort` when the client aborts; each returns the frames to send to the client.
-Keeps no sockets.
+Owns the request's detokenizer, stop strings, the text generated so far, every token id (and
+logprob) it received, how much of them it streamed, its timings and the engine it runs on. The
+output path (output_path.py) calls `on_token` for each new token of a request that goes on and
+`on_output` for its final output; the request flow (request_flow.py) calls `route_to` when it
+sends it to an engine and `abort` when the client aborts. Each returns the frames to send to the
+client. Keeps no sockets.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -47,7 +48,11 @@ NOTHING_TO_SEND = Progress(())
 
 @dataclass
 class ClientRequest:
-    """Mutable per-request state; lives from admission until its terminal reply is sent."""
+    """Mutable per-request state; lives from admission until its terminal reply is sent.
+
+    Its fields change only through its methods. Invariants (`check_invariants`): what was
+    streamed or detokenized is a prefix of what was received, one logprob per token at most,
+    a first token time exactly when a token came."""
 
     rid: str  # globally unique (embeds the frontend id); the scheduler's key
     client_id: str  # the client's `id` on its connection
@@ -73,9 +78,11 @@ class ClientRequest:
     num_ids_detokenized: int = 0  # token ids already given to the detokenizer
     # Not streamed, no stop strings, no logprobs: nobody reads anything of it before its final
     # output, so a token that does not end it only needs appending to `token_ids` (and
-    # `last_token_at` set). The output path (output_path.py) does that inline for every token
-    # after the first (the first sets `first_token_at` through `on_token`).
+    # `last_token_at` set). Once its first token came (`first_token_at` set through
+    # `on_token`), `in_place` says so, and the output path calls `append_in_place` for each
+    # token instead of `on_token`: it runs for every token of every request, hundreds per step.
     quiet: bool = field(init=False)
+    in_place: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.quiet = not self.stream and not self.stops.stops and self.sampling.logprobs is None
@@ -92,13 +99,21 @@ class ClientRequest:
         return self._advance(out.finish_reason, out.timings, now)
 
     def on_token(self, token_id: int, logprobs: Optional[TokenLogprobs], now: float) -> Progress:
-        """Apply one new token of a request that goes on (an OutputBatch column entry)."""
+        """Apply one new token of a request that goes on (an OutputBatch column entry);
+        NOTHING_TO_SEND (the shared instance) when there is nothing for the client yet."""
         self._take([token_id], [logprobs] if logprobs is not None else [], now)
         return self._advance(None, None, now)
+
+    def append_in_place(self, token_id: int, now: float) -> None:
+        """What `on_token` does for a token of a request that is `in_place`, at the cost of an
+        append: it sends nothing, and the text waits for the final output."""
+        self.token_ids.append(token_id)
+        self.last_token_at = now
 
     def _take(self, new_ids: list[int], logprobs: list[TokenLogprobs], now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
+            self.in_place = self.quiet
         self.last_token_at = now
         self.token_ids.extend(new_ids)
         self.logprobs.extend(logprobs)
@@ -140,7 +155,13 @@ class ClientRequest:
         """True until the engine's first token arrived: the request may run elsewhere."""
         return self.first_token_at is None
 
+    def route_to(self, engine: int) -> None:
+        """Called once the engine `engine` took the request (at admission, or when it is
+        resubmitted after its engine was lost): its outputs count from there only."""
+        self.engine = engine
+
     def error(self, code: str, message: str) -> bytes:
+        """The `error` reply that ends this request when the frontend or engine fails it."""
         return error_reply(code, message, self.client_id)
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -194,35 +215,15 @@ class ClientRequest:
                 tpot_s = (self.last_token_at - self.first_token_at) / (len(self.token_ids) - 1)
         return Timings(queue_s, ttft_s, tpot_s, now - self.received_at)
 
-
-class RequestTable:
-    """The frontend's requests in flight: by rid, and by (connection, client id) with a count
-    per connection. `add` at admission, `pop` once the request ends, whichever way."""
-
-    def __init__(self) -> None:
-        self.by_rid: dict[str, ClientRequest] = {}
-        self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> rid
-        self._num_per_conn: Counter[bytes] = Counter()  # identity -> requests in flight
-
-    def add(self, state: ClientRequest) -> None:
-        self.by_rid[state.rid] = state
-        self._by_client[(state.identity, state.client_id)] = state.rid
-        self._num_per_conn[state.identity] += 1
-
-    def rid_of(self, identity: bytes, client_id: str) -> Optional[str]:
-        return self._by_client.get((identity, client_id))
-
-    def num_on(self, identity: bytes) -> int:
-        """Requests in flight on one connection (the per-connection cap)."""
-        return self._num_per_conn[identity]
-
-    def rids_of(self, identity: bytes) -> list[str]:
-        return [rid for (owner, _), rid in self._by_client.items() if owner == identity]
-
-    def pop(self, rid: str) -> ClientRequest:
-        state = self.by_rid.pop(rid)
-        self._by_client.pop((state.identity, state.client_id), None)
-        self._num_per_conn[state.identity] -= 1
-        if self._num_per_conn[state.identity] <= 0:
-            del self._num_per_conn[state.identity]
-        return state
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when the request's counters disagree."""
+        num_ids = len(self.token_ids)
+        assert 0 <= self.num_ids_sent <= num_ids, (self.rid, self.num_ids_sent, num_ids)
+        assert 0 <= self.num_ids_detokenized <= num_ids, (self.rid, self.num_ids_detokenized)
+        assert 0 <= self.num_text_sent <= len(self.text), (self.rid, self.num_text_sent)
+        assert len(self.logprobs) <= num_ids, self.rid
+        assert (self.first_token_at is None) == (num_ids == 0), self.rid
+        assert self.quiet == (
+            not self.stream and not self.stops.stops and self.sampling.logprobs is None
+        )
+        assert self.in_place == (self.quiet and self.first_token_at is not None), self.rid

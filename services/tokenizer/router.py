@@ -17,7 +17,7 @@ Policies (`--router-policy`):
   without bound. The picture of an engine is dropped when it goes away (its cache is gone).
 
 Several frontends each keep their own picture; their choices may differ, and each one still
-balances by load, so none can starve an engine. Kept free of sockets: the server feeds it.
+balances by load, so none can starve an engine. Kept free of sockets: engines.py feeds it.
 """
 
 from __future__ import annotations
@@ -72,13 +72,16 @@ class RouterConfig:
 
 class Router:
     """Call `choose` for each new request (with the engines ready now), then `routed` once it
-    was sent; `engine_lost` when an engine goes away."""
+    was sent; `request_done` when it ends, `engine_lost` when an engine goes away.
+
+    `loads` is read-only for callers. Invariant: `loads[e].num_local` is the number of this
+    frontend's requests routed to engine `e` and not done yet (never negative)."""
 
     def __init__(self, config: RouterConfig, num_engines: int) -> None:
         self.config = config
         self.loads = [EngineLoad() for _ in range(num_engines)]
         self._last: int = -1  # the engine chosen last (round-robin and tie-breaks)
-        self.prefix_caching = True  # what the engines report (EngineReady); for AUTO
+        self._prefix_caching = True  # what the engines report (EngineReady); for AUTO
         # block key -> engines that were sent a prompt with this block (LRU order)
         self._blocks: OrderedDict[bytes, set[int]] = OrderedDict()
 
@@ -127,10 +130,30 @@ class Router:
             if not holders:
                 del self._blocks[key]
 
+    def set_prefix_caching(self, on: bool) -> None:
+        """Called on each EngineReady: whether every ready engine caches prefixes (AUTO)."""
+        self._prefix_caching = on
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether every ready engine caches prefixes (as last reported)."""
+        return self._prefix_caching
+
     @property
     def cache_aware(self) -> bool:
+        """Whether `choose` looks for the engine holding the prompt's prefix."""
         policy = self.config.policy
-        return policy == "cache-aware" or (policy == AUTO and self.prefix_caching)
+        return policy == "cache-aware" or (policy == AUTO and self._prefix_caching)
+
+    def check_invariants(self) -> None:
+        """Read-only; raises AssertionError when the picture is inconsistent: a negative
+        count, a block held by no engine or by an unknown one, the LRU bound exceeded."""
+        num_engines = len(self.loads)
+        assert all(load.num_local >= 0 for load in self.loads), self.loads
+        assert -1 <= self._last < num_engines, self._last
+        assert len(self._blocks) <= MAX_TRACKED_BLOCKS
+        for holders in self._blocks.values():
+            assert holders and all(0 <= e < num_engines for e in holders), holders
 
     # ---- helpers -----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Client protocol validation (shared/protocol/client_channel.py): every error code it owns,
+"""Client protocol validation (shared/protocol/client_channel/): every error code it owns,
 the documented order of checks, defaults, and the reply shapes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The clients' shared sans-I/O core (shared/client/core.py): frames it builds decode as the
 frontend decodes them, and replies are routed per id, by kind, and dropped once abandoned.
-Replies are built with the frontend's own encoders (shared/protocol/client_channel.py)."""
+Replies are built with the frontend's own encoders (shared/protocol/client_channel/)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ def test_window_keeps_one_minute_and_skips_missing_values() -> None:
     window.record(0.0, 9.0, 9.0)  # old: gone by t=100
     for i in range(1, 11):
         window.record(50.0 + i, ttft_s=i / 10, tpot_s=None if i > 5 else i / 100)
+    window.check_invariants()
     out = window.percentiles(100.0)
     assert out["num_finished_1m"] == 10.0
     assert out["ttft_p50_s"] == 0.5 and out["ttft_p90_s"] == 0.9 and out["ttft_p99_s"] == 1.0

@@ -21,6 +21,7 @@ def _route(router: Router, prompt: list[int], ready: list[int]) -> int:
     engine = router.choose(prompt, ready)
     assert engine is not None
     router.routed(engine, prompt)
+    router.check_invariants()
     return engine
 
 
@@ -82,6 +83,7 @@ def test_short_prompts_and_lost_engines_match_nothing() -> None:
     assert router.choose(long_prompt, [0, 1]) == engine  # the match wins over the tie
     router.engine_lost(engine)
     router.request_done(engine)
+    router.check_invariants()
     # its picture is gone: least-load decides (ties rotate past the last choice)
     assert router.choose(long_prompt, [0, 1]) == 1 - engine
     short = [5] * (ROUTER_BLOCK_LEN - 1)  # no full block: nothing to match
@@ -91,7 +93,7 @@ def test_short_prompts_and_lost_engines_match_nothing() -> None:
 def test_auto_is_cache_aware_only_with_prefix_caching() -> None:
     router = Router(RouterConfig(), 2)
     assert router.cache_aware
-    router.prefix_caching = False
+    router.set_prefix_caching(False)
     assert not router.cache_aware
 
 

@@ -51,6 +51,7 @@ def frames(req: ClientRequest, outputs: list[RequestOutput]) -> list[dict[str, A
     msgs = []
     for i, o in enumerate(outputs):
         msgs += [msgpack.unpackb(f) for f in req.on_output(o, 101.0 + i).frames]
+        req.check_invariants()
     return msgs
 
 
@@ -183,7 +184,7 @@ def test_unread_requests_detokenize_once_at_the_end_with_the_same_text() -> None
     assert texts == ["naïve café — ok ✓"] * 2
 
 
-# ---- the quiet path (services/tokenizer/output_path.py) ----------------------------------------
+# ---- the quiet path (ClientRequest.append_in_place) ----------------------------------------------
 
 
 def test_only_unstreamed_requests_without_stops_or_logprobs_are_quiet() -> None:
@@ -194,17 +195,20 @@ def test_only_unstreamed_requests_without_stops_or_logprobs_are_quiet() -> None:
 
 
 def test_tokens_appended_in_place_end_with_the_same_done_as_on_token() -> None:
-    """The output path appends a quiet request's tokens after the first in place; the final
-    output detokenizes them all at once, multi-byte characters split across tokens included."""
+    """The output path appends a quiet request's tokens after the first in place
+    (`append_in_place`); the final output detokenizes them all at once, multi-byte characters
+    split across tokens included."""
     ids = TOK.encode("héllo 😀 wörld").ids
     by_token, in_place = request(stream=False, stops=[]), request(stream=False, stops=[])
+    assert not in_place.in_place  # not before its first token
     for i, token in enumerate(ids[:-1]):
         assert by_token.on_token(token, None, 101.0 + i).frames == ()
-        if in_place.first_token_at is None:
-            in_place.on_token(token, None, 101.0 + i)
+        if in_place.in_place:
+            in_place.append_in_place(token, 101.0 + i)
         else:
-            in_place.token_ids.append(token)
-            in_place.last_token_at = 101.0 + i
+            in_place.on_token(token, None, 101.0 + i)
+        in_place.check_invariants()
+    assert in_place.in_place and not request(stream=True, stops=[]).in_place
     last = RequestOutput("fe-1-0", ids[-1:], "length")
     done = [msgpack.unpackb(r.on_output(last, 200.0).frames[0]) for r in (by_token, in_place)]
     assert done[0] == done[1]

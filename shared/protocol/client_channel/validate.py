@@ -1,29 +1,36 @@
-"""The client protocol (docs/protocol.md): client maps -> typed requests, and reply frames.
+"""Client frames -> typed commands (shared/protocol/client_channel/messages.py).
 
 Clients in any language write these maps by hand, so nothing here trusts a field: every type,
 range and size is checked, and a problem becomes a `ClientMessageError` with a stable code (and
 the message's `id` when it had a readable one) that the frontend turns into an `error` reply.
-Replies are built here too, so the frontend and the tests agree on one wire shape.
+Called by the frontend on each client frame (`decode_client_message`) and by the gateway when it
+checks OpenAI parameters (`parse_params`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import msgpack
 
-from shared.protocol.codec import DecodeError
+from shared.protocol.client_channel.messages import (
+    CLIENT_MESSAGE_TYPES,
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_ID_BYTES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    PROTOCOL_VERSION,
+    AbortCommand,
+    ChatMessage,
+    ClientCommand,
+    ClientMessageError,
+    GenerateCommand,
+    HealthCommand,
+    ResetPrefixCacheCommand,
+    StatsCommand,
+)
 from shared.protocol.errors import ErrorCode, short_repr
 from shared.protocol.sampling import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, SamplingParams
-from shared.protocol.worker_channel import TokenLogprobs
-
-PROTOCOL_VERSION = 1
-MAX_ID_BYTES = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-DEFAULT_MAX_FRAME_BYTES = 1 << 20
-CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache")
 
 _INT, _NUM, _BOOL = "int", "number", "bool"
 # params key -> (wire type, may be nil). Defaults live in SamplingParams.
@@ -41,65 +48,6 @@ _PARAM_TYPES: dict[str, tuple[str, bool]] = {
     "frequency_penalty": (_NUM, False),
 }
 PARAM_NAMES = (*_PARAM_TYPES, "stop", "stop_token_ids")
-
-
-class ClientMessageError(DecodeError):
-    """A client frame that cannot be served; `id` is the message's id when it had one."""
-
-    def __init__(self, code: str, message: str, id: Optional[str] = None) -> None:
-        super().__init__(code, message)
-        self.id = id
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateCommand:
-    """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set."""
-
-    id: str
-    sampling: SamplingParams
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
-    prompt_token_ids: Optional[list[int]] = None
-    stop: list[str] = field(default_factory=list)  # stop strings, applied by the frontend
-    stream: bool = False
-    priority: int = 0
-    add_generation_prompt: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class AbortCommand:
-    id: str
-
-
-@dataclass(frozen=True, slots=True)
-class HealthCommand:
-    id: Optional[str] = None
-
-
-@dataclass(frozen=True, slots=True)
-class StatsCommand:
-    id: Optional[str] = None
-
-
-@dataclass(frozen=True, slots=True)
-class ResetPrefixCacheCommand:
-    """Empty the engine's prefix cache; answered with the number of blocks dropped."""
-
-    id: Optional[str] = None
-
-
-ClientCommand = Union[
-    GenerateCommand, AbortCommand, HealthCommand, StatsCommand, ResetPrefixCacheCommand
-]
-
-
-# ---- client -> frontend ----------------------------------------------------------------------
 
 
 def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES) -> ClientCommand:
@@ -315,167 +263,3 @@ def _stop_strings(value: Any, rid: Optional[str]) -> list[str]:
         )
         raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
     return list(stops)
-
-
-# ---- frontend -> client ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache
-
-    def to_wire(self) -> dict[str, int]:
-        total = self.prompt_tokens + self.completion_tokens
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": total,
-            "num_cached_tokens": self.num_cached_tokens,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    """Seconds; None when it did not happen (e.g. no token before an abort)."""
-
-    queue_s: Optional[float]
-    ttft_s: Optional[float]
-    tpot_s: Optional[float]
-    e2e_s: Optional[float]
-
-    def to_wire(self) -> dict[str, Optional[float]]:
-        return {
-            "queue_s": self.queue_s,
-            "ttft_s": self.ttft_s,
-            "tpot_s": self.tpot_s,
-            "e2e_s": self.e2e_s,
-        }
-
-
-def encode_reply(kind: str, id: Optional[str], **fields: Any) -> bytes:
-    return msgpack.packb(
-        {"type": kind, "v": PROTOCOL_VERSION, "id": id, **fields}, use_bin_type=True
-    )
-
-
-def logprobs_to_wire(logprobs: list[TokenLogprobs]) -> list[dict[str, Any]]:
-    return [
-        {"logprob": lp.logprob, "top_token_ids": lp.top_token_ids, "top_logprobs": lp.top_logprobs}
-        for lp in logprobs
-    ]
-
-
-def chunk_reply(
-    id: str, text: str, token_ids: list[int], logprobs: Optional[list[TokenLogprobs]]
-) -> bytes:
-    wire_lp = None if logprobs is None else logprobs_to_wire(logprobs)
-    return encode_reply("chunk", id, text=text, token_ids=token_ids, logprobs=wire_lp)
-
-
-def done_reply(
-    id: str,
-    finish_reason: str,
-    stop_reason: Union[str, int, None],
-    usage: Usage,
-    timings: Timings,
-    whole: Optional[tuple[str, list[int], Optional[list[TokenLogprobs]]]] = None,
-) -> bytes:
-    """`whole` = (text, token_ids, logprobs) for a non-streaming request, else None."""
-    extra: dict[str, Any] = {}
-    if whole is not None:
-        text, token_ids, logprobs = whole
-        extra = {
-            "text": text,
-            "token_ids": token_ids,
-            "logprobs": None if logprobs is None else logprobs_to_wire(logprobs),
-        }
-    return encode_reply(
-        "done",
-        id,
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-        usage=usage.to_wire(),
-        timings=timings.to_wire(),
-        **extra,
-    )
-
-
-def error_reply(code: str, message: str, id: Optional[str] = None) -> bytes:
-    return encode_reply("error", id, code=code, message=message)
-
-
-def aborted_reply(id: str, found: bool) -> bytes:
-    return encode_reply("aborted", id, found=found)
-
-
-def heartbeat_reply() -> bytes:
-    return encode_reply("heartbeat", None)
-
-
-def health_reply(
-    id: Optional[str],
-    ready: bool,
-    reason: Optional[str],
-    model: Optional[str],
-    max_model_len: Optional[int],
-    vocab_size: Optional[int],
-    frontend_id: str,
-    engines: Optional[list[dict[str, Any]]] = None,
-) -> bytes:
-    """`engines`: each engine behind the frontend (engine, address, ready, reason, load,
-    kv_usage); `ready` is true while at least one of them is."""
-    return encode_reply(
-        "health",
-        id,
-        ready=ready,
-        reason=None if ready else reason,
-        model=model,
-        max_model_len=max_model_len,
-        vocab_size=vocab_size,
-        frontend_id=frontend_id,
-        engines=engines,
-    )
-
-
-def reset_prefix_cache_reply(id: Optional[str], num_blocks_dropped: int) -> bytes:
-    return encode_reply("reset_prefix_cache", id, num_blocks_dropped=num_blocks_dropped)
-
-
-def stats_reply(
-    id: Optional[str],
-    ready: bool,
-    frontend: dict[str, float],
-    engine: Optional[dict[str, float]],
-    engines: Optional[dict[str, Optional[dict[str, float]]]] = None,
-) -> bytes:
-    """`engine`: the engines' stats combined; `engines`: each engine's by name (None: it did
-    not answer in time)."""
-    return encode_reply("stats", id, ready=ready, frontend=frontend, engine=engine,
-                        engines=engines)  # fmt: skip
-
-
-# ---- client side -----------------------------------------------------------------------------
-
-
-def encode_client_message(kind: str, id: Optional[str], **fields: Any) -> bytes:
-    """A client message frame (used by shared/client); nil fields are left out."""
-    present = {k: v for k, v in fields.items() if v is not None}
-    wire = {"type": kind, "v": PROTOCOL_VERSION, **present}
-    if id is not None:
-        wire["id"] = id
-    return msgpack.packb(wire, use_bin_type=True)
-
-
-def decode_reply(frame: bytes) -> dict[str, Any]:
-    """A frontend reply as a map; DecodeError when it is not one (a foreign peer)."""
-    try:
-        wire = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise DecodeError(
-            ErrorCode.MALFORMED_MESSAGE, f"reply is not msgpack: {short_repr(str(exc))}"
-        ) from None
-    if not isinstance(wire, dict) or not isinstance(wire.get("type"), str):
-        raise DecodeError(ErrorCode.MALFORMED_MESSAGE, "reply is not a map with a type")
-    return wire

@@ -1,0 +1,76 @@
+"""The client channel's messages (docs/protocol.md): its version, limits, the typed commands a
+validated client frame becomes, and the error a frame that cannot be served raises.
+
+Frozen slotted dataclasses; built only by `validate.decode_client_message`, read by the frontend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from shared.protocol.codec import DecodeError
+from shared.protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_ID_BYTES = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache")
+
+
+class ClientMessageError(DecodeError):
+    """A client frame that cannot be served; `id` is the message's id when it had one."""
+
+    def __init__(self, code: str, message: str, id: Optional[str] = None) -> None:
+        super().__init__(code, message)
+        self.id = id
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCommand:
+    """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set."""
+
+    id: str
+    sampling: SamplingParams
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    stop: list[str] = field(default_factory=list)  # stop strings, applied by the frontend
+    stream: bool = False
+    priority: int = 0
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCommand:
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCommand:
+    id: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class StatsCommand:
+    id: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCacheCommand:
+    """Empty the engine's prefix cache; answered with the number of blocks dropped."""
+
+    id: Optional[str] = None
+
+
+ClientCommand = Union[
+    GenerateCommand, AbortCommand, HealthCommand, StatsCommand, ResetPrefixCacheCommand
+]
