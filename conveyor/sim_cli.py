@@ -35,7 +35,10 @@ PREDICTED = ("device", "model", "profile_path", "weight_dtype", "tensor_parallel
 class MeasureOptions:
     flag_env: ClassVar[bool] = False
 
-    out: Path = field(default=Path("results/sim/timings.json"), metadata={"aliases": ("-o",)})
+    out: Path = field(
+        default=Path("results/sim/timings.json"),
+        metadata={"aliases": ("-o",), "help": "where the timings JSON goes"},
+    )
     sim_model: str = field(
         default="smollm2-135m",
         metadata={"choices": tuple(sorted(MODELS)),
@@ -48,7 +51,7 @@ class CalibrateOptions:
     flag_env: ClassVar[bool] = False
 
     out: Path = field(metadata={"aliases": ("-o",), "help": "where the profile JSON goes"})
-    name: str = "cpu-smollm2-calibrated"
+    name: str = field(default="cpu-smollm2-calibrated", metadata={"help": "the profile's name"})
     base_device: str = field(
         default="cpu-smollm2",
         metadata={"choices": tuple(sorted(DEVICES)), "help": "where the memory size comes from"},
@@ -63,9 +66,15 @@ class CalibrateOptions:
 class PredictOptions:
     flag_env: ClassVar[bool] = False
 
-    batch_sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
-    context_len: int = 512
-    prefill_lens: tuple[int, ...] = (128, 512, 2048)
+    batch_sizes: tuple[int, ...] = field(
+        default=(1, 8, 32, 64, 128, 256), metadata={"help": "sequences of the decode steps"}
+    )
+    context_len: int = field(
+        default=512, metadata={"help": "cached tokens per sequence of the decode steps"}
+    )
+    prefill_lens: tuple[int, ...] = field(
+        default=(128, 512, 2048), metadata={"help": "prompt lengths of the prefill steps"}
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,11 +31,15 @@ class MeasureGrid:
 
     flag_env: ClassVar[bool] = False  # `conveyor sim measure` flags, no CONVEYOR_* variables
 
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    batch_sizes: tuple[int, ...] = field(
+        default=(1, 2, 4, 8, 16, 32), metadata={"help": "sequences of the decode samples"}
+    )
     context_lens: tuple[int, ...] = field(
         default=(128, 512), metadata={"help": "cached tokens per sequence for the decode samples"}
     )
-    prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
+    prefill_lens: tuple[int, ...] = field(
+        default=(16, 64, 128, 256, 512), metadata={"help": "prompt lengths of the prefill samples"}
+    )
     prefill_batch: int = field(
         default=4, metadata={"help": "also time prefills of this many prompts at once"}
     )
