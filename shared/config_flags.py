@@ -25,7 +25,9 @@ A field's metadata, all optional:
 A class attribute `flag_prefix` starts every flag name of its class (SimConfig: --sim-*);
 `flag_env = False` gives its flags no variables (a tool's options, not a service's); and
 a classmethod `from_flags(**values)`, when a class has one, builds it from the values given
-(for defaults that depend on another value; the class itself is called otherwise).
+(the class itself is called otherwise): it may repair values that depend on each other, but
+must build the very config the values give whenever they make a valid one (config_argv
+relies on it).
 """
 
 from __future__ import annotations
