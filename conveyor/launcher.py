@@ -19,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,16 +27,15 @@ import zmq
 
 from conveyor.procs import ServiceProcess, stop_in_order
 from conveyor.stack_settings import WORKER_KINDS, StackSettings
+from services.tokenizer.config import new_frontend_id
 from services.worker.config import ParallelConfig
 from services.worker.process_config import WorkerProcessConfig
-from shared.addresses import DEFAULT_FRONTEND_ADDR
 from shared.config_flags import config_argv
 from shared.curve import client_secret_path, make_curve_client, server_public_path
 
 __all__ = ["WORKER_KINDS", "LocalStack", "StackError", "StackSettings", "probe_health"]
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FRONTEND = DEFAULT_FRONTEND_ADDR  # kept for callers of the launcher API
 STEP_MARK = '"event":"step"'  # the scheduler's per-step lines: many per second when busy
 
 
@@ -92,7 +90,7 @@ class LocalStack:
         sched_addrs = [self._start_engine(i) for i in range(s.data_parallel_size)]
         frontend = dataclasses.replace(
             s.frontend_config, frontend_address=self.frontend_address,
-            scheduler_addresses=tuple(sched_addrs), frontend_id=f"fe-{uuid.uuid4().hex[:8]}",
+            scheduler_addresses=tuple(sched_addrs), frontend_id=new_frontend_id(),
             model=s.model, drain_timeout_s=s.drain_timeout_s, curve_keys=s.curve_keys,
         )  # fmt: skip
         self._spawn("tokenizer", "services.tokenizer", [frontend])

@@ -16,12 +16,19 @@ from shared.curve import check_frontend_keys, check_server_keys
 from shared.env import DRAIN_TIMEOUT_S, LogConfig
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 
-__all__ = ["DEFAULT_FRONTEND_ADDR", "FrontendConfig", "build_parser", "parse_args"]
+__all__ = [
+    "DEFAULT_FRONTEND_ADDR",
+    "FrontendConfig",
+    "build_parser",
+    "new_frontend_id",
+    "parse_args",
+]
 
 DEFAULT_HARD_CAP_BYTES = 64 << 20
 
 
-def _frontend_id() -> str:
+def new_frontend_id() -> str:
+    """A fresh random frontend id (request ids embed it)."""
     return f"fe-{uuid.uuid4().hex[:8]}"
 
 
@@ -39,7 +46,7 @@ class FrontendConfig:
                   "i is the i-th; repeat the flag or separate them by commas"},
     )  # fmt: skip
     frontend_id: str = field(
-        default_factory=_frontend_id,  # in rids
+        default_factory=new_frontend_id,  # in rids
         metadata={"default_text": "random fe-XXXXXXXX",
                   "help": "this frontend's id, unique per engine (request ids embed it)"},
     )  # fmt: skip
