@@ -146,14 +146,15 @@ def add_config_flags(
 ) -> list[str]:
     """Add one flag per field of dataclass `cls` (a group per class); returns their names."""
     groups: dict[type, Any] = {}
-    for flag in config_flags(cls, skip, only):
+    flags = config_flags(cls, skip, only)
+    for flag in flags:
         if flag.owner not in groups:
             title = flag.owner.__name__
             if getattr(flag.owner, "flag_env", True):
                 title += f" (flag, else {PREFIX}<FLAG NAME>, else default)"
             groups[flag.owner] = parser.add_argument_group(title)
         _add_flag(groups[flag.owner], flag)
-    return [flag.name for flag in config_flags(cls, skip, only)]
+    return [flag.name for flag in flags]
 
 
 def _add_flag(group: Any, flag: Flag) -> None:
