@@ -40,7 +40,14 @@ from conveyor.bench.metrics import compute_metrics
 from conveyor.bench.runner import run_workload
 from conveyor.bench.workloads import BenchRequest, WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.server_config import ServerConfig
+from services.tokenizer.config import FrontendConfig
+from services.tokenizer.router import RouterConfig
+from services.worker.config import WorkerConfig
+from services.worker.sim.config import SimConfig
 from shared.client import Client
+from shared.config_flags import parse_size
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -72,17 +79,16 @@ def _free_port() -> int:
 
 
 def _stack(args: argparse.Namespace, num_engines: int, policy: str) -> LocalStack:
-    sim = args.worker == "sim"
-    worker_flags = {} if sim else {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
+    worker = WorkerConfig(dtype=args.dtype, kv_cache_memory=parse_size(args.kv_cache_memory))
     return LocalStack(
         StackSettings(
             worker=args.worker,
-            sim_device=args.sim_device if sim else None,
-            sim_model=args.sim_model if sim else None,
+            sim_config=SimConfig(device=args.sim_device, model=args.sim_model),
             frontend_address=f"tcp://127.0.0.1:{_free_port()}",
-            scheduler_flags={"max_num_seqs": str(args.max_num_seqs), "summary_interval": "0"},
-            worker_flags=worker_flags,
-            tokenizer_flags={"router_policy": policy},
+            scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+            server_config=ServerConfig(summary_interval_s=0.0),
+            worker_config=worker,
+            frontend_config=FrontendConfig(router=RouterConfig(policy=policy)),
             gateway=False,
             log_dir=Path(tempfile.mkdtemp(prefix=f"dp-{num_engines}-{policy}-")),
             data_parallel_size=num_engines,

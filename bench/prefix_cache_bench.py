@@ -62,7 +62,11 @@ from conveyor.bench.runner import run_workload
 from conveyor.bench.steplog import engine_view, read_rid_map, read_step_log, request_spans
 from conveyor.bench.workloads import WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+from services.worker.sim.config import SimConfig
 from shared.client import AsyncClient, Client, EngineError
+from shared.config_flags import parse_size
 
 
 @dataclass(frozen=True)
@@ -178,17 +182,17 @@ def engine_flags(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _stack(args: argparse.Namespace, caching: bool, log_dir: Path) -> LocalStack:
-    worker_flags = {}
-    if args.worker == "model":
-        worker_flags = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
+    worker = WorkerConfig(dtype=args.dtype, kv_cache_memory=parse_size(args.kv_cache_memory))
     return LocalStack(
         StackSettings(
             worker=args.worker,
-            sim_device=args.sim_device if args.worker == "sim" else None,
-            sim_model=args.sim_model if args.worker == "sim" else None,
+            sim_config=SimConfig(device=args.sim_device, model=args.sim_model),
             frontend_address=f"tcp://127.0.0.1:{_free_port()}",
-            scheduler_flags={**engine_flags(args), "enable_prefix_caching": str(caching)},
-            worker_flags=worker_flags,
+            scheduler_config=SchedulerConfig(
+                **{name: int(value) for name, value in engine_flags(args).items()},
+                enable_prefix_caching=caching,
+            ),
+            worker_config=worker,
             gateway=False,
             log_dir=log_dir,
         )

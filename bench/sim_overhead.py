@@ -39,6 +39,8 @@ from conveyor.bench.overlap_plot import plot_overlap
 from conveyor.bench.steplog import read_step_log
 from conveyor.launcher import LocalStack, StackSettings
 from conveyor.logview import read_lines
+from services.scheduler.config import SchedulerConfig
+from services.worker.sim.config import SimConfig
 from services.worker.sim.overhead import GAP_EVENT
 from shared.client import AsyncClient
 
@@ -131,21 +133,21 @@ def _settings(n: int, args: argparse.Namespace, log_root: Path, overlap: bool) -
     """A stack of the simulated worker for n running requests, overlap on or off."""
     return StackSettings(
         worker="sim",
-        sim_device=args.sim_device,
-        sim_model=args.sim_model,
+        sim_config=SimConfig(
+            device=args.sim_device,
+            model=args.sim_model,
+            report_every=args.report_every,
+            num_blocks=args.sim_num_blocks or None,
+        ),
         frontend_address=f"tcp://127.0.0.1:{_free_port()}",
         gateway=False,
         log_dir=log_root / f"running-{n}-async-{'on' if overlap else 'off'}",
-        scheduler_flags={
-            "max_num_seqs": str(n),
-            "max_num_batched_tokens": str(max(n, 4096)),
-            "max_waiting": str(max(n, 4096)),
-            "async_scheduling": str(overlap).lower(),
-        },
-        worker_flags={
-            "sim_report_every": str(args.report_every),
-            **({"sim_num_blocks": str(args.sim_num_blocks)} if args.sim_num_blocks else {}),
-        },
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=n,
+            max_num_batched_tokens=max(n, 4096),
+            max_waiting=max(n, 4096),
+            async_scheduling=overlap,
+        ),
     )
 
 

@@ -36,7 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.launcher import LocalStack, StackSettings, gateway_available
+from services.gateway.config import GatewayConfig
+from services.worker.config import WorkerConfig
 from shared.client import AsyncClient, Client, EngineError
+from shared.config_flags import parse_size
 
 SERVICES = ("tokenizer", "scheduler", "worker", "gateway")
 
@@ -193,8 +196,10 @@ def run_phase(args: argparse.Namespace, duration: float, env: dict[str, str]) ->
     log_dir = Path(tempfile.mkdtemp(prefix="conveyor-soak-"))
     settings = StackSettings(
         frontend_address=f"ipc://{log_dir}/frontend.sock", gateway=gateway_available(),
-        http_port=_free_port(), log_dir=log_dir, drain_timeout_s=5.0, env=env,
-        worker_flags={"dtype": "float32", "kv_cache_memory": args.kv_cache_memory},
+        gateway_config=GatewayConfig(http_port=_free_port()), log_dir=log_dir,
+        drain_timeout_s=5.0, env=env,
+        worker_config=WorkerConfig(dtype="float32",
+                                   kv_cache_memory=parse_size(args.kv_cache_memory)),
     )  # fmt: skip
     stack = LocalStack(settings).start()
     try:

@@ -10,6 +10,7 @@ frontend on tcp://127.0.0.1:5557 unless told otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -18,72 +19,28 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 import msgpack
 import zmq
 
 from conveyor.procs import ServiceProcess, stop_in_order
-from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
+from conveyor.stack_settings import WORKER_KINDS, StackSettings
+from services.tokenizer.config import new_frontend_id
+from services.worker.config import ParallelConfig
+from services.worker.process_config import WorkerProcessConfig
+from shared.config_flags import config_argv
 from shared.curve import client_secret_path, make_curve_client, server_public_path
 
+__all__ = ["WORKER_KINDS", "LocalStack", "StackError", "StackSettings", "probe_health"]
+
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FRONTEND = DEFAULT_FRONTEND_ADDR  # kept for callers of the launcher API
-WORKER_KINDS = ("model", "sim")
 STEP_MARK = '"event":"step"'  # the scheduler's per-step lines: many per second when busy
 
 
 class StackError(RuntimeError):
     """A service failed to start or died; the message names it and shows its last lines."""
-
-
-@dataclass(frozen=True)
-class StackSettings:
-    model: Optional[str] = None  # None/"smollm2", a .gguf file or an HF folder
-    worker: str = "model"  # "model" (the real worker) or "sim" (services.worker.sim)
-    sim_device: Optional[str] = None
-    sim_model: Optional[str] = None
-    frontend_address: str = DEFAULT_FRONTEND
-    # `--flag value` pairs for each service, flag names without dashes: {"max_num_seqs": "8"}
-    scheduler_flags: dict[str, str] = field(default_factory=dict)
-    worker_flags: dict[str, str] = field(default_factory=dict)
-    tokenizer_flags: dict[str, str] = field(default_factory=dict)
-    gateway_flags: dict[str, str] = field(default_factory=dict)
-    gateway: bool = True  # start services.gateway when that package exists
-    http_host: str = DEFAULT_HTTP_HOST
-    http_port: int = DEFAULT_HTTP_PORT
-    api_key: Optional[str] = None
-    served_model_name: Optional[str] = None
-    log_dir: Path = Path("logs")
-    echo: Optional[TextIO] = None  # where prefixed service output goes (None: files only)
-    echo_steps: bool = False  # also echo the scheduler's per-step lines (always in the file)
-    drain_timeout_s: float = 10.0  # SIGTERM grace for in-flight requests
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
-    # `conveyor keys generate` folder: CURVE on the frontend and the internal links;
-    # the gateway and the launcher's own probes connect with its client key pair
-    curve_keys: Optional[Path] = None
-    # engines (scheduler + worker rank(s) each, own KV pool) behind the one frontend; with
-    # more than one their services are named scheduler-<i>, worker-<i> (and so are their logs)
-    data_parallel_size: int = 1
-    # worker ranks of one tensor-parallel group (services "worker", "worker-1", ...; with
-    # several engines "worker-<i>", "worker-<i>-1", ...); the simulated worker stays one
-    # process that models N ranks
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError("data_parallel_size must be >= 1")
-        if self.worker not in WORKER_KINDS:
-            raise ValueError(f"worker must be one of {', '.join(WORKER_KINDS)}")
-        if not 0 < self.http_port < 65536:
-            raise ValueError("http_port must be a TCP port")
-        if self.drain_timeout_s < 0:
-            raise ValueError("drain_timeout_s must be >= 0")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
 
 
 def worker_rank_name(base: str, rank: int) -> str:
@@ -114,9 +71,8 @@ class LocalStack:
         self.frontend_address = settings.frontend_address
         self.log_dir = settings.log_dir.resolve()
         self.with_gateway = settings.gateway and gateway_available()
-        self.http_url = (
-            f"http://{settings.http_host}:{settings.http_port}" if self.with_gateway else None
-        )
+        http = settings.gateway_config
+        self.http_url = f"http://{http.http_host}:{http.http_port}" if self.with_gateway else None
         keys = settings.curve_keys
         # (server public key file, client key pair file) for clients of this stack, or Nones
         self.client_keys: tuple[Optional[Path], Optional[Path]] = (
@@ -132,15 +88,20 @@ class LocalStack:
         self.run_dir = Path(tempfile.mkdtemp(prefix="conveyor-"))
         s = self.settings
         sched_addrs = [self._start_engine(i) for i in range(s.data_parallel_size)]
-        tokenizer_flags = {
-            "frontend_addr": self.frontend_address, "frontend_id": f"fe-{uuid.uuid4().hex[:8]}",
-            **self._model_flag(), "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(),
-            **s.tokenizer_flags,
-        }  # fmt: skip
-        self._spawn("tokenizer", "services.tokenizer", tokenizer_flags, repeated={
-            "scheduler_addr": sched_addrs})  # fmt: skip
+        frontend = dataclasses.replace(
+            s.frontend_config, frontend_address=self.frontend_address,
+            scheduler_addresses=tuple(sched_addrs), frontend_id=new_frontend_id(),
+            model=s.model, drain_timeout_s=s.drain_timeout_s, curve_keys=s.curve_keys,
+        )  # fmt: skip
+        self._spawn("tokenizer", "services.tokenizer", [frontend])
         if self.with_gateway:
-            self._spawn("gateway", "services.gateway", self._gateway_flags())
+            server_key, client_key = self.client_keys
+            gateway = dataclasses.replace(
+                s.gateway_config, engine_addr=self.frontend_address,
+                max_frame_bytes=frontend.max_frame_bytes, server_key=server_key,
+                client_key=client_key,
+            )  # fmt: skip
+            self._spawn("gateway", "services.gateway", [gateway])
         elif s.gateway:
             self._note("gateway: services.gateway is not installed; HTTP API not started")
         return self
@@ -161,83 +122,47 @@ class LocalStack:
         scheduler, worker = self.engine_names(index)  # also the socket file names
         sched_addr = f"ipc://{self.run_dir}/{scheduler}.sock"
         self._worker_addrs[index] = f"ipc://{self.run_dir}/{worker}.sock"
-        self._spawn(scheduler, "services.scheduler", {
-            "scheduler_addr": sched_addr, "worker_addr": self._worker_addrs[index],
-            "drain_timeout": str(s.drain_timeout_s), **self._curve_flags(),
-            "num_workers": str(self._num_worker_procs()), **s.scheduler_flags,
-        }, engine=index)  # fmt: skip
+        server = dataclasses.replace(
+            s.server_config, frontend_address=sched_addr, worker_address=self._worker_addrs[index],
+            num_workers=1 if s.worker == "sim" else s.tensor_parallel_size,
+            drain_timeout_s=s.drain_timeout_s, curve_keys=s.curve_keys,
+        )  # fmt: skip
+        self._spawn(scheduler, "services.scheduler", [s.scheduler_config, server], engine=index)
         self._spawn_workers(index)
         return sched_addr
-
-    def _curve_flags(self) -> dict[str, str]:
-        keys = self.settings.curve_keys
-        return {"curve_keys": str(keys)} if keys else {}
-
-    def _model_flag(self) -> dict[str, str]:
-        return {"model": self.settings.model} if self.settings.model else {}
-
-    def _num_worker_procs(self) -> int:
-        s = self.settings
-        return 1 if s.worker == "sim" else s.tensor_parallel_size
 
     def _spawn_workers(self, engine: int) -> None:
         """Every worker rank of engine `engine`; a tensor-parallel group meets at a fresh
         loopback port (each (re)start gets its own, so a restarted group never meets a dying
         one's store)."""
         s = self.settings
-        worker_addr = self._worker_addrs[engine]
+        link = WorkerProcessConfig(worker_addr=self._worker_addrs[engine], curve_keys=s.curve_keys)
         base = self.engine_names(engine)[1]
         if s.worker == "sim":
-            flags = {"plan_addr": worker_addr}
-            if s.sim_device:
-                flags["sim_device"] = s.sim_device
-            if s.sim_model:
-                flags["sim_model"] = s.sim_model
-            if s.tensor_parallel_size > 1:
-                flags["tensor_parallel_size"] = str(s.tensor_parallel_size)
-            flags.update(self._curve_flags(), **s.worker_flags)
-            self._spawn(base, "services.worker.sim", flags, engine=engine)
+            self._spawn(base, "services.worker.sim", [s.sim(), link], engine=engine)
             return
         world = s.tensor_parallel_size
-        group = {"world_size": str(world), "dist_init": f"tcp://127.0.0.1:{_free_port()}"}
+        meet = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
+        config = dataclasses.replace(s.worker_config, model=s.model)
         for rank in range(world):
-            flags = {"worker_addr": worker_addr, **self._model_flag(),
-                     **self._curve_flags(), **s.worker_flags}  # fmt: skip
-            if world > 1:
-                flags.update(rank=str(rank), **group)
-            self._spawn(worker_rank_name(base, rank), "services.worker", flags, engine=engine)
-
-    def _gateway_flags(self) -> dict[str, str]:
-        s = self.settings
-        flags = {"frontend_addr": self.frontend_address, "host": s.http_host,
-                 "port": str(s.http_port)}  # fmt: skip
-        if s.api_key:
-            flags["api_key"] = s.api_key
-        if s.served_model_name:
-            flags["served_model_name"] = s.served_model_name
-        server_key, client_key = self.client_keys
-        if server_key is not None and client_key is not None:
-            flags.update(server_key=str(server_key), client_key=str(client_key))
-        return {**flags, **s.gateway_flags}
+            group = ParallelConfig(rank, world, meet) if meet else ParallelConfig()
+            self._spawn(worker_rank_name(base, rank), "services.worker", [config, group, link],
+                        engine=engine)  # fmt: skip
 
     def _spawn(
-        self,
-        name: str,
-        module: str,
-        flags: dict[str, str],
-        engine: Optional[int] = None,
-        repeated: Optional[dict[str, list[str]]] = None,
+        self, name: str, module: str, configs: list[Any], engine: Optional[int] = None
     ) -> None:
-        """Start `python -m module --flag value ...` (`repeated`: flags given once per value)
-        as service `name`; `engine`: the engine whose service it is (CONVEYOR_ENGINE)."""
-        argv = [sys.executable, "-m", module]
-        for key, value in flags.items():
-            argv += ["--" + key.replace("_", "-"), value]
-        for key, values in (repeated or {}).items():
-            for value in values:
-                argv += ["--" + key.replace("_", "-"), value]
-        hide = () if self.settings.echo_steps else (STEP_MARK,)
+        """Start `python -m module` as service `name` with the flags that rebuild `configs`
+        there (shared/config_flags.py) and every service's log settings; `engine`: the engine
+        whose service it is (CONVEYOR_ENGINE)."""
         env = self._env(name, engine)
+        # Log files are written by the launcher from the services' stdout, as JSON lines; the
+        # echo renders them for a console.
+        logs = dataclasses.replace(self.settings.logs, log_file=None, log_format="json")
+        argv = [sys.executable, "-m", module]
+        for config in (*configs, logs):
+            argv += config_argv(config, env)
+        hide = () if self.settings.show_steps else (STEP_MARK,)
         self._engine_of[name] = engine
         self.services[name] = ServiceProcess(
             name, argv, env, self.log_dir, self.settings.echo, cwd=ROOT, hide=hide
@@ -246,13 +171,9 @@ class LocalStack:
 
     def _env(self, name: str, engine: Optional[int] = None) -> dict[str, str]:
         env = dict(os.environ)
-        env.pop("CONVEYOR_LOG_FILE", None)  # the launcher writes logs/<service>.log itself
-        for var in ("CURVE_KEYS", "SERVER_KEY", "CLIENT_KEY"):  # CURVE only as the stack says
-            env.pop("CONVEYOR_" + var, None)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         env["TOKENIZERS_PARALLELISM"] = "false"
-        env["CONVEYOR_LOG_FORMAT"] = "json"  # log files stay JSON; the echo renders consoles
         if not is_worker_rank(name):  # only workers compute: the others leave them the cores
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.pop("CONVEYOR_ENGINE", None)
@@ -292,8 +213,8 @@ class LocalStack:
             return False
         if not all(e.get("ready") is True for e in reply.get("engines") or []):
             return False
-        s = self.settings
-        return self.http_url is None or _port_open(s.http_host, s.http_port)
+        http = self.settings.gateway_config
+        return self.http_url is None or _port_open(http.http_host, http.http_port)
 
     def wait_ready(self, timeout: float = 300.0, stop: Optional[threading.Event] = None) -> bool:
         """Block until ready; False when `stop` was set first. Raises StackError when a
@@ -332,7 +253,7 @@ class LocalStack:
         if old.returncode() is None:
             raise StackError(f"{name} is still running")
         old.join_output(1.0)
-        hide = () if self.settings.echo_steps else (STEP_MARK,)
+        hide = () if self.settings.show_steps else (STEP_MARK,)
         env = self._env(name, self._engine_of.get(name))
         self.services[name] = ServiceProcess(
             name, old.argv, env, self.log_dir, self.settings.echo, cwd=ROOT, hide=hide

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.bench.steplog import with_step_columns
-from shared.env import env_str
+from conveyor.stack_settings import DEFAULT_LOG_DIR
+from shared.env import env_path
 
 ID_KEYS = ("rid", "id", "request_id", "client_id")
 SHOWN_FIRST = ("ts", "service", "event", "rid")
@@ -25,7 +26,8 @@ SHOWN_FIRST = ("ts", "service", "event", "rid")
 def add_logs_command(sub: Any) -> None:
     p = sub.add_parser("logs", help="show one request's journey across the services")
     p.add_argument("--rid", required=True, help="the request id (client id or internal rid)")
-    p.add_argument("--log-dir", type=Path, default=Path(env_str("LOG_DIR", "logs") or "logs"))
+    p.add_argument("--log-dir", type=Path, default=env_path("LOG_DIR") or DEFAULT_LOG_DIR,
+                   help="`conveyor up`'s --log-dir (CONVEYOR_LOG_DIR)")  # fmt: skip
     p.add_argument("--steps", action="store_true", help="also the step lines that carried it")
     p.add_argument("--json", action="store_true", help="print the raw JSON lines")
     p.set_defaults(func=cmd_logs)

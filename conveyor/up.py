@@ -14,29 +14,18 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from conveyor.console import ConsoleEcho
-from conveyor.launcher import WORKER_KINDS, LocalStack, StackError, StackSettings, is_worker_rank
-from services.scheduler.config import SchedulerConfig
-from services.tokenizer.router import POLICIES as ROUTER_POLICIES
-from services.worker.config import WorkerConfig
-from shared.addresses import (
-    DEFAULT_HTTP_HOST,
-    DEFAULT_HTTP_PORT,
-    default_frontend_address,
-    is_local_address,
-    is_loopback_host,
-)
-from shared.config_flags import add_config_flags
-from shared.env import add_log_format_flag, env_int, env_path, env_str
+from conveyor.launcher import LocalStack, StackError, StackSettings, is_worker_rank
+from shared.addresses import is_local_address, is_loopback_host
+from shared.config_flags import add_config_flags, build_config
+from shared.env import LogConfig
 from shared.logging import resolve_log_format
 
-# Engine flags of `up`: every field of the services' config dataclasses, generated (the
-# services take the same flags, so each is passed on as given). `model` is up's own --model.
-WORKER_SKIP = ("model",)
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
 DEATH_GRACE_S = 3.0  # a dead service, not restarted: let the others fail requests first
 # what `--restart on-failure` brings back: the scheduler, and the worker ranks (always as a
@@ -47,107 +36,51 @@ RESTARTABLE = ("scheduler", "worker")
 FIRST_DELAY_S, MAX_DELAY_S, STABLE_S = 0.5, 10.0, 30.0
 
 
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    """`conveyor up`'s own options; what it starts is StackSettings (its flags too)."""
+
+    ready_timeout_s: float = field(
+        default=600.0, metadata={"help": "seconds the engine may take to become ready"}
+    )
+    restart: Literal["on-failure", "no"] = field(
+        default="on-failure",
+        metadata={"help": "restart a worker or scheduler that exits with an error, with "
+                  "back-off (no: its death stops the engine)"},
+    )  # fmt: skip
+    quiet: bool = field(default=False, metadata={"help": "logs to files only, not to stdout"})
+    # how our stdout shows the services' lines (their log files are JSON whatever it says)
+    echo: LogConfig = field(default_factory=LogConfig, metadata={"skip": ("log_level", "log_file")})
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    prompt: str = field(default=SAMPLE_PROMPT, metadata={"help": "the question to answer"})
+
+
 def add_up_commands(sub: Any) -> None:
     up = sub.add_parser("up", help="start tokenizer, scheduler, worker (and gateway)")
     _add_stack_flags(up)
     up.set_defaults(func=cmd_up)
     demo = sub.add_parser("demo", help="up + answer a sample prompt, keep serving until Ctrl-C")
     _add_stack_flags(demo)
-    demo.add_argument("--prompt", default=SAMPLE_PROMPT)
+    add_config_flags(demo, DemoOptions)
     demo.set_defaults(func=cmd_demo)
 
 
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=env_str("MODEL"),
-                   help="'smollm2' (default), a .gguf file or an HF folder")  # fmt: skip
-    add_config_flags(p, SchedulerConfig)
-    add_config_flags(p, WorkerConfig, skip=WORKER_SKIP)
-    g = p.add_argument_group("engine summary")
-    g.add_argument("--summary-interval", type=float,
-                   help="seconds between engine_summary lines (default 5, 0: off)")  # fmt: skip
-    d = p.add_argument_group("data parallelism")
-    d.add_argument("--data-parallel-size", type=int, default=1,
-                   help="engines (scheduler + worker each, own KV pool; on CUDA the i-th "
-                   "visible GPU each) behind the one frontend")  # fmt: skip
-    d.add_argument("--router-policy", choices=("auto", *ROUTER_POLICIES),
-                   help="which engine gets a request (frontend default: auto)")  # fmt: skip
-    w = p.add_argument_group("worker kind")
-    w.add_argument("--worker", choices=WORKER_KINDS, default="model",
-                   help="model: the real worker; sim: SIMULATED (services.worker.sim)")  # fmt: skip
-    w.add_argument("--sim-device", help="simulated device profile (with --worker sim)")
-    w.add_argument("--sim-model", help="simulated model shape (with --worker sim)")
-    w.add_argument("--tensor-parallel-size", type=int,
-                   default=env_int("TENSOR_PARALLEL_SIZE", 1),
-                   help="worker ranks sharding the model over torch.distributed (gloo on CPU, "
-                   "nccl on CUDA); it must divide the model's head counts. With --worker sim: "
-                   "one process that models N ranks (CONVEYOR_TENSOR_PARALLEL_SIZE)")  # fmt: skip
-    a = p.add_argument_group("addresses, HTTP gateway and logs")
-    a.add_argument("--frontend-addr", default=default_frontend_address())
-    a.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway")
-    a.add_argument("--http-host", default=DEFAULT_HTTP_HOST)
-    a.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
-    a.add_argument("--api-key", default=env_str("API_KEY"))
-    a.add_argument("--curve-keys", type=Path, default=env_path("CURVE_KEYS"),
-                   help="CURVE on the frontend: the folder of `conveyor keys generate` "
-                   "(CONVEYOR_CURVE_KEYS)")  # fmt: skip
-    a.add_argument("--served-model-name")
-    a.add_argument("--log-dir", type=Path, default=Path(env_str("LOG_DIR", "logs") or "logs"))
-    a.add_argument("--drain-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM")  # fmt: skip
-    a.add_argument("--ready-timeout", type=float, default=600.0)
-    f = p.add_argument_group("faults")
-    f.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
-                   help="restart a worker or scheduler that exits with an error, with back-off "
-                   "(no: its death stops the engine)")  # fmt: skip
-    f.add_argument("--max-retries", type=int,
-                   help="restarts by recompute per request when the worker is lost, then "
-                   "worker_failed (scheduler default 3)")  # fmt: skip
-    a.add_argument("--quiet", action="store_true", help="logs to files only, not to stdout")
-    add_log_format_flag(a)
-    a.add_argument("--show-steps", action="store_true",
-                   help="also print the scheduler's step lines (always in its log)")  # fmt: skip
-
-
-def engine_flags(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()) -> dict[str, str]:
-    """The fields of config `cls` given on our command line (or by CONVEYOR_<FIELD>), as the
-    service's own flags; validated here first (ValueError), so a typo fails before any start."""
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
-    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    cls(**given)
-    return {name: "none" if value is None else str(value) for name, value in given.items()}
+    """Every field of StackSettings (the services' configs nested in it) and of UpOptions."""
+    add_config_flags(p, StackSettings)
+    add_config_flags(p, UpOptions)
 
 
 def settings_from_args(args: argparse.Namespace) -> StackSettings:
-    """Raises ValueError on an invalid engine setting."""
-    scheduler_flags = engine_flags(args, SchedulerConfig)
-    if args.summary_interval is not None:
-        scheduler_flags["summary_interval"] = str(args.summary_interval)
-    if args.max_retries is not None:
-        scheduler_flags["max_retries"] = str(args.max_retries)
-    worker_flags = engine_flags(args, WorkerConfig, WORKER_SKIP) if args.worker == "model" else {}
-    tokenizer_flags = {"router_policy": args.router_policy} if args.router_policy else {}
-    return StackSettings(
-        model=args.model,
-        worker=args.worker,
-        sim_device=args.sim_device,
-        sim_model=args.sim_model,
-        frontend_address=args.frontend_addr,
-        scheduler_flags=scheduler_flags,
-        worker_flags=worker_flags,
-        tokenizer_flags=tokenizer_flags,
-        data_parallel_size=args.data_parallel_size,
-        gateway=not args.no_gateway,
-        http_host=args.http_host,
-        http_port=args.http_port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        log_dir=args.log_dir,
-        echo=None if args.quiet else ConsoleEcho(sys.stdout, _log_format(args.log_format)),
-        echo_steps=args.show_steps,
-        drain_timeout_s=args.drain_timeout,
-        curve_keys=args.curve_keys,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    """The stack `up` starts, from its flags (else CONVEYOR_* variables, else the configs'
+    defaults). Raises ValueError on an invalid setting, before anything starts."""
+    options = build_config(UpOptions, args)
+    settings = build_config(StackSettings, args)
+    echo = None if options.quiet else ConsoleEcho(sys.stdout, _log_format(options.echo.log_format))
+    return dataclasses.replace(settings, echo=echo)
 
 
 def _log_format(requested: str) -> str:
@@ -162,6 +95,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace, demo: bool = True) -> int:
     try:
         settings = settings_from_args(args)
+        options = build_config(UpOptions, args)
+        prompt = build_config(DemoOptions, args).prompt if demo else None
     except ValueError as exc:
         print(f"conveyor: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -169,10 +104,7 @@ def cmd_demo(args: argparse.Namespace, demo: bool = True) -> int:
     if refusal is not None:
         print(f"conveyor: refusing to start: {refusal}", file=sys.stderr, flush=True)
         return 2
-    return run_stack(
-        settings, args.ready_timeout, demo_prompt=args.prompt if demo else None,
-        restart=args.restart,
-    )  # fmt: skip
+    return run_stack(settings, options.ready_timeout_s, prompt, options.restart)
 
 
 def exposure_refusal(settings: StackSettings) -> Optional[str]:
@@ -185,9 +117,10 @@ def exposure_refusal(settings: StackSettings) -> Optional[str]:
             "without authentication; start with --curve-keys DIR (`conveyor keys generate "
             "DIR`, docs/protocol.md section 1.1) or bind a loopback address (tcp://127.0.0.1:PORT)"
         )
-    if settings.gateway and settings.api_key is None and not is_loopback_host(settings.http_host):
+    http = settings.gateway_config
+    if settings.gateway and http.api_key is None and not is_loopback_host(http.http_host):
         return (
-            f"the HTTP gateway on {settings.http_host} would be reachable from other machines "
+            f"the HTTP gateway on {http.http_host} would be reachable from other machines "
             "without an API key; pass --api-key KEY (CONVEYOR_API_KEY) or --http-host 127.0.0.1"
         )
     return None

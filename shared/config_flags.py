@@ -1,155 +1,320 @@
-"""Command-line flags generated from a frozen config dataclass, one flag per field.
+"""Command-line flags and CONVEYOR_* variables generated from frozen config dataclasses.
 
-`--max-num-seqs 8` sets `max_num_seqs`; when the flag is absent, `CONVEYOR_MAX_NUM_SEQS` is used,
-and when that is unset too, the dataclass default stands (the flag is left out of the namespace,
-so the dataclass stays the one place defaults live). A field's `metadata["help"]`, when given,
-is the flag's help text. Values are validated by the dataclass's own `__post_init__`;
-`config_from_args` turns its ValueError into an argparse error.
+One flag per field: `--max-num-seqs 8` sets `max_num_seqs`; when the flag is absent,
+`CONVEYOR_MAX_NUM_SEQS` is used, and when that is unset too, the dataclass default stands (the
+flag is left out of the namespace, so the dataclass stays the one place defaults live). Values
+are validated by the dataclass's own `__post_init__`; `config_from_args` turns its ValueError
+into an argparse error. `config_argv` is the inverse: a config -> the flags that rebuild it
+(how the launcher hands a config to a service process).
+
+A field's metadata, all optional:
+  help          the flag's help text
+  internal      True: a knob for tests and experiments, not a user setting; its flag and
+                variable work, --help hides them, docs/cli.md lists them apart
+  flag          the setting's name when it is not the field's: `flag="scheduler_addr"` gives
+                --scheduler-addr and CONVEYOR_SCHEDULER_ADDR (a field ending in `_s`, seconds,
+                drops it by default: `drain_timeout_s` is --drain-timeout)
+  env           the variable(s) instead of CONVEYOR_<NAME>: a name, a tuple (the first one set
+                wins), or None for none (a name another service uses for something else)
+  aliases       more spellings of the flag, on the class's own command line only
+  choices       the values allowed (a Literal annotation gives them too)
+  default_text  how a default_factory default reads in --help and docs/cli.md
+  prefix, skip  (a field whose type is a config dataclass, e.g. the router's settings inside
+                the tokenizer's) its flags join the parent's, named `prefix` + their own name,
+                but for the fields in `skip`
+A class attribute `flag_prefix` starts every flag name of its class (SimConfig: --sim-*);
+`flag_env = False` gives its flags no variables (a tool's options, not a service's); and
+a classmethod `from_flags(**values)`, when a class has one, builds it from the values given
+(the class itself is called otherwise): it may repair values that depend on each other, but
+must build the very config the values give whenever they make a valid one (config_argv
+relies on it).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
-import types
+import os
 import typing
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Optional, Union
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 
-from shared.env import PREFIX, env_str
+from shared.config_types import Converter, converter, parse_size, show
+from shared.env import PREFIX
+
+__all__ = ["Flag", "add_config_flags", "build_config", "config_argv", "config_flags",
+           "config_from_args", "flag_spec", "parse_config", "parse_size"]  # fmt: skip
+
+_NO_ENV = object()  # metadata "env" absent (None means: no variable)
+_FLAGS: weakref.WeakKeyDictionary[argparse.Action, Flag] = weakref.WeakKeyDictionary()
 
 
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One field's flag: `name` is its dest, --flag and CONVEYOR_<NAME>; `path` the field names
+    from the root config down to it."""
+
+    name: str
+    path: tuple[str, ...]
+    field: dataclasses.Field
+    convert: Converter
+    owner: type
+    envs: tuple[str, ...]
+    aliases: tuple[str, ...]
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def internal(self) -> bool:
+        return bool(self.field.metadata.get("internal"))
+
+    @property
+    def has_default(self) -> bool:
+        return self.field.default is not dataclasses.MISSING
+
+    @property
+    def default_text(self) -> str:
+        """The default as --help and the docs show it."""
+        if self.has_default:
+            return show(self.field.default)
+        if self.field.default_factory is not dataclasses.MISSING:
+            return str(self.field.metadata.get("default_text", "computed"))
+        return "required"
+
+    @property
+    def help(self) -> str:
+        """The field's help text, then its default (and its variable when not CONVEYOR_<NAME>)."""
+        text = f"default {self.default_text}" + (
+            " ('none' for None)" if self.convert.nullable else ""
+        )
+        if self.envs != (self.name.upper(),) and getattr(self.owner, "flag_env", True):
+            names = " or ".join(PREFIX + e for e in self.envs)
+            text += f"; {names}" if names else "; no variable"
+        what = self.field.metadata.get("help")
+        return f"{what} ({text})" if what else text
 
 
 def env_name(field_name: str) -> str:
-    """The environment variable (without CONVEYOR_) that sets a config field."""
+    """The environment variable (without CONVEYOR_) of a setting named `field_name`."""
     return field_name.upper()
 
 
-def add_config_flags(
-    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
-) -> list[str]:
-    """Add one flag per field of dataclass `cls`; returns the field names that got a flag."""
-    hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(f"{cls.__name__} (flag, else {PREFIX}<FIELD>, else default)")
-    added = []
+def flag_spec(action: argparse.Action) -> Optional[Flag]:
+    """The field behind a flag that `add_config_flags` made (None for a hand-written flag)."""
+    return _FLAGS.get(action)
+
+
+def config_flags(
+    cls: type, skip: Iterable[str] = (), only: Optional[Iterable[str]] = None
+) -> list[Flag]:
+    """Every flag of config class `cls` (nested config fields expanded), but for the fields in
+    `skip` (or, when given, outside `only`)."""
+    return _walk(cls, (), "", tuple(skip), None if only is None else tuple(only), top=True)
+
+
+def _walk(
+    cls: type, path: tuple[str, ...], prefix: str, skip: tuple, only: Optional[tuple], top: bool
+) -> list[Flag]:
+    hints = _hints(cls)
+    out: list[Flag] = []
+    own = getattr(cls, "flag_prefix", "")  # for names of its own; `flag` metadata is as given
     for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
+        if not f.init or f.name in skip or (only is not None and f.name not in only):
             continue
-        convert, choices, nullable = _converter(hints[f.name], byte_size=_is_size(f.name))
+        hint = hints[f.name]
+        if _is_config(hint):
+            inner = (f.metadata.get("prefix", ""), tuple(f.metadata.get("skip", ())))
+            out += _walk(hint, (*path, f.name), prefix + own + inner[0], inner[1], None, top=False)
+            continue
+        convert = converter(hint, f.metadata.get("choices"), byte_size=_is_size(f.name))
         if convert is None:
-            continue  # a field no command line can express (e.g. a nested structure)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        env_value = env_str(env_name(f.name))
-        is_switch = hints[f.name] is bool
-        group.add_argument(
-            flag_name(f.name),
-            dest=f.name,
-            type=convert,
-            choices=choices,
-            # argparse applies `type` to string defaults, so the environment is parsed too.
-            default=env_value if env_value is not None else argparse.SUPPRESS,
-            metavar=None if choices else f.name.upper(),
-            help=_help(f, default, nullable),
-            # a bool: `--flag` alone means true, `--flag false` still works, `--no-flag` too
-            **({"nargs": "?", "const": True} if is_switch else {}),
+            continue  # a field no command line can express (a stream, a mapping)
+        name = prefix + f.metadata.get("flag", own + _base_name(f.name))
+        envs = f.metadata.get("env", _NO_ENV)
+        envs = (env_name(name),) if envs is _NO_ENV else _names(envs)
+        envs = envs if getattr(cls, "flag_env", True) else ()
+        aliases = tuple(f.metadata.get("aliases", ())) if top else ()
+        out.append(Flag(name, (*path, f.name), f, convert, cls, envs, aliases))
+    return out
+
+
+def add_config_flags(
+    parser: Any, cls: type, skip: Iterable[str] = (), only: Optional[Iterable[str]] = None
+) -> list[str]:
+    """Add one flag per field of dataclass `cls` (a group per class); returns their names."""
+    groups: dict[type, Any] = {}
+    flags = config_flags(cls, skip, only)
+    for flag in flags:
+        if flag.owner not in groups:
+            title = flag.owner.__name__
+            if getattr(flag.owner, "flag_env", True):
+                title += f" (flag, else {PREFIX}<FLAG NAME>, else default)"
+            groups[flag.owner] = parser.add_argument_group(title)
+        _add_flag(groups[flag.owner], flag)
+    return [flag.name for flag in flags]
+
+
+def _add_flag(group: Any, flag: Flag) -> None:
+    hidden = flag.internal
+    kind = flag.convert.kind
+    action = group.add_argument(
+        flag.option,
+        *flag.aliases,
+        dest=flag.name,
+        type=flag.convert.one,
+        choices=flag.convert.choices,
+        default=argparse.SUPPRESS,  # absent: the variable, else the dataclass default
+        metavar=None if flag.convert.choices else flag.name.upper(),
+        help=argparse.SUPPRESS if hidden else flag.help,
+        # a bool: `--flag` alone means true, `--flag false` too, `--no-flag` as well;
+        # a list: comma-separated, and the flag may be repeated
+        **({"nargs": "?", "const": True} if kind == "switch" else {}),
+        **({"action": _Extend} if kind == "list" else {}),
+    )
+    _FLAGS[action] = flag
+    if kind == "switch":
+        negative = group.add_argument(
+            "--no-" + flag.option[2:],
+            dest=flag.name,
+            action="store_false",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS if hidden else f"{flag.option} false",
         )
-        if is_switch:
-            group.add_argument(
-                "--no-" + flag_name(f.name)[2:],
-                dest=f.name,
-                action="store_false",
-                default=argparse.SUPPRESS,
-                help=f"{flag_name(f.name)} false",
-            )
-        added.append(f.name)
-    return added
+        _FLAGS[negative] = flag
 
 
-def _help(f: dataclasses.Field, default: Any, nullable: bool) -> str:
-    """A field's `metadata["help"]` (when it has one) and its default."""
-    text = f"default {default!r}" + (" ('none' for None)" if nullable else "")
-    what = f.metadata.get("help")
-    return f"{what} ({text})" if what else text
+class _Extend(argparse.Action):
+    """A list flag: each occurrence adds its comma-separated items (the first replaces the
+    environment's, which is read later)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, tuple(getattr(namespace, self.dest, ())) + tuple(values))
 
 
-def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, cls: type) -> Any:
+def build_config(
+    cls: type,
+    args: argparse.Namespace,
+    env: Optional[Mapping[str, str]] = None,
+    skip: Iterable[str] = (),
+    only: Optional[Iterable[str]] = None,
+) -> Any:
+    """`cls` from parsed flags, else the variables of `env` (default: ours), else defaults.
+    Raises ValueError on a bad variable or an invalid config."""
+    env = os.environ if env is None else env
+    given = vars(args)
+    values: dict[tuple[str, ...], Any] = {}
+    for flag in config_flags(cls, skip, only):
+        if flag.name in given:
+            values[flag.path] = given[flag.name]
+        elif (raw := _env_value(flag, env)) is not None:
+            values[flag.path] = _from_env(flag, *raw)
+        elif not flag.has_default and flag.field.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{flag.option} is required")
+    return _assemble(cls, values, ())
+
+
+def config_from_args(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    cls: type,
+    skip: Iterable[str] = (),
+    only: Optional[Iterable[str]] = None,
+) -> Any:
     """Build `cls` from the parsed flags; an invalid value exits like any bad flag."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in vars(args).items() if k in names}
     try:
-        return cls(**kwargs)
+        return build_config(cls, args, skip=skip, only=only)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def parse_config(cls: type, argv: list[str], env: Optional[Mapping[str, str]] = None) -> Any:
+    """`cls` from a command line of its flags alone (ValueError when invalid): tests and tools
+    that hold settings as flags."""
+    parser = _Raising(prog=cls.__name__, add_help=False)
+    add_config_flags(parser, cls)
+    return build_config(cls, parser.parse_args(argv), env)
+
+
+def config_argv(config: Any, env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The flags that rebuild `config` in a process whose environment is `env` (default: ours):
+    a field's flag when its value is not the default, or when one of its variables is set there
+    (the process would read that instead). `parse_config(type(c), config_argv(c, e), e) == c`."""
+    env = os.environ if env is None else env
+    argv: list[str] = []
+    for flag in config_flags(type(config)):
+        value = config
+        for name in flag.path:
+            value = getattr(value, name)
+        if flag.has_default and value == flag.field.default and _env_value(flag, env) is None:
+            continue
+        argv += [flag.option, flag.convert.text(value)]
+    return argv
+
+
+def _assemble(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...]) -> Any:
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        here = (*path, f.name)
+        if f.init and _is_config(hints[f.name]):
+            kwargs[f.name] = _assemble(hints[f.name], values, here)
+        elif here in values:
+            kwargs[f.name] = values[here]
+    try:
+        return getattr(cls, "from_flags", cls)(**kwargs)
+    except TypeError as exc:  # a value of the wrong kind for the class
+        raise ValueError(f"{cls.__name__}: {exc}") from None
+
+
+def _env_value(flag: Flag, env: Mapping[str, str]) -> Optional[tuple[str, str]]:
+    """(variable, its text) of the first of the flag's variables set (and not empty)."""
+    for name in flag.envs:
+        raw = env.get(PREFIX + name)
+        if raw:
+            return PREFIX + name, raw
+    return None
+
+
+def _from_env(flag: Flag, name: str, raw: str) -> Any:
+    try:
+        value = flag.convert.parse(raw)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+    allowed = flag.convert.choices
+    items = value if flag.convert.kind == "list" else (value,)
+    if allowed is not None and any(v not in allowed for v in items):
+        raise ValueError(f"{name}={raw!r}: not one of {', '.join(map(str, allowed))}")
+    return value
+
+
+def _names(envs: Any) -> tuple[str, ...]:
+    if envs is None:
+        return ()
+    return (envs,) if isinstance(envs, str) else tuple(envs)
+
+
+def _base_name(field_name: str) -> str:
+    """A field's own flag name: seconds fields (`*_s`) drop the unit."""
+    return field_name.removesuffix("_s") if field_name.endswith("_s") else field_name
 
 
 def _is_size(field_name: str) -> bool:
     return field_name.endswith(("_memory", "_bytes"))
 
 
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+def _is_config(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-def parse_size(text: str) -> int:
-    """'1073741824', '1GiB', '512M', '1.5g' -> bytes (binary units)."""
-    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = _UNITS.get(raw[-1:], 1)
-    number = raw[:-1] if scale > 1 else raw
-    try:
-        return int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1GiB)") from None
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
-def _converter(
-    hint: Any, byte_size: bool = False
-) -> tuple[Optional[Callable[[str], Any]], Optional[list], bool]:
-    """(string -> value, choices, accepts 'none') for one annotation; (None, ..) if unsupported."""
-    nullable = False
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(inner) != 1:
-            return None, None, False
-        hint, nullable = inner[0], True
-    base = parse_size if byte_size and hint is int else _base_converter(hint)
-    choices = None
-    if typing.get_origin(hint) is typing.Literal:
-        choices = list(typing.get_args(hint))
-    if base is None:
-        return None, None, False
-    if not nullable:
-        return base, choices, False
+class _Raising(argparse.ArgumentParser):
+    """A parser whose errors are ValueErrors (parse_config), not an exit."""
 
-    def maybe(text: str) -> Any:
-        return None if text.lower() in ("none", "null", "") else base(text)
-
-    maybe.__name__ = getattr(base, "__name__", "value")
-    return maybe, (choices + [None] if choices else None), True
-
-
-def _base_converter(hint: Any) -> Optional[Callable[[str], Any]]:
-    if hint is bool:
-        return _parse_bool
-    if hint in (int, float, str):
-        return hint
-    if hint is Path:
-        return Path
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return hint
-    if typing.get_origin(hint) is typing.Literal:
-        kinds = {type(a) for a in typing.get_args(hint)}
-        return kinds.pop() if len(kinds) == 1 else None
-    return None
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean")
+    def error(self, message: str) -> typing.NoReturn:
+        raise ValueError(message)

@@ -246,17 +246,6 @@ def add_client_key_flags(parser: Any) -> None:
     )
 
 
-def add_worker_key_flag(parser: Any) -> None:
-    """`--curve-keys DIR` (CONVEYOR_CURVE_KEYS) of a worker process (real or simulated)."""
-    parser.add_argument(
-        "--curve-keys",
-        type=Path,
-        default=env_path("CURVE_KEYS"),
-        help="CURVE to the scheduler: the folder of `conveyor keys generate` (server.key and "
-        "worker.key_secret) (CONVEYOR_CURVE_KEYS)",
-    )
-
-
 def check_worker_keys(keys_dir: Optional[Path]) -> None:
     """Load a worker's key files once at start-up (ValueError with the reason)."""
     if keys_dir is not None:

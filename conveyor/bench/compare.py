@@ -36,6 +36,7 @@ from conveyor.bench.steplog import (
 from conveyor.bench.workloads import WorkloadConfig, generate
 from conveyor.launcher import LocalStack, StackSettings
 from shared.client import Client
+from shared.config_flags import parse_config
 
 MODES = ("static", "dynamic", "continuous")
 SCENARIOS = ("uniform", "mixed", "high-concurrency", "chat")
@@ -102,25 +103,25 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 
 def stack_settings(args: argparse.Namespace, mode: str, log_dir: Path) -> StackSettings:
-    """One engine of the comparison: only `batching` differs between modes."""
-    flags = {
+    """One engine of the comparison: only `batching` differs between modes. The
+    --engine-flag and --worker-flag NAME=VALUE pairs are `conveyor up` flags (docs/cli.md)."""
+    flags: dict[str, Any] = {
         "batching": mode,
-        "max_num_seqs": str(args.batch_size),
-        "batch_size": str(args.batch_size),
-        "batch_timeout": str(args.batch_timeout),
+        "max_num_seqs": args.batch_size,
+        "batch_size": args.batch_size,
+        "batch_timeout": args.batch_timeout,
+        "model": args.model,
+        "worker": args.worker,
+        "sim_device": args.sim_device,
+        "sim_model": args.sim_model,
     }
     flags.update(_pairs(args.engine_flag, "--engine-flag"))
-    return StackSettings(
-        model=args.model,
-        worker=args.worker,
-        sim_device=args.sim_device,
-        sim_model=args.sim_model,
-        frontend_address=f"tcp://127.0.0.1:{_free_port()}",
-        scheduler_flags=flags,
-        worker_flags=_pairs(args.worker_flag, "--worker-flag"),
-        gateway=False,
-        log_dir=log_dir,
-    )
+    flags.update(_pairs(args.worker_flag, "--worker-flag"))
+    argv = [text for name, value in flags.items() if value is not None
+            for text in ("--" + name.replace("_", "-"), str(value))]  # fmt: skip
+    settings = parse_config(StackSettings, argv)
+    return replace(settings, frontend_address=f"tcp://127.0.0.1:{_free_port()}", gateway=False,
+                   log_dir=log_dir)  # fmt: skip
 
 
 def fit_to_engine(plan: list[Scenario], address: str) -> list[Scenario]:

@@ -13,10 +13,8 @@ from shared.logging import configure_logging
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    config = parse_args(argv)
-    log = configure_logging(
-        "gateway", config.log_level, config.log_file, log_format=config.log_format
-    )
+    config, logs = parse_args(argv)
+    log = configure_logging("gateway", logs.log_level, logs.log_file, log_format=logs.log_format)
     app = create_app(config, log)
     log.info(
         "gateway_start",

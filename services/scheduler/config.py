@@ -21,28 +21,54 @@ BATCHING_MODES: tuple[str, ...] = get_args(Batching)
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32  # requests running at once (continuous); also caps batch_size
-    max_num_batched_tokens: int = 256  # token budget of one step, prefill chunks + decodes
-    chunk_size: int = 256  # at most this many prompt tokens of one request per step
-    batch_size: Optional[int] = None  # dynamic/static batch size; None: max_num_seqs
+    max_num_seqs: int = field(
+        default=32,
+        metadata={"help": "requests running at once (continuous); also caps batch_size"},
+    )
+    max_num_batched_tokens: int = field(
+        default=256, metadata={"help": "token budget of one step, prefill chunks + decodes"}
+    )
+    chunk_size: int = field(
+        default=256, metadata={"help": "at most this many prompt tokens of one request per step"}
+    )
+    batch_size: Optional[int] = field(
+        default=None, metadata={"help": "dynamic/static batch size (none: max_num_seqs)"}
+    )
     # s: dynamic/static start a partial batch after this wait (about half a CPU step: longer
     # only adds latency when requests trickle in)
-    batch_timeout: float = 0.05
+    batch_timeout: float = field(
+        default=0.05,
+        metadata={"help": "seconds dynamic/static batching waits before a partial batch"},
+    )
     # s: priority and short-first promote a request that waited this long (aging, policy.py;
     # ~50 CPU steps: long enough for the order to win most of the time, short enough that no
     # request is starved)
-    max_wait: float = 5.0
+    max_wait: float = field(
+        default=5.0,
+        metadata={"help": "seconds of waiting after which priority and short-first promote a "
+                  "request (aging)"},
+    )  # fmt: skip
     # Waiting-queue bound; beyond it requests are rejected (overloaded) rather than left to
     # time out. Room for the simulated-GPU benchmarks' bursts (1,024 requests at once).
-    max_waiting: int = 4096
-    policy: Policy = "fcfs"
-    batching: Batching = "continuous"
+    max_waiting: int = field(
+        default=4096, metadata={"help": "waiting requests beyond which new ones get overloaded"}
+    )
+    policy: Policy = field(default="fcfs", metadata={"help": "the waiting queue's order"})
+    batching: Batching = field(
+        default="continuous", metadata={"help": "continuous, or dynamic/static batches"}
+    )
     # Fraction of the KV pool new admissions must leave free, so that running decodes can grow
     # for a while before anyone must be preempted.
-    watermark: float = 0.01
+    watermark: float = field(
+        default=0.01, metadata={"help": "fraction of the KV pool admissions leave free"}
+    )
     # Automatic prefix caching: full KV blocks are kept by content and a request whose prompt
     # starts with cached blocks computes only the rest (services/scheduler/block_pool.py).
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "keep full KV blocks by content: a prompt that starts with cached "
+                  "blocks computes only the rest"},
+    )  # fmt: skip
     # Overlap scheduling: plan N+1 is built and sent while step N runs, assuming every running
     # request goes on (one that finished at step N computes one extra, discarded token). On by
     # default: outputs are the same either way (tests/e2e/test_async_scheduling.py, the whole

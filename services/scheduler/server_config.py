@@ -7,12 +7,14 @@ handling); the core's own settings are services.scheduler.config.SchedulerConfig
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.stats import StepRecord
+from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
+from shared.env import DRAIN_TIMEOUT_S
 from shared.protocol.engine_channel import (
     OutputBatch,
     RequestOutput,
@@ -50,19 +52,55 @@ SchedulerFactory = Callable[[WorkerReady], SchedulerCore]
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    frontend_address: str
-    worker_address: str
-    num_workers: int = 1  # ranks that must say WorkerReady before requests are admitted
-    max_frame_bytes: int = 16 << 20  # larger frames from a frontend are dropped with a log line
-    hard_max_frame_bytes: int = 256 << 20  # zmq.MAXMSGSIZE: the peer is disconnected
-    frontend_timeout_s: float = 10.0  # silent this long (it beats every 1 s): gone
-    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
-    summary_interval_s: float = 5.0  # an engine_summary log line this often while busy; 0: off
-    max_retries: int = 3  # restarts by recompute per request after worker losses
-    requeue_timeout_s: float = 30.0  # requeued requests wait this long for a worker
-    # `conveyor keys generate` folder: CURVE on the worker socket (authorized_workers/ only) and
-    # the frontend socket (authorized_frontends/ only)
-    curve_keys: Optional[Path] = None
+    frontend_address: str = field(
+        default=DEFAULT_SCHEDULER_ADDR,
+        metadata={"flag": "scheduler_addr", "help": "bind address for frontends"},
+    )
+    worker_address: str = field(
+        default=DEFAULT_WORKER_ADDR,
+        metadata={"flag": "worker_addr", "help": "bind address for the worker rank(s)"},
+    )
+    num_workers: int = field(
+        default=1, metadata={"help": "worker ranks that must be ready before requests are admitted"}
+    )
+    # Larger frames from a frontend are dropped with a log line. Internal frames only: not
+    # CONVEYOR_MAX_FRAME_BYTES, which limits clients' frames at the tokenizer.
+    max_frame_bytes: int = field(
+        default=16 << 20,
+        metadata={"env": None, "help": "larger frames from a frontend are dropped"},
+    )
+    hard_max_frame_bytes: int = field(
+        default=256 << 20,
+        metadata={"internal": True, "help": "zmq.MAXMSGSIZE of the frontend socket: a larger "
+                  "frame disconnects the peer"},
+    )  # fmt: skip
+    frontend_timeout_s: float = field(
+        default=10.0,  # a frontend beats every second
+        metadata={"help": "seconds of frontend silence before its requests are aborted"},
+    )
+    drain_timeout_s: float = field(
+        default=DRAIN_TIMEOUT_S,
+        metadata={"help": "SIGTERM grace period for in-flight requests, seconds"},
+    )
+    summary_interval_s: float = field(
+        default=5.0,
+        metadata={"help": "seconds between engine_summary log lines while busy; 0 turns them off"},
+    )
+    max_retries: int = field(
+        default=3,
+        metadata={"help": "restarts by recompute a request gets when the worker is lost, then "
+                  "worker_failed"},
+    )  # fmt: skip
+    requeue_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds requeued requests wait for a worker before worker_failed"},
+    )
+    curve_keys: Optional[Path] = field(
+        default=None,
+        metadata={"help": "CURVE on both sockets: the folder of `conveyor keys generate`; only "
+                  "authorized_workers/ may connect as workers, authorized_frontends/ as "
+                  "frontends"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_retries < 0 or self.requeue_timeout_s <= 0:

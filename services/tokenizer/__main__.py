@@ -15,7 +15,7 @@ from typing import Optional
 
 import zmq
 
-from services.tokenizer.config import build_parser, config_from_args
+from services.tokenizer.config import parse_args
 from services.tokenizer.server import FrontendServer
 from services.tokenizer.text_codec import load_text_codec
 from shared.curve import start_authenticator, stop_authenticator
@@ -26,13 +26,8 @@ from shared.model_files import prepare_model
 def main(argv: Optional[list[str]] = None) -> int:
     # Read by `tokenizers` when it first encodes, not at import: one thread from here on.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    log = configure_logging("tokenizer", args.log_level, args.log_file, log_format=args.log_format)
+    config, logs = parse_args(argv)
+    log = configure_logging("tokenizer", logs.log_level, logs.log_file, log_format=logs.log_format)
     log.info("loading_tokenizer", model=config.model or "smollm2")
     try:
         codec = load_text_codec(prepare_model(config.model))

@@ -1,4 +1,5 @@
-"""The tokenizer service's settings: flags, else CONVEYOR_* variables, else defaults."""
+"""The tokenizer service's settings: flags, else CONVEYOR_* variables, else defaults (every
+flag generated from FrontendConfig and LogConfig: shared/config_flags.py)."""
 
 from __future__ import annotations
 
@@ -6,49 +7,105 @@ import argparse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from services.tokenizer.router import POLICIES, RouterConfig
+from services.tokenizer.router import RouterConfig
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_SCHEDULER_ADDR
+from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import check_frontend_keys, check_server_keys
-from shared.env import (
-    add_drain_flag,
-    add_log_flags,
-    env_float,
-    env_int,
-    env_list,
-    env_path,
-    env_str,
-)
+from shared.env import DRAIN_TIMEOUT_S, LogConfig
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
+
+__all__ = [
+    "DEFAULT_FRONTEND_ADDR",
+    "FrontendConfig",
+    "build_parser",
+    "new_frontend_id",
+    "parse_args",
+]
 
 DEFAULT_HARD_CAP_BYTES = 64 << 20
 
 
+def new_frontend_id() -> str:
+    """A fresh random frontend id (request ids embed it)."""
+    return f"fe-{uuid.uuid4().hex[:8]}"
+
+
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
-    frontend_address: str = DEFAULT_FRONTEND_ADDR  # ROUTER for clients (bound)
+    frontend_address: str = field(
+        default=DEFAULT_FRONTEND_ADDR,  # ROUTER for clients (bound)
+        metadata={"flag": "frontend_addr", "help": "bind address for clients"},
+    )
     # the schedulers' ROUTERs (connected), one per engine; engine i is the i-th address
-    scheduler_addresses: tuple[str, ...] = (DEFAULT_SCHEDULER_ADDR,)
-    frontend_id: str = field(default_factory=lambda: f"fe-{uuid.uuid4().hex[:8]}")  # in rids
-    model: Optional[str] = None  # for shared.model_files.prepare_model
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # answered with frame_too_large above
-    hard_cap_bytes: int = DEFAULT_HARD_CAP_BYTES  # zmq.MAXMSGSIZE: the peer is dropped above
-    heartbeat_s: float = 1.0  # FrontendHello and client heartbeats
-    scheduler_timeout_s: float = 10.0  # scheduler silence before it counts as lost
-    stats_timeout_s: float = 2.0  # wait for the scheduler's StatsReply
-    drain_timeout_s: float = 30.0  # SIGTERM grace for in-flight requests
-    send_hwm: int = 100_000  # queued frames per client before it counts as gone
+    scheduler_addresses: tuple[str, ...] = field(
+        default=(DEFAULT_SCHEDULER_ADDR,),
+        metadata={"flag": "scheduler_addr", "env": ("SCHEDULER_ADDRS", "SCHEDULER_ADDR"),
+                  "help": "the schedulers' addresses, one per engine (data parallelism): engine "
+                  "i is the i-th; repeat the flag or separate them by commas"},
+    )  # fmt: skip
+    frontend_id: str = field(
+        default_factory=new_frontend_id,  # in rids
+        metadata={"default_text": "random fe-XXXXXXXX",
+                  "help": "this frontend's id, unique per engine (request ids embed it)"},
+    )  # fmt: skip
+    model: Optional[str] = field(
+        default=None,  # for shared.model_files.prepare_model
+        metadata={"help": "'smollm2' (none: the default), a .gguf file or a Hugging Face folder"},
+    )
+    max_frame_bytes: int = field(
+        default=DEFAULT_MAX_FRAME_BYTES,
+        metadata={"help": "larger client frames are answered with frame_too_large"},
+    )
+    hard_cap_bytes: int = field(
+        default=DEFAULT_HARD_CAP_BYTES,
+        metadata={"help": "zmq.MAXMSGSIZE: larger frames drop the peer (raised to "
+                  "max_frame_bytes when below it)"},
+    )  # fmt: skip
+    heartbeat_s: float = field(
+        default=1.0,
+        metadata={"internal": True, "help": "seconds between FrontendHello and client heartbeats"},
+    )
+    scheduler_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds of scheduler silence before in-flight requests fail with "
+                  "engine_unreachable"},
+    )  # fmt: skip
+    stats_timeout_s: float = field(
+        default=2.0, metadata={"internal": True, "help": "wait for the scheduler's StatsReply"}
+    )
+    drain_timeout_s: float = field(
+        default=DRAIN_TIMEOUT_S,
+        metadata={"help": "SIGTERM grace period for in-flight requests, seconds"},
+    )
+    send_hwm: int = field(
+        default=100_000,
+        metadata={"internal": True, "help": "queued frames per client before it counts as gone"},
+    )
     # Fairness: requests one connection may have in flight (0: no cap); past it `overloaded`.
     # Connections whose routing id starts with `cap_exempt_prefix` (the gateway's, which
     # applies the cap per API key / client address itself) are exempt. Without CURVE the
     # routing id is not authenticated: the exemption is advisory (docs/protocol.md).
-    max_requests_per_connection: int = 1024
-    cap_exempt_prefix: str = "gateway-"
-    curve_keys: Optional[Path] = None  # `conveyor keys generate`: CURVE on both sockets
+    max_requests_per_connection: int = field(
+        default=1024,
+        metadata={"help": "requests one connection may have in flight, past it overloaded; "
+                  "0: no cap"},
+    )  # fmt: skip
+    cap_exempt_prefix: str = field(
+        default="gateway-",
+        metadata={"internal": True, "help": "connections whose routing id starts so are exempt "
+                  "from --max-requests-per-connection"},
+    )  # fmt: skip
+    curve_keys: Optional[Path] = field(
+        default=None,
+        metadata={"help": "CURVE on the client socket (server key pair + authorized_clients/) "
+                  "and to the scheduler (frontend.key_secret): the folder of `conveyor keys "
+                  "generate`; without it clients are not authenticated"},
+    )  # fmt: skip
     # which engine gets a request (services/tokenizer/router.py); "auto": cache-aware while
     # the engines report prefix caching on, else least-load
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig, metadata={"prefix": "router_"})
 
     def __post_init__(self) -> None:
         if not self.frontend_address or not self.scheduler_addresses:
@@ -73,6 +130,16 @@ class FrontendConfig:
         if self.max_requests_per_connection < 0:
             raise ValueError("max_requests_per_connection must be >= 0 (0: no cap)")
 
+    @classmethod
+    def from_flags(cls, **values: Any) -> FrontendConfig:
+        """From flags or variables: a frame limit above the hard cap raises the cap."""
+        limit = values.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)
+        values["hard_cap_bytes"] = max(values.get("hard_cap_bytes", DEFAULT_HARD_CAP_BYTES), limit)
+        return cls(**values)
+
+
+CONFIGS = (FrontendConfig, LogConfig)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -80,115 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Conveyor's frontend: client protocol (docs/protocol.md), tokenization, "
         "detokenization, stop strings.",
     )
-    p.add_argument(
-        "--frontend-addr",
-        default=env_str("FRONTEND_ADDR", DEFAULT_FRONTEND_ADDR),
-        help="bind address for clients (CONVEYOR_FRONTEND_ADDR)",
-    )
-    p.add_argument(
-        "--scheduler-addr",
-        action="append",
-        dest="scheduler_addrs",
-        help="a scheduler's address; repeat it for several engines (data parallelism): engine "
-        "i is the i-th (CONVEYOR_SCHEDULER_ADDRS, comma-separated, else CONVEYOR_SCHEDULER_ADDR)",
-    )
-    p.add_argument(
-        "--router-policy",
-        choices=("auto", *POLICIES),
-        default=env_str("ROUTER_POLICY", "auto"),
-        help="which engine gets a request: auto (cache-aware while the engines cache prefixes, "
-        "else least-load), round-robin, least-load, cache-aware (CONVEYOR_ROUTER_POLICY)",
-    )
-    p.add_argument(
-        "--router-balance-abs",
-        type=int,
-        default=env_int("ROUTER_BALANCE_ABS", 32),
-        help="cache-aware: a prefix's engine is overloaded (least-load decides) once it carries "
-        "this many requests more than the least loaded engine and --router-balance-rel times "
-        "as many (CONVEYOR_ROUTER_BALANCE_ABS)",
-    )
-    p.add_argument(
-        "--router-balance-rel",
-        type=float,
-        default=env_float("ROUTER_BALANCE_REL", 1.5),
-        help="cache-aware: see --router-balance-abs (CONVEYOR_ROUTER_BALANCE_REL)",
-    )
-    p.add_argument(
-        "--frontend-id",
-        default=env_str("FRONTEND_ID", ""),
-        help="this frontend's id, unique per engine (CONVEYOR_FRONTEND_ID; default random)",
-    )
-    p.add_argument(
-        "--model",
-        default=env_str("MODEL"),
-        help="'smollm2' (default), a .gguf file or an HF folder (CONVEYOR_MODEL)",
-    )
-    p.add_argument(
-        "--max-frame-bytes",
-        type=int,
-        default=env_int("MAX_FRAME_BYTES", DEFAULT_MAX_FRAME_BYTES),
-        help="larger client frames get frame_too_large (CONVEYOR_MAX_FRAME_BYTES)",
-    )
-    p.add_argument(
-        "--hard-cap-bytes",
-        type=int,
-        default=env_int("HARD_CAP_BYTES", DEFAULT_HARD_CAP_BYTES),
-        help="zmq.MAXMSGSIZE: larger frames drop the peer (CONVEYOR_HARD_CAP_BYTES)",
-    )
-    add_drain_flag(p)
-    p.add_argument(
-        "--scheduler-timeout",
-        type=float,
-        default=env_float("SCHEDULER_TIMEOUT", 10.0),
-        help="seconds of scheduler silence before in-flight requests fail with "
-        "engine_unreachable (CONVEYOR_SCHEDULER_TIMEOUT)",
-    )
-    p.add_argument(
-        "--max-requests-per-connection",
-        type=int,
-        default=env_int("MAX_REQUESTS_PER_CONNECTION", 1024),
-        help="requests one connection may have in flight, past it overloaded; 0: no cap "
-        "(CONVEYOR_MAX_REQUESTS_PER_CONNECTION)",
-    )
-    p.add_argument(
-        "--curve-keys",
-        type=Path,
-        default=env_path("CURVE_KEYS"),
-        help="CURVE on the client socket (server key pair + authorized_clients/) and to the "
-        "scheduler (frontend.key_secret): the folder of `conveyor keys generate`; without it "
-        "clients are not authenticated (CONVEYOR_CURVE_KEYS)",
-    )
-    add_log_flags(p)
+    for cls in CONFIGS:
+        add_config_flags(p, cls)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    """Raises ValueError on an invalid combination."""
-    frontend_id = args.frontend_id or f"fe-{uuid.uuid4().hex[:8]}"
-    if args.curve_keys is not None:
-        check_server_keys(args.curve_keys)
-        check_frontend_keys(args.curve_keys)  # and CURVE to the scheduler
-    return FrontendConfig(
-        frontend_address=args.frontend_addr,
-        scheduler_addresses=tuple(scheduler_addresses(args.scheduler_addrs)),
-        frontend_id=frontend_id,
-        model=args.model,
-        max_frame_bytes=args.max_frame_bytes,
-        hard_cap_bytes=max(args.hard_cap_bytes, args.max_frame_bytes),
-        drain_timeout_s=args.drain_timeout,
-        scheduler_timeout_s=args.scheduler_timeout,
-        max_requests_per_connection=args.max_requests_per_connection,
-        curve_keys=args.curve_keys,
-        router=RouterConfig(args.router_policy, args.router_balance_abs, args.router_balance_rel),
-    )
-
-
-def scheduler_addresses(flags: Optional[list[str]]) -> list[str]:
-    """The engines' scheduler addresses: the flags, else CONVEYOR_SCHEDULER_ADDRS, else
-    CONVEYOR_SCHEDULER_ADDR, else the default."""
-    if flags:
-        return flags
-    listed = env_list("SCHEDULER_ADDRS")
-    if listed:
-        return listed
-    return [env_str("SCHEDULER_ADDR", DEFAULT_SCHEDULER_ADDR) or DEFAULT_SCHEDULER_ADDR]
+def parse_args(argv: Optional[list[str]] = None) -> tuple[FrontendConfig, LogConfig]:
+    """Command line (else CONVEYOR_* variables) -> the settings; a bad value, or a CURVE folder
+    without the keys it needs, exits with the parser's usage message."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config, logs = (config_from_args(parser, args, cls) for cls in CONFIGS)
+    if config.curve_keys is not None:
+        try:
+            check_server_keys(config.curve_keys)
+            check_frontend_keys(config.curve_keys)  # and CURVE to the scheduler
+        except ValueError as exc:
+            parser.error(str(exc))
+    return config, logs

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from shared.prefix_hash import cache_namespace, extend_block_keys
@@ -56,10 +56,24 @@ class EngineLoad:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    policy: str = AUTO
-    balance_abs: int = 32  # cache-aware: extra requests a prefix's engine may carry ...
-    balance_rel: float = 1.5  # ... and the factor over the least loaded, both exceeded: shed
-    min_match_blocks: int = 1  # cache-aware: fewer matched blocks than this is no match
+    policy: str = field(
+        default=AUTO,
+        metadata={"choices": (AUTO, *POLICIES), "help": "which engine gets a request: auto "
+                  "(cache-aware while the engines cache prefixes, else least-load), round-robin, "
+                  "least-load, cache-aware"},
+    )  # fmt: skip
+    balance_abs: int = field(
+        default=32,
+        metadata={"help": "cache-aware: a prefix's engine is overloaded (least-load decides) "
+                  "once it carries this many requests more than the least loaded engine and "
+                  "balance_rel times as many"},
+    )  # fmt: skip
+    balance_rel: float = field(
+        default=1.5, metadata={"help": "cache-aware: see balance_abs (a factor >= 1)"}
+    )
+    min_match_blocks: int = field(
+        default=1, metadata={"help": "cache-aware: fewer matched blocks than this is no match"}
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in (AUTO, *POLICIES):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from shared.env import env_str
@@ -20,16 +20,35 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small o
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    model: Optional[str] = None  # None/"smollm2", a .gguf file or an HF folder (prepare_model)
-    dtype: str = DEFAULT_DTYPE  # weights, activations and the KV cache ("auto": see above)
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory: Optional[int] = None  # bytes for K and V of every layer
-    kv_cache_fraction: Optional[float] = None  # else this share of the device's free memory
-    max_model_len: Optional[int] = None  # None: the model's max positions
-    # auto: triton on CUDA; on CPU the C++ extension ("cpu"), torch when it cannot be built
-    attention_backend: str = "auto"
-    num_threads: Optional[int] = None  # torch intra-op threads; None: torch's, capped at the CPUs
+    model: Optional[str] = field(
+        default=None,  # prepare_model's spec
+        metadata={"help": "'smollm2' (none: the default), a .gguf file or a Hugging Face folder"},
+    )
+    dtype: str = field(
+        default=DEFAULT_DTYPE,  # "auto": see above
+        metadata={"choices": DTYPES, "help": "weights, activations and the KV cache; auto: "
+                  "bfloat16 on CUDA, on CPU the faster of the two on this machine"},
+    )  # fmt: skip
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory: Optional[int] = field(
+        default=None, metadata={"help": "bytes for K and V of every layer"}
+    )
+    kv_cache_fraction: Optional[float] = field(
+        default=None, metadata={"help": "else this share of the device's free memory"}
+    )
+    max_model_len: Optional[int] = field(
+        default=None, metadata={"help": "longest sequence (none: the model's max positions)"}
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"choices": ATTENTION_BACKENDS, "help": "auto: triton on CUDA; on CPU the C++ "
+                  "extension (cpu), torch when it cannot be built"},
+    )  # fmt: skip
+    num_threads: Optional[int] = field(
+        default=None,
+        metadata={"help": "torch intra-op threads (none: torch's, capped at the CPUs)"},
+    )
     # Launch step N+1 before step N's sampled tokens reach the host (its decodes read them on
     # the device; services/worker/loop.py). "auto": on CUDA with one rank. On a CPU the launch
     # is the compute itself, so "on" only delays each result by a step (tests force it there);
@@ -108,12 +127,20 @@ class ParallelConfig:
     """This rank's place in its tensor-parallel group (services/worker/parallel.py); flags
     --rank, --world-size, --dist-init, --dist-timeout, else CONVEYOR_RANK, ... ."""
 
-    rank: int = 0  # 0 samples and answers the scheduler
-    world_size: int = 1  # ranks of the group (tensor-parallel size)
-    # where the ranks meet; rank 0 listens there. The traffic is not authenticated: loopback,
-    # or a private network between hosts
-    dist_init: str = DEFAULT_DIST_INIT
-    dist_timeout: float = MAX_DIST_TIMEOUT_S  # seconds: the rendezvous and every collective
+    rank: int = field(
+        default=0, metadata={"help": "this rank in its group (0 samples and answers)"}
+    )
+    world_size: int = field(default=1, metadata={"help": "ranks of the tensor-parallel group"})
+    # The traffic is not authenticated: loopback, or a private network between hosts.
+    dist_init: str = field(
+        default=DEFAULT_DIST_INIT,
+        metadata={"help": "tcp://HOST:PORT where the ranks meet (rank 0 listens; loopback or a "
+                  "private network only)"},
+    )  # fmt: skip
+    dist_timeout: float = field(
+        default=MAX_DIST_TIMEOUT_S,
+        metadata={"help": "seconds (<= 30) for the rendezvous and every collective"},
+    )
 
     def __post_init__(self) -> None:
         if not _pos_int(self.world_size):

@@ -15,6 +15,7 @@ session: a model load costs ~20-60 s on the shared 2-core machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ import pytest
 
 from conveyor.bench.steplog import with_step_columns
 from conveyor.launcher import LocalStack
-from tests.e2e.stack_tools import ENGINE_WORKER_FLAGS, engine_settings
+from services.scheduler.config import SchedulerConfig
+from tests.e2e.stack_tools import ENGINE_WORKER, engine_settings
 
 READY_TIMEOUT_S = 600.0  # model load on a busy 2-core machine; normally ~15-40 s
 
@@ -63,7 +65,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
 # The reference engine's KV pool: the tests that use it run a few short requests at once
 # (~1k tokens in all); 128 MiB is ~2.9k tokens in fp32, and leaves memory to the other engines.
-REFERENCE_KV_CACHE_MEMORY = "128MiB"
+REFERENCE_KV_CACHE_MEMORY = 128 << 20
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +74,8 @@ def reference_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engin
     settings = engine_settings(
         tmp_path_factory.mktemp("reference-engine-logs"),
         gateway=False,
-        scheduler_flags={"async_scheduling": "false", "enable_prefix_caching": "false"},
-        worker_flags={**ENGINE_WORKER_FLAGS, "kv_cache_memory": REFERENCE_KV_CACHE_MEMORY},
+        scheduler_config=SchedulerConfig(async_scheduling=False, enable_prefix_caching=False),
+        worker_config=dataclasses.replace(ENGINE_WORKER, kv_cache_memory=REFERENCE_KV_CACHE_MEMORY),
     )
     stack = LocalStack(settings)
     stack.start()

@@ -14,13 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.launcher import LocalStack, StackSettings, gateway_available, probe_health
+from services.gateway.config import GatewayConfig
+from services.worker.config import WorkerConfig
+from shared.config_flags import config_argv
 from tests.bounds import SLOW_HOST_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Small enough to allocate fast, large enough for 64 concurrent short requests (each block
 # holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
-ENGINE_WORKER_FLAGS = {"dtype": "float32", "kv_cache_memory": "384MiB", "max_model_len": "2048"}
+ENGINE_WORKER = WorkerConfig(dtype="float32", kv_cache_memory=384 << 20, max_model_len=2048)
 
 
 READY_TIMEOUT_S = 180.0  # a cold start loads torch (and the model) in every process
@@ -48,9 +51,9 @@ def engine_settings(log_dir: Path, gateway: bool = True, **overrides: Any) -> St
     """Settings for a real-model stack on free ports (also used by tests that need their own)."""
     fields: dict[str, Any] = dict(
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
-        worker_flags=dict(ENGINE_WORKER_FLAGS),
+        worker_config=ENGINE_WORKER,
         gateway=gateway and gateway_available(),
-        http_port=free_port(),
+        gateway_config=GatewayConfig(http_port=free_port()),
         log_dir=log_dir,
         drain_timeout_s=5.0,
     )
@@ -141,12 +144,11 @@ class UpProcess:
 
 def start_up(tmp_path: Path, *flags: str, worker: str = "sim") -> tuple[UpProcess, str]:
     """`conveyor up` with the SIMULATED worker (or, `worker="model"`, the real one in fp32 with
-    ENGINE_WORKER_FLAGS) and no gateway, serving: (process, address)."""
+    ENGINE_WORKER) and no gateway, serving: (process, address)."""
     address = f"tcp://127.0.0.1:{free_port()}"
     worker_flags = ["--worker", worker]
     if worker == "model":
-        worker_flags += [a for k, v in ENGINE_WORKER_FLAGS.items()
-                         for a in ("--" + k.replace("_", "-"), v)]  # fmt: skip
+        worker_flags += config_argv(ENGINE_WORKER, {})
     argv = [sys.executable, "-m", "conveyor", "up", *worker_flags, "--no-gateway",
             "--frontend-addr", address, "--log-dir", str(tmp_path / "logs"), *flags]  # fmt: skip
     up = UpProcess(argv)

@@ -35,6 +35,7 @@ import zmq.auth
 
 from conveyor.healthcheck import scheduler_answers
 from conveyor.launcher import LocalStack, StackSettings, gateway_available
+from services.gateway.config import GatewayConfig
 from shared.addresses import is_local_address
 from shared.client import AsyncClient, Client, EngineError
 from shared.curve import (
@@ -83,7 +84,7 @@ def stack(keys_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         worker="sim",
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
         gateway=gateway_available(),
-        http_port=free_port(),
+        gateway_config=GatewayConfig(http_port=free_port()),
         log_dir=tmp_path_factory.mktemp("logs"),
         drain_timeout_s=5.0,
         curve_keys=keys_dir,

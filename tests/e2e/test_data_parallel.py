@@ -32,6 +32,11 @@ import pytest
 
 from conveyor.launcher import LocalStack, StackSettings
 from conveyor.logview import journey, read_lines
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.server_config import ServerConfig
+from services.tokenizer.config import FrontendConfig
+from services.tokenizer.router import RouterConfig
+from services.worker.sim.config import SimConfig
 from shared.client import AsyncClient, Client, EngineError
 from shared.client.types import Completion
 from tests.bounds import SLOW_HOST_MARGIN_S
@@ -48,14 +53,14 @@ FAILOVER_BOUND_S = 5.0
 def dp_settings(log_dir: Path, **overrides: Any) -> StackSettings:
     fields: dict[str, Any] = dict(
         worker="sim",
-        sim_device="h200",
-        sim_model="llama-3-8b",
+        sim_config=SimConfig(device="h200", model="llama-3-8b"),
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
         gateway=False,
         log_dir=log_dir,
         drain_timeout_s=5.0,
         data_parallel_size=2,
-        scheduler_flags={"max_num_seqs": "8", "summary_interval": "0"},
+        scheduler_config=SchedulerConfig(max_num_seqs=8),
+        server_config=ServerConfig(summary_interval_s=0.0),
     )
     fields.update(overrides)
     return StackSettings(**fields)
@@ -119,8 +124,8 @@ def dp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     # requests than the other (and 1.5x): on a starved machine one engine can fall that far
     # behind in a 64-request burst, so this stack allows 64 (all of them); the shedding rule
     # itself is unit-tested (tests/unit/test_tokenizer_router.py).
-    settings = dp_settings(tmp_path_factory.mktemp("dp-logs"),
-                           tokenizer_flags={"router_balance_abs": "64"})  # fmt: skip
+    router = FrontendConfig(router=RouterConfig(balance_abs=64))
+    settings = dp_settings(tmp_path_factory.mktemp("dp-logs"), frontend_config=router)
     stack = LocalStack(settings)
     stack.start()
     try:
@@ -223,7 +228,7 @@ def test_cache_aware_keeps_each_prefix_on_one_engine(dp_stack: LocalStack) -> No
 
 
 def test_engine_killed_mid_run_then_back(tmp_path: Path) -> None:
-    stack = LocalStack(dp_settings(tmp_path, scheduler_flags={"max_num_seqs": "4"}))
+    stack = LocalStack(dp_settings(tmp_path, scheduler_config=SchedulerConfig(max_num_seqs=4)))
     stack.start()
     try:
         stack.wait_ready(timeout=READY_TIMEOUT_S)

@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.launcher import LocalStack, StackSettings
+from services.worker.sim.config import SimConfig
 from shared.client import AsyncClient, Client
 from shared.env import env_int
 from shared.protocol.client_channel import PARAM_NAMES
@@ -126,7 +127,7 @@ def _derived(frame: bytes, rnd: random.Random) -> list[bytes]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     settings_ = StackSettings(
         worker="sim",
-        sim_device="none",
+        sim_config=SimConfig(device="none"),
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
         gateway=False,
         log_dir=tmp_path_factory.mktemp("logs"),

@@ -26,6 +26,9 @@ import pytest
 import zmq
 
 from conveyor.launcher import LocalStack, StackSettings
+from services.gateway.config import GatewayConfig
+from services.tokenizer.config import FrontendConfig
+from services.worker.sim.config import SimConfig
 from shared.client import Client
 from shared.protocol.errors import MAX_QUOTE_CHARS
 from tests.e2e.stack_tools import free_port, running_stack
@@ -45,17 +48,15 @@ CLIENT_CAP = 8  # engine requests in flight per HTTP client (API key or address)
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     settings = StackSettings(
         worker="sim",
-        sim_device="h200",
-        sim_model="llama-3-8b",
+        sim_config=SimConfig(device="h200", model="llama-3-8b", max_model_len=4096),
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
-        http_port=free_port(),
         log_dir=tmp_path_factory.mktemp("logs"),
-        worker_flags={"sim_max_model_len": "4096"},
-        tokenizer_flags={"max_requests_per_connection": str(CONNECTION_CAP)},
-        gateway_flags={
-            "max_body_bytes": str(GATEWAY_MAX_BODY),
-            "max_requests_per_client": str(CLIENT_CAP),
-        },
+        frontend_config=FrontendConfig(max_requests_per_connection=CONNECTION_CAP),
+        gateway_config=GatewayConfig(
+            http_port=free_port(),
+            max_body_bytes=GATEWAY_MAX_BODY,
+            max_requests_per_client=CLIENT_CAP,
+        ),
     )
     yield from running_stack(settings)
 

@@ -19,6 +19,8 @@ import pytest
 
 from conveyor.bench.steplog import StepEntry, read_step_log
 from conveyor.launcher import LocalStack, StackSettings
+from services.scheduler.config import SchedulerConfig
+from services.worker.sim.config import SimConfig
 from shared.client import Client
 from tests.e2e.stack_tools import running_stack
 
@@ -37,12 +39,11 @@ def _free_port() -> int:
 def _stack(log_dir: Path, device: str, model: str) -> Iterator[LocalStack]:
     settings = StackSettings(
         worker="sim",
-        sim_device=device,
-        sim_model=model,
+        sim_config=SimConfig(device=device, model=model),
         frontend_address=f"tcp://127.0.0.1:{_free_port()}",
         gateway=False,
         log_dir=log_dir,
-        scheduler_flags={"max_num_seqs": "8", "max_num_batched_tokens": "256"},
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
     )
     yield from running_stack(settings)
 

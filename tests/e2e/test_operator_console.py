@@ -23,6 +23,7 @@ import pexpect
 import pytest
 
 from conveyor.launcher import LocalStack
+from services.worker.sim.config import SimConfig
 from shared.client import Client
 from tests.e2e.stack_tools import engine_settings, free_port
 
@@ -112,7 +113,7 @@ def test_up_log_format_json_prints_only_json(tmp_path: Path) -> None:
 def sim_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     settings = engine_settings(
         tmp_path_factory.mktemp("top-logs"), gateway=False, worker="sim",
-        sim_device="cpu-smollm2", sim_model="smollm2-135m", worker_flags={},
+        sim_config=SimConfig(device="cpu-smollm2", model="smollm2-135m"),
     )  # fmt: skip
     with LocalStack(settings) as stack:
         yield stack.frontend_address

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from conveyor.launcher import LocalStack, StackSettings
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.server_config import ServerConfig
+from services.worker.sim.config import SimConfig
 from services.worker.sim.cost_model import step_cost, step_work
 from services.worker.sim.profiles import DEVICES, MODELS
 from shared.client import AsyncClient, Client
@@ -36,13 +39,11 @@ def _free_port() -> int:
 def stack(tmp_path_factory: pytest.TempPathFactory):
     settings = StackSettings(
         worker="sim",
-        sim_device="h200",
-        sim_model="llama-3-8b",
+        sim_config=SimConfig(device="h200", model="llama-3-8b", report_every=10),
         frontend_address=f"tcp://127.0.0.1:{_free_port()}",
         gateway=False,
         log_dir=tmp_path_factory.mktemp("logs"),
-        scheduler_flags={"max_num_seqs": "8", "max_num_batched_tokens": "256"},
-        worker_flags={"sim_report_every": "10"},
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
     )
     yield from running_stack(settings)
 
@@ -112,15 +113,12 @@ def test_a_frontend_slower_than_the_engine_keeps_its_requests(tmp_path: Path) ->
     requests of a vanished frontend."""
     settings = StackSettings(
         worker="sim",
-        sim_device="none",
+        sim_config=SimConfig(device="none"),
         frontend_address=f"tcp://127.0.0.1:{_free_port()}",
         gateway=False,
         log_dir=tmp_path,
-        scheduler_flags={
-            "max_num_seqs": "512",
-            "max_num_batched_tokens": "8192",
-            "frontend_timeout": "2",
-        },
+        scheduler_config=SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=8192),
+        server_config=ServerConfig(frontend_timeout_s=2.0),
     )
     n, max_tokens = 512, 400
 

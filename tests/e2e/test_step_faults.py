@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from conveyor.launcher import LocalStack, StackSettings
+from services.scheduler.config import SchedulerConfig
+from services.worker.sim.config import SimConfig
 from shared.client import AsyncClient, Client, EngineError
 from shared.protocol.errors import ErrorCode
 from tests.bounds import SLOW_HOST_MARGIN_S
@@ -40,8 +42,8 @@ POISONED = [7, 8, FAIL_TOKEN, 9, 10]
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     settings = StackSettings(
         worker="sim",
-        worker_flags={"sim_fail_token": str(FAIL_TOKEN)},
-        scheduler_flags={"max_num_seqs": "4"},
+        sim_config=SimConfig(fail_token=FAIL_TOKEN),
+        scheduler_config=SchedulerConfig(max_num_seqs=4),
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
         gateway=False,
         log_dir=tmp_path_factory.mktemp("logs"),

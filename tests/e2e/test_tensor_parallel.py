@@ -20,6 +20,7 @@ import torch
 
 from conveyor.launcher import LocalStack
 from services.worker.runner import ModelRunner
+from services.worker.sim.config import SimConfig
 from shared.client import Client
 from tests.e2e.stack_tools import ROOT, engine_settings, free_port
 from tests.support.tiny_model import write_tiny_model
@@ -138,8 +139,8 @@ def test_refuses_a_world_size_that_does_not_split_smollm2(tmp_path: Path) -> Non
 
 def test_sim_worker_models_the_group_in_one_process(tmp_path: Path) -> None:
     settings = engine_settings(tmp_path / "logs", gateway=False, worker="sim",
-                               sim_device="h200", sim_model="llama-3-70b",
-                               tensor_parallel_size=8, worker_flags={})  # fmt: skip
+                               sim_config=SimConfig(device="h200", model="llama-3-70b"),
+                               tensor_parallel_size=8)  # fmt: skip
     with LocalStack(settings) as stack:
         assert sorted(stack.services) == ["scheduler", "tokenizer", "worker"]
         with Client(stack.frontend_address, timeout=60.0) as client:

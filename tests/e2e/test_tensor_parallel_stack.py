@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conveyor.launcher import LocalStack
+from services.worker.config import WorkerConfig
 from shared.client import AsyncClient, Client, Completion, EngineError
 from tests.e2e.stack_tools import descendants, engine_settings, start_up, wait_gone
 from tests.greedy_reference import compare_greedy
@@ -44,7 +45,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 32
 LOGPROB_TOL = 1e-4
-TP_WORKER_FLAGS = {"dtype": "float32", "kv_cache_memory": "64MiB", "max_model_len": "1024"}
+TP_WORKER = WorkerConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024)
 READY_TIMEOUT_S = 600.0  # three model loads on a busy 2-core machine; normally ~20-40 s
 WAIT_S = 180.0
 
@@ -74,7 +75,7 @@ def _top2_logits(done: Completion, vocab_size: int) -> list[torch.Tensor]:
 
 def test_tp3_greedy_equals_single_rank(engine, tmp_path: Path) -> None:
     settings = engine_settings(tmp_path / "logs", gateway=False, tensor_parallel_size=3,
-                               worker_flags=dict(TP_WORKER_FLAGS))  # fmt: skip
+                               worker_config=TP_WORKER)  # fmt: skip
     with LocalStack(settings) as stack:
         assert {"worker", "worker-1", "worker-2"} <= set(stack.services)
         got = _all(stack.frontend_address)

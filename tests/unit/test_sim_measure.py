@@ -23,6 +23,7 @@ SMALL = MeasureGrid(
     mixed=((3, 20),),
     mixed_context=30,
     repeats=2,
+    rounds=1,
 )
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.tokenizer.config import (
-    DEFAULT_FRONTEND_ADDR,
-    FrontendConfig,
-    build_parser,
-    config_from_args,
-)
+from services.tokenizer.config import DEFAULT_FRONTEND_ADDR, FrontendConfig, parse_args
+
+
+def _config(argv: list[str]) -> FrontendConfig:
+    return parse_args(argv)[0]
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -18,11 +17,11 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
              "MAX_FRAME_BYTES", "MODEL", "ROUTER_POLICY")  # fmt: skip
     for name in names:
         monkeypatch.delenv(f"CONVEYOR_{name}", raising=False)
-    cfg = config_from_args(build_parser().parse_args([]))
+    cfg = _config([])
     assert cfg.frontend_address == DEFAULT_FRONTEND_ADDR == "tcp://127.0.0.1:5557"
     assert cfg.frontend_id.startswith("fe-") and cfg.model is None
     assert cfg.max_frame_bytes == 1 << 20 and cfg.hard_cap_bytes > cfg.max_frame_bytes
-    other = config_from_args(build_parser().parse_args([]))
+    other = _config([])
     assert other.frontend_id != cfg.frontend_id  # two frontends never share rids
     assert cfg.scheduler_addresses == ("tcp://127.0.0.1:5556",)
     assert cfg.router.policy == "auto"
@@ -34,8 +33,7 @@ def test_flag_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("CONVEYOR_FRONTEND_ID", "fe-env")
     monkeypatch.setenv("CONVEYOR_DRAIN_TIMEOUT", "7")
     monkeypatch.delenv("CONVEYOR_SCHEDULER_ADDRS", raising=False)
-    args = build_parser().parse_args(["--frontend-addr", "tcp://127.0.0.1:7002"])
-    cfg = config_from_args(args)
+    cfg = _config(["--frontend-addr", "tcp://127.0.0.1:7002"])
     assert cfg.frontend_address == "tcp://127.0.0.1:7002"
     assert cfg.scheduler_addresses == ("ipc:///tmp/s.sock",)
     assert cfg.frontend_id == "fe-env" and cfg.drain_timeout_s == 7.0
@@ -65,16 +63,25 @@ def test_several_engines_by_flag_or_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("CONVEYOR_SCHEDULER_ADDR", "ipc:///tmp/one.sock")
     monkeypatch.setenv("CONVEYOR_SCHEDULER_ADDRS", "tcp://10.0.0.1:5556, tcp://10.0.0.2:5556")
     monkeypatch.setenv("CONVEYOR_ROUTER_POLICY", "least-load")
-    cfg = config_from_args(build_parser().parse_args([]))
+    cfg = _config([])
     assert cfg.scheduler_addresses == ("tcp://10.0.0.1:5556", "tcp://10.0.0.2:5556")
     assert cfg.router.policy == "least-load"
     argv = ["--scheduler-addr", "ipc:///a", "--scheduler-addr", "ipc:///b",
             "--router-policy", "cache-aware", "--router-balance-abs", "4"]  # fmt: skip
-    cfg = config_from_args(build_parser().parse_args(argv))
+    cfg = _config(argv)
     assert cfg.scheduler_addresses == ("ipc:///a", "ipc:///b")
     assert cfg.router.policy == "cache-aware" and cfg.router.balance_abs == 4
     monkeypatch.delenv("CONVEYOR_SCHEDULER_ADDRS")
-    cfg = config_from_args(build_parser().parse_args([]))
+    cfg = _config([])
     assert cfg.scheduler_addresses == ("ipc:///tmp/one.sock",)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--router-policy", "random"])
+        _config(["--router-policy", "random"])
+
+
+def test_a_frame_limit_above_the_hard_cap_raises_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_HARD_CAP_BYTES", raising=False)
+    monkeypatch.delenv("CONVEYOR_MAX_FRAME_BYTES", raising=False)
+    cfg = _config(["--max-frame-bytes", "100MiB"])
+    assert cfg.max_frame_bytes == cfg.hard_cap_bytes == 100 << 20
+    with pytest.raises(SystemExit):
+        _config(["--max-frame-bytes", "0"])

@@ -12,6 +12,7 @@ import pytest
 
 from conveyor.launcher import StackSettings
 from conveyor.up import exposure_refusal
+from services.gateway.config import GatewayConfig
 from tests.e2e.stack_tools import ROOT, free_port
 
 
@@ -40,14 +41,18 @@ def test_up_refuses_an_unauthenticated_exposure(
 
 
 def test_loopback_ipc_or_authenticated_exposure_is_allowed(tmp_path: Path) -> None:
+    def http(host: str, **more: str) -> GatewayConfig:
+        return GatewayConfig(http_host=host, **more)
+
     allowed = [
         StackSettings(frontend_address="tcp://127.0.0.1:5557"),
-        StackSettings(frontend_address="ipc:///tmp/conveyor-fe.sock", http_host="localhost"),
+        StackSettings(frontend_address="ipc:///tmp/conveyor-fe.sock",
+                      gateway_config=http("localhost")),
         StackSettings(frontend_address="tcp://0.0.0.0:5557", curve_keys=tmp_path),
-        StackSettings(http_host="0.0.0.0", api_key="k"),
-        StackSettings(http_host="0.0.0.0", gateway=False),
-    ]
+        StackSettings(gateway_config=http("0.0.0.0", api_key="k")),
+        StackSettings(gateway_config=http("0.0.0.0"), gateway=False),
+    ]  # fmt: skip
     for settings in allowed:
         assert exposure_refusal(settings) is None, settings
-    assert exposure_refusal(StackSettings(http_host="::")) is not None
+    assert exposure_refusal(StackSettings(gateway_config=http("::"))) is not None
     assert exposure_refusal(StackSettings(frontend_address="tcp://10.1.2.3:5557")) is not None

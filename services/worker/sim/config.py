@@ -1,13 +1,15 @@
-"""Configuration of the simulated worker (flags `--sim-*`, see `__main__.py`)."""
+"""Configuration of the simulated worker (flags `--sim-*`: shared/config_flags.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 from services.worker.sim.profiles import (
+    DEVICES,
+    MODELS,
     DeviceProfile,
     ModelShape,
     get_device,
@@ -26,21 +28,66 @@ DEFAULT_TOKEN_ID_LOW = 256  # above the special and byte tokens of both vocabula
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    device: str = "h200"  # a name in profiles.DEVICES; ignored when profile_path is set
-    model: str = "llama-3-8b"  # a name in profiles.MODELS
-    profile_path: Optional[Path] = (
-        None  # a device profile JSON (e.g. from `conveyor sim calibrate`)
+    """What the simulated worker models; its flags are `--sim-*` (and --tensor-parallel-size)."""
+
+    flag_prefix: ClassVar[str] = "sim_"
+
+    device: str = field(
+        default="h200",
+        metadata={"choices": tuple(sorted(DEVICES)),
+                  "help": "simulated device profile (ignored with --sim-profile)"},
+    )  # fmt: skip
+    model: str = field(
+        default="llama-3-8b",
+        metadata={"choices": tuple(sorted(MODELS)), "help": "simulated model shape"},
     )
-    weight_dtype: str = "bfloat16"  # "bfloat16" | "float8": bytes per weight
-    block_size: int = 16  # tokens per KV block
-    num_blocks: Optional[int] = None  # None: as many as fit in the device's memory
-    max_model_len: Optional[int] = None  # None: the model's max positions, capped by the pool
-    eos_probability: float = 0.0  # chance each output token is eos (0: lengths == max_tokens)
-    token_id_low: int = DEFAULT_TOKEN_ID_LOW
-    token_id_high: Optional[int] = None  # None: min(vocab size, DEFAULT_TOKEN_ID_HIGH)
-    report_every: int = 200  # decode steps per num_seqs between "engine gap" log lines
+    profile_path: Optional[Path] = field(
+        default=None,
+        metadata={"flag": "sim_profile",
+                  "help": "a device profile JSON (`conveyor sim calibrate`); beats --sim-device"},
+    )  # fmt: skip
+    weight_dtype: str = field(
+        default="bfloat16",
+        metadata={"choices": tuple(sorted(WEIGHT_DTYPE_BYTES)), "help": "bytes per weight"},
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_blocks: Optional[int] = field(
+        default=None,
+        metadata={"help": "KV blocks to report (none: what fits in the device's memory)"},
+    )
+    max_model_len: Optional[int] = field(
+        default=None,
+        metadata={"help": "longest sequence (none: the model's, capped by the KV pool)"},
+    )
+    eos_probability: float = field(
+        default=0.0,
+        metadata={"help": "chance each output token is end-of-sequence (0: lengths == max_tokens)"},
+    )
+    token_id_low: int = field(
+        default=DEFAULT_TOKEN_ID_LOW, metadata={"help": "emitted token ids start here"}
+    )
+    token_id_high: Optional[int] = field(
+        default=None,
+        metadata={"help": "emitted token ids stay below this (none: min(vocabulary size, "
+                  f"{DEFAULT_TOKEN_ID_HIGH}))"},
+    )  # fmt: skip
+    report_every: int = field(
+        default=200,
+        metadata={"help": "decode steps per batch size between engine-gap log lines"},
+    )
     # devices of one tensor-parallel group this one process models (DeviceProfile.tensor_parallel)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"flag": "tensor_parallel_size",
+                  "help": "model N devices of one tensor-parallel group in this one process "
+                  "(their all-reduces over the device's interconnect)"},
+    )  # fmt: skip
+    # Fault injection (services/worker/sim/faults.py, wrapped around the runner by __main__)
+    fail_token: Optional[int] = field(
+        default=None,
+        metadata={"internal": True, "help": "fault injection: steps holding a request whose "
+                  "prompt contains this token id fail"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPE_BYTES:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
 
 from services.worker.plan_writer import PlanWriter
 from shared.protocol.sampling import SamplingParams
@@ -29,14 +29,34 @@ class MeasureGrid:
     """Which shapes to time. Decodes: every batch size at every context; prefills: every
     length alone and `prefill_batch` at once; mixed: (decodes, prompt chunk) beside each other."""
 
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    context_lens: tuple[int, ...] = (128, 512)
-    prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
-    prefill_batch: int = 4
-    mixed: tuple[tuple[int, int], ...] = ((8, 128), (16, 256))
-    mixed_context: int = 256
-    repeats: int = 3  # timed steps per shape in a row (after one warm-up step)
-    rounds: int = 1  # passes over the whole grid
+    flag_env: ClassVar[bool] = False  # `conveyor sim measure` flags, no CONVEYOR_* variables
+
+    batch_sizes: tuple[int, ...] = field(
+        default=(1, 2, 4, 8, 16, 32), metadata={"help": "sequences of the decode samples"}
+    )
+    context_lens: tuple[int, ...] = field(
+        default=(128, 512), metadata={"help": "cached tokens per sequence for the decode samples"}
+    )
+    prefill_lens: tuple[int, ...] = field(
+        default=(16, 64, 128, 256, 512), metadata={"help": "prompt lengths of the prefill samples"}
+    )
+    prefill_batch: int = field(
+        default=4, metadata={"help": "also time prefills of this many prompts at once"}
+    )
+    mixed: tuple[tuple[int, int], ...] = field(
+        default=((8, 128), (16, 256)),
+        metadata={"help": "DECODES:CHUNK pairs: a prompt chunk prefilled beside running decodes"},
+    )
+    mixed_context: int = field(
+        default=256, metadata={"help": "cached tokens of the decodes in a mixed sample"}
+    )
+    repeats: int = field(
+        default=3,
+        metadata={"help": "timed steps per shape in a row (after one warm-up step)"},
+    )
+    rounds: int = field(
+        default=3, metadata={"help": "passes over the whole grid (their times are pooled)"}
+    )
 
     def __post_init__(self) -> None:
         sizes = [*self.batch_sizes, *self.context_lens, *self.prefill_lens, self.prefill_batch]
