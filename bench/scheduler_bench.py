@@ -81,7 +81,7 @@ class _Worker:
         sampled = self.held.apply(plan).sampled()
         base = plan.step_id * 7919
         tokens = [(base + i) % VOCAB for i in range(len(sampled))]
-        HeldBatch.record_samples(sampled, tokens)
+        self.held.record_samples(sampled, tokens)
         return StepResult(plan.step_id, tokens)  # in batch order: no rids
 
 

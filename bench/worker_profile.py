@@ -65,8 +65,8 @@ def ours_mixed(runner: ModelRunner, batch: int, context: int, chunk: int) -> Any
     writer = PlanWriter()  # its first plan is a reset
     news = decoding_sequences(writer, rids, context, per_seq)
     news.append(writer.new_sequence("chunk", ids, chunk, blocks, GREEDY))
-    runner.batch.apply_plan(writer.plan({}, news))  # held, nothing computed yet
-    held = list(runner.batch.held.seqs.values())
+    runner.held.apply(writer.plan({}, news))  # held, nothing computed yet
+    held = list(runner.held.seqs.values())
     scheduled = {**dict.fromkeys(rids, 1), "chunk": chunk}
 
     def run() -> None:

@@ -74,8 +74,8 @@ def ours_decode(runner: ModelRunner, batch: int, context: int, step_id: int) -> 
     rids = [f"b{batch}-{i}" for i in range(batch)]
     writer = PlanWriter(first_step_id=step_id)  # a fresh writer: its first plan is a reset
     news = decoding_sequences(writer, rids, context, per_seq)
-    runner.batch.apply_plan(writer.plan({}, news))  # held, nothing computed yet
-    held = list(runner.batch.held.seqs.values())
+    runner.held.apply(writer.plan({}, news))  # held, nothing computed yet
+    held = list(runner.held.seqs.values())
 
     def run() -> None:
         runner.execute(writer.plan(dict.fromkeys(rids, 1)))  # the steady decode plan

@@ -22,22 +22,14 @@ gathered through the block table. Softmax is online (running max and sum) in fp3
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
-    FLOAT_DTYPES,
-    check_dim,
-    check_out,
-    check_same_dtype,
-    check_tensor,
-    needs_fp32_compute,
-    next_pow2,
-)
+from kernels._checks import check_out, needs_fp32_compute, next_pow2
+from kernels.paged_attention_shape import check_args, launch_shape, num_warps
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(-inf - this) is 0, never NaN.
@@ -129,6 +121,44 @@ def _attend_tiles(
 
 
 @triton.jit
+def _sequence_of_block(
+    query_start_loc_ptr, num_seqs, q_block_id,
+    BLOCK_Q: tl.constexpr, SEQS_PAD: tl.constexpr,
+):  # fmt: skip
+    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; the block's sequence
+    # is the last one whose first block is <= q_block_id (-1: none, a spare block of the grid).
+    offs_seq = tl.arange(0, SEQS_PAD)
+    seq_ok = offs_seq < num_seqs
+    seq_starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_ok, other=0)
+    first_blocks = tl.where(seq_ok, seq_starts // BLOCK_Q + offs_seq, 2147483647)
+    return tl.sum((first_blocks <= q_block_id).to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def _store_result(
+    out_ptr, part_out_ptr, part_ml_ptr, acc, m_i, l_i, q_rows, head, row_ok, split,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    # One split: the normalized rows into out. Several: this split's partial result into
+    # [T, H, NUM_SPLITS, HEAD_DIM_PAD] and its (max, sum) into [T, H, NUM_SPLITS, 2].
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        o_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        num_heads = tl.num_programs(1) * GROUP
+        part = (q_rows * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        p_off = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+        tl.store(part_out_ptr + p_off, out, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -143,17 +173,12 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # (Helpers kept few: the interpreter re-patches triton.language on every call of a jitted
+    # helper, and these run once per program.)
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; this program's
-    # sequence is the last one whose first block is <= q_block_id. (Kept inline and helpers kept
-    # few: the interpreter re-patches triton.language on every call of a jitted helper.)
-    offs_seq = tl.arange(0, SEQS_PAD)
-    seq_ok = offs_seq < num_seqs
-    seq_starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_ok, other=0)
-    first_blocks = tl.where(seq_ok, seq_starts // BLOCK_Q + offs_seq, 2147483647)
-    seq = tl.sum((first_blocks <= q_block_id).to(tl.int32), axis=0) - 1
+    seq = _sequence_of_block(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q, SEQS_PAD)
     if seq < 0:
         return
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -161,8 +186,7 @@ def _unified_attention_kernel(
     first_q = (q_block_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if first_q >= q_len:
         return  # the upper-bound grid has a few spare blocks per sequence
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
+    context_len = tl.load(seq_lens_ptr + seq) - q_len
 
     # Rows are (token, head-of-group) pairs: row r = token r // GROUP, head r % GROUP.
     offs_m = tl.arange(0, BLOCK_M)
@@ -170,44 +194,30 @@ def _unified_attention_kernel(
     tok = first_q + offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
-    d_ok = offs_d < HEAD_DIM
-    q_pos = context_len + tok  # [BLOCK_M] absolute positions
     q_rows = (q_start + tok).to(tl.int64)
     q_off = q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this block needs: up to the position of its last query (causal).
-    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
-    kv_end = context_len + last_q + 1
-    # Plain integer ceil-divisions: tl.cdiv is a jitted helper, costly in the interpreter.
+    # Keys this block needs: up to the position of its last query (causal). Plain integer
+    # ceil-divisions: tl.cdiv is a jitted helper, costly in the interpreter.
+    kv_end = context_len + tl.minimum(first_q + BLOCK_Q, q_len)
     num_tiles = (kv_end + TILE_N - 1) // TILE_N
     tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = _attend_tiles(
-        q, q_pos, kv_end, tile_lo, tile_hi, table_row,
+        q, context_len + tok, kv_end, tile_lo, tile_hi,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
         stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, DOT_PRECISION,
     )  # fmt: skip
-
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        o_off = q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        o_mask = row_ok[:, None] & d_ok[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        # Partial results: [T, H, NUM_SPLITS, HEAD_DIM_PAD] and (max, sum) [T, H, NUM_SPLITS, 2].
-        num_heads = tl.num_programs(1) * GROUP
-        part = (q_rows * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
-        p_off = part[:, None] * HEAD_DIM_PAD + offs_d[None, :]
-        tl.store(part_out_ptr + p_off, out, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    _store_result(
+        out_ptr, part_out_ptr, part_ml_ptr, acc, m_i, l_i, q_rows, head, row_ok, split,
+        stride_ot, stride_oh, GROUP, HEAD_DIM, HEAD_DIM_PAD, NUM_SPLITS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -235,88 +245,6 @@ def _merge_splits_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _check_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-) -> None:
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    dev = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev)
-    check_same_dtype(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    check_dim("k_cache", k_cache, 3, q.shape[2], "q's head_dim")
-    num_kv_heads = k_cache.shape[2]
-    if num_kv_heads == 0 or q.shape[1] % num_kv_heads != 0:
-        raise ValueError(
-            f"q's {q.shape[1]} heads are not a multiple of the cache's {num_kv_heads} KV heads"
-        )
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=dev)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=dev)
-    check_dim("query_start_loc", query_start_loc, 0, seq_lens.shape[0] + 1, "len(seq_lens) + 1")
-    check_dim("block_tables", block_tables, 0, seq_lens.shape[0], "len(seq_lens)")
-    if not query_start_loc.is_contiguous() or not seq_lens.is_contiguous():
-        raise ValueError("query_start_loc and seq_lens must be contiguous")
-
-
-def _default_num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_kv: int) -> int:
-    # Split the KV range only for an all-decode batch (one query per sequence: T == B) that
-    # would not fill the GPU; the split count depends on shapes only, so no host sync.
-    if q.device.type != "cuda" or q.shape[0] != num_seqs or num_seqs == 0:
-        return 1
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs = num_seqs * num_kv_heads
-    if programs >= num_sms:
-        return 1
-    by_fill = math.ceil(2 * num_sms / programs)
-    by_len = math.ceil(max_kv / 256)  # keep >= ~256 keys (4 tiles) per split
-    return max(1, min(16, by_fill, by_len))
-
-
-def _launch_shape(
-    q: torch.Tensor,
-    num_seqs: int,
-    num_kv_heads: int,
-    max_kv: int,
-    block_m: Optional[int],
-    tile_n: Optional[int],
-    num_splits: Optional[int],
-) -> tuple[int, int, int]:
-    """(rows per program, keys per tile, KV splits): the caller's choice or a default from the
-    shapes alone. On a GPU every tl.dot dimension must be >= 16."""
-    num_tokens, group = q.shape[0], q.shape[1] // num_kv_heads
-    on_gpu = q.device.type == "cuda"
-    if block_m is None:
-        # Prefill-heavy batches (several queries per sequence) take taller blocks; on CPU tall
-        # blocks mean fewer interpreted programs.
-        block_m = 64 if num_tokens > 4 * num_seqs or not on_gpu else 16
-    block_m = max(block_m, next_pow2(group), 16 if on_gpu else 1)
-    if tile_n is None:
-        tile_n = 64 if on_gpu else 128
-    if tile_n != next_pow2(tile_n) or (on_gpu and tile_n < 16):
-        raise ValueError(f"tile_n must be a power of two (>= 16 on GPU), got {tile_n}")
-    if block_m != next_pow2(block_m):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
-    if num_splits is None:
-        num_splits = _default_num_splits(q, num_seqs, num_kv_heads, max_kv)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return block_m, tile_n, num_splits
-
-
-def _num_warps(block_m: int, head_dim: int) -> int:
-    # Registers a thread at sm_90 (bench/gpu/compile.py, 64-key tiles, bf16): 16-row blocks
-    # 96 (head_dim 64) / 158 (128) with 4 warps; 64-row blocks 174 (64) with 4 warps, 248 (128)
-    # with 4 and 186 with 8. None spills; 8 warps keep the largest under ~200.
-    return 8 if block_m >= 64 and head_dim > 64 else 4
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -339,29 +267,60 @@ def paged_attention(
     every code path. Block-table entries and lengths are trusted (reading them would need a
     host sync); every load is masked to the positions they describe.
     """
-    _check_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
-    num_tokens, num_heads, head_dim = q.shape
+    check_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    block_m, tile_n, num_splits = _launch_shape(
+    shape = launch_shape(
         q, num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_m, tile_n, num_splits
     )
     if out is None:
         out = torch.empty_like(q)
     check_out("out", out, q, tuple(q.shape))
-    if num_tokens == 0 or num_seqs == 0:
+    if q.shape[0] == 0 or num_seqs == 0:
         return out
+    part_out, part_ml = _partials(q, shape[2])
+    _launch_attention(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
+        part_out, part_ml, *shape,
+    )  # fmt: skip
+    if shape[2] > 1:
+        _merge_splits(part_out, part_ml, out, shape[2])
+    return out
+
+
+def _partials(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partial results [T, H, NUM_SPLITS, HEAD_DIM_PAD] and their (max, sum)
+    [T, H, NUM_SPLITS, 2] in fp32; with one split, placeholders the kernel never touches."""
+    if num_splits == 1:
+        return q, q
+    num_tokens, num_heads, head_dim = q.shape
+    size = (num_tokens, num_heads, num_splits)
+    part_out = torch.empty((*size, next_pow2(head_dim)), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((*size, 2), dtype=torch.float32, device=q.device)
+    return part_out, part_ml
+
+
+def _launch_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_ml: torch.Tensor,
+    block_m: int,
+    tile_n: int,
+    num_splits: int,
+) -> None:
+    """The attention kernel over the grid (query blocks, KV heads, splits)."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
     block_q = block_m // group
-    head_dim_pad = next_pow2(head_dim)
-    part_out = part_ml = out  # unused placeholders when there is one split
-    if num_splits > 1:
-        part_out = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=q.device
-        )
     upcast = needs_fp32_compute(q)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _unified_attention_kernel[grid](
@@ -373,17 +332,22 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=tile_n, SEQS_PAD=max(16, next_pow2(num_seqs)), NUM_SPLITS=num_splits,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-        num_warps=_num_warps(block_m, head_dim),
+        num_warps=num_warps(block_m, head_dim),
     )  # fmt: skip
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_ml, out,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-        )  # fmt: skip
-    return out
+
+
+def _merge_splits(
+    part_out: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int
+) -> None:
+    """The splits' partial results merged into out [T, H, D], one program per (token, head)."""
+    num_tokens, num_heads, head_dim = out.shape
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        part_out, part_ml, out,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
+        NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
+    )  # fmt: skip

@@ -42,7 +42,7 @@ def _attention(group: int, head_dim: int, block_m: int, tile_n: int, splits: int
 
 ATTN = ("kernels.paged_attention", "_unified_attention_kernel")
 # (label, (module, kernel), element type, constexprs, num_warps): the GPU defaults of
-# kernels/paged_attention.py (_launch_shape, _num_warps) and the other launchers.
+# kernels/paged_attention_shape.py (launch_shape, num_warps) and the other launchers.
 CASES: list[tuple[str, tuple[str, str], str, dict[str, Any], int]] = [
     ("attention decode d64 bf16", ATTN, "bf16", _attention(4, 64, 16, 64, 1, False), 4),
     ("attention decode d128 fp16 split", ATTN, "fp16", _attention(4, 128, 16, 64, 4, False), 4),

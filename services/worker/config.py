@@ -49,11 +49,18 @@ class WorkerConfig:
         default=None,
         metadata={"help": "torch intra-op threads (none: torch's, capped at the CPUs)"},
     )
-    # Launch step N+1 before step N's sampled tokens reach the host (its decodes read them on
-    # the device; services/worker/loop.py). "auto": on CUDA with one rank. On a CPU the launch
-    # is the compute itself, so "on" only delays each result by a step (tests force it there);
-    # tensor parallelism refuses "on" (rank 0 broadcasts host tokens every step).
-    pipeline_steps: Literal["auto", "on", "off"] = "auto"
+    # Not a user setting: the worker decides itself (services/worker/pipeline.py has the rule).
+    pipeline_steps: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "internal": True,
+            "help": "step pipelining (launch step N+1 before step N's tokens reach the host): "
+            "auto decides from the device and the measured step (on a CUDA device with one "
+            "rank, while the host's work to queue a step is at least 2 percent of its "
+            "forward); on/off force it (tests: on a CPU 'on' only delays each result by a "
+            "step; tensor parallelism refuses 'on')",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,8 +94,10 @@ class WorkerConfig:
 
 
 def pipelines_steps(config: WorkerConfig, world_size: int) -> bool:
-    """Whether the worker launches step N+1 before step N's tokens land (`pipeline_steps`):
-    "auto" on a CUDA device with one rank. ValueError for "on" with several ranks."""
+    """Whether the worker runs its steps pipelined (launch, then finish; services/worker/
+    steps.py `PipelinedSteps`), decided once at start: "auto" on a CUDA device with one rank,
+    where each step then asks `OverlapRule` (services/worker/pipeline.py) whether launching
+    ahead pays. ValueError for "on" with several ranks."""
     if config.pipeline_steps == "on" and world_size > 1:
         raise ValueError(
             "pipeline_steps=on needs a single rank: with tensor parallelism rank 0 shares each "

@@ -1,9 +1,13 @@
 """The worker's persistent batch: the sequences it holds between steps, and how a plan moves it.
 
-Every worker (the real model worker, the simulated one, test doubles) applies plans through this
-one class, so the step contract (docs/design/step_contract.md) is checked the same way
-everywhere. A plan names only what changed (shared/protocol/worker_channel.py `StepPlan`); the
-batch turns it into the explicit step: which sequences compute how many tokens from which
+Every worker (the real model worker and the simulated one) applies plans through this one class,
+so the step contract (docs/design/step_contract.md) is checked the same way everywhere. It is
+the one owner of the held sequences: their histories, block tables and computed counts change
+only through its methods (`apply`, `record_samples`, `reserve_samples`, `land_samples`); the
+runner reads them.
+
+A plan names only what changed (shared/protocol/worker_channel.py `StepPlan`); the batch turns
+it into the explicit step: which sequences compute how many tokens from which
 position, and which of them sample. A plan that does not fit what is held (a skipped plan, a
 sequence computing past its history or block table, other counts) raises ValueError and leaves
 the batch *poisoned*: only a reset plan (`prev_step_id` None) is accepted after that, so a worker
@@ -12,11 +16,25 @@ never computes garbage for a batch it does not hold.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan, check_plan
+
+# A sampled token still only on the device (pipelined steps, services/worker/pipeline.py): it
+# keeps a history's length right until the token lands. Far outside any vocabulary (not -1,
+# which tensor indexing would wrap to the last row), so a slip fails the embedding lookup
+# loudly instead of computing a wrong token.
+PENDING_TOKEN = 1 << 62
+
+
+def request_seed(rid: str, seed: Optional[int]) -> int:
+    """A sequence's sampling seed: the client's, else a stable function of the rid (crc32, the
+    same in every process and run, unlike Python's salted hash())."""
+    return seed if seed is not None else zlib.crc32(rid.encode("utf-8"))
 
 
 @dataclass(slots=True, eq=False)
@@ -30,6 +48,7 @@ class HeldSeq:
     num_computed: int  # tokens whose KV its blocks hold (after the steps applied so far)
     block_ids: list[int]  # its block table
     sampling: SamplingParams
+    seed: int  # request_seed: the model worker's draws for output n are u(seed, n)
 
     @property
     def num_output_tokens(self) -> int:
@@ -111,16 +130,52 @@ class HeldBatch:
         self.last_step_id = plan.step_id
         return step
 
+    @property
+    def needs_reset(self) -> bool:
+        """Whether only a reset plan is accepted (no plan applied yet, or one failed)."""
+        return self.last_step_id is None
+
     def fail(self) -> None:
         """Called when a step fails after `apply`: the batch needs a reset plan."""
         self.last_step_id = None
 
-    @staticmethod
-    def record_samples(seqs: list[HeldSeq], token_ids: list[int]) -> None:
-        """Append each sampled token to its history (called after sampling): the next step's
-        decode computes it, penalties and the seed counter see it."""
+    def record_samples(self, seqs: Sequence[HeldSeq], token_ids: Sequence[int]) -> None:
+        """Append each sampled token to its history (called after sampling, `seqs` from the
+        step just applied): the next step's decode computes it, penalties and the seed counter
+        see it."""
         for seq, tok in zip(seqs, token_ids, strict=True):
             seq.token_ids.append(tok)
+
+    def reserve_samples(self, seqs: Sequence[HeldSeq]) -> list[int]:
+        """Append PENDING_TOKEN for each sample still on the device (a pipelined step,
+        launched); returns where each one sits in its history, for `land_samples`."""
+        positions = []
+        for seq in seqs:
+            seq.token_ids.append(PENDING_TOKEN)
+            positions.append(len(seq.token_ids) - 1)
+        return positions
+
+    def land_samples(
+        self, seqs: Sequence[HeldSeq], positions: Sequence[int], token_ids: Sequence[int]
+    ) -> None:
+        """Write landed tokens over the placeholders `reserve_samples` left (called once the
+        step's tokens are on the host, before anything reads the histories there)."""
+        for seq, pos, tok in zip(seqs, positions, token_ids, strict=True):
+            seq.token_ids[pos] = tok
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when a held sequence is inconsistent; reads only (tests call it
+        between steps; O(tokens held)). Each sequence sits under its slot; its computed count
+        fits its history, its block table and max_model_len; its block ids are in the pool;
+        its prompt lies before its outputs; a PENDING_TOKEN only stands for an output."""
+        for slot, seq in self.seqs.items():
+            assert seq.slot == slot, (slot, seq.rid, seq.slot)
+            assert 0 < seq.num_prompt_tokens <= len(seq.token_ids), seq.rid
+            assert 0 <= seq.num_computed <= len(seq.token_ids), seq.rid
+            assert seq.num_computed <= len(seq.block_ids) * self.block_size, seq.rid
+            assert seq.num_computed <= self.max_model_len, seq.rid
+            assert all(0 <= b < self.num_blocks for b in seq.block_ids), seq.rid
+            assert PENDING_TOKEN not in seq.token_ids[: seq.num_prompt_tokens], seq.rid
 
     def _release(self, slot: int, step_id: int) -> HeldSeq:
         seq = self.seqs.pop(slot, None)
@@ -140,6 +195,7 @@ class HeldBatch:
             num_computed=new.num_computed_tokens,
             block_ids=list(new.block_ids),
             sampling=new.sampling,
+            seed=request_seed(new.rid, new.sampling.seed),
         )
         self.seqs[new.slot] = seq
         return seq

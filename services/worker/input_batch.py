@@ -1,52 +1,26 @@
-"""The worker's batch between steps and the plan -> flat tensors step.
+"""The plan -> flat tensors step: what one step's forward reads, built on the step's device.
 
-The batch itself is held_batch.py (the same for every worker): per sequence, in a slot,
-its token history (prompt, then outputs, including the tokens this worker sampled), its block
-table, computed count and sampling parameters. Plans carry only what changed; the decode token
-of a sequence is its own last sample here, never resent.
+The batch itself (per sequence its token history, block table, computed count and sampling)
+is the held batch (held_batch.py), which the runner moves by each plan; this module reads an
+applied step of it and owns the tensors it builds. Plans carry only what changed; the decode
+token of a sequence is its own last sample there, never resent.
 """
 
 from __future__ import annotations
 
-import zlib
-from typing import Optional
-
 import numpy as np
 import torch
 
-from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
+from services.worker.held_batch import ExpandedStep
 from services.worker.model import StepTensors
-from shared.protocol.worker_channel import StepPlan
-
-
-def request_seed(rid: str, seed: Optional[int]) -> int:
-    """The client's seed, else a stable function of the rid (crc32, the same in every process
-    and run, unlike Python's salted hash())."""
-    return seed if seed is not None else zlib.crc32(rid.encode("utf-8"))
 
 
 class InputBatch:
-    """The worker's persistent batch (held_batch.py) and the plan -> StepTensors step."""
+    """Builds a step's StepTensors on `device` (one per worker rank; no state between steps)."""
 
-    def __init__(self, block_size: int, num_blocks: int, max_model_len: int, device: str) -> None:
+    def __init__(self, block_size: int, device: str) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_model_len = max_model_len
         self.device = device
-        self.held = HeldBatch(num_blocks, block_size, max_model_len)
-        self._seeds: dict[int, int] = {}  # slot -> seed of the sequence in it
-
-    def apply_plan(self, plan: StepPlan) -> ExpandedStep:
-        """Move the persistent batch by `plan`; called once per plan before `tensors`. Returns
-        the explicit step. Raises ValueError on a plan that does not fit what is held (then
-        only a reset plan is accepted)."""
-        step = self.held.apply(plan)
-        for seq in step.new_seqs:
-            self._seeds[seq.slot] = request_seed(seq.rid, seq.sampling.seed)
-        return step
-
-    def seed(self, seq: HeldSeq) -> int:
-        return self._seeds[seq.slot]
 
     def tensors(self, step: ExpandedStep, every_row: bool = False) -> StepTensors:
         """The flat step tensors (shapes in StepTensors) for a plan already applied; logits at
@@ -86,3 +60,11 @@ class InputBatch:
         if self.device == "cpu":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def take_device_tokens(
+        self, tensors: StepTensors, rows: list[int], tokens: torch.Tensor, src: list[int]
+    ) -> None:
+        """Pipelined steps: input rows `rows` of a step's tensors take `tokens[src]` (the
+        previous step's samples, still only on the device; pipeline.py `device_rows`)."""
+        up = self.upload
+        tensors.input_ids[up(torch.tensor(rows))] = tokens[up(torch.tensor(src))]

@@ -11,6 +11,7 @@ sequence of max_model_len always fits (vLLM issue #2418 is what happens otherwis
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -89,7 +90,26 @@ class KVCache:
         """Bytes of the whole pool (K and V of every layer) on this rank."""
         return self._pool.numel() * self._pool.element_size()
 
-    def permute_blocks(self, order: torch.Tensor) -> None:
-        """Move physical block `order[i]` to slot i in every layer; called only by tests that
-        show K/V are found through block tables alone (remap the tables to match)."""
-        self._pool.copy_(self._pool[:, :, order])
+    def check_invariants(self, tables: Iterable[tuple[list[int], int]]) -> None:
+        """Raise AssertionError when the pool or the use the held sequences make of it is
+        inconsistent; reads only (tests call it between steps; O(blocks held)). `tables`: each
+        held sequence's (block table, computed count). Every layer's K and V are views into
+        the one pool; every block id is in it; a block in two tables (a shared prefix) sits at
+        the same index in both and is full of computed tokens in each: a step writes K/V only
+        at positions past its sequence's computed count, so a shared block is never written."""
+        assert len(self.layers) == self._pool.shape[0]
+        assert self._pool.shape[2:4] == (self.num_blocks, self.block_size)
+        for i, (k, v) in enumerate(self.layers):
+            assert k.data_ptr() == self._pool[i, 0].data_ptr(), i
+            assert v.data_ptr() == self._pool[i, 1].data_ptr(), i
+        seen: dict[int, tuple[int, bool]] = {}  # block -> (index in a table, full there)
+        for block_ids, num_computed in tables:
+            for index, block in enumerate(block_ids):
+                assert 0 <= block < self.num_blocks, block
+                full = (index + 1) * self.block_size <= num_computed
+                other = seen.get(block)
+                if other is None:
+                    seen[block] = (index, full)
+                    continue
+                shared_ok = other[0] == index and other[1] and full
+                assert shared_ok, f"block {block} in two tables: at {index} (full: {full}), {other}"

@@ -1,15 +1,11 @@
-"""The loop every worker process runs (the real model worker and simulated ones).
+"""The loop every worker process runs (the model worker and the simulated one).
 
     connect (DEALER, identity "worker-<rank>") -> send WorkerReady
     loop: StepPlan -> runner.execute -> StepResult (rank 0 only), until WorkerShutdown
 
-Pipelined (`pipeline=True`, a runner with launch/finish/discard: the real worker with
-`pipeline_steps` on): a plan is launched (queued on the device), and its result is sent when
-the next plan has been launched behind it, or at once when no plan is waiting by the time the
-device has finished it. Results leave in plan order; so the device gets step N+1 before the
-worker waits for step N's tokens. A plan refused while step N is in flight is answered after
-step N's result; a step N whose tokens cannot be landed fails, and so does step N+1 launched
-on it (discarded, never reported as computed): the scheduler then sends a reset plan.
+How plans become answers (at once, or pipelined: step N+1 launched before step N is
+finished) is services/worker/steps.py; this module owns the socket, the handshake and the
+loop around it. The loop knows no queues of requests: only plans, in order.
 
 Liveness: both ends of the worker socket enable ZeroMQ's own heartbeats (shared/transport.py
 `set_heartbeat`). libzmq answers them on its I/O thread, which needs no GIL, so a worker busy in
@@ -31,62 +27,32 @@ Idle for `POLL_MS` after steps, the loop trims the heap (heap.py): RSS stays bou
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, Protocol, cast
+from typing import Any, Optional, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.worker.heap import trim_heap
+from services.worker.steps import (
+    PipelinedRunner,
+    PipelinedSteps,
+    StepRunner,
+    Steps,
+)
 from shared.curve import make_curve_client, server_public_path, worker_secret_path
 from shared.env import env_bool
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
     StepPlan,
-    StepResult,
     WorkerFailure,
-    WorkerReady,
     WorkerShutdown,
     worker_identity,
 )
 from shared.transport import guarded, set_heartbeat
 
-POLL_MS = 500  # how often the loop looks at its stop event while idle
 EXIT_GROUP_LOST = 3  # exit code: this rank cannot go on without its group; restart the group
-
-
-class FatalWorkerError(Exception):
-    """Raised by a runner when it cannot serve any further step (a tensor-parallel peer lost,
-    a collective timed out, a rank out of step): the loop fails the step and exits."""
-
-
-class StepRunner(Protocol):
-    """What serve_worker drives: services.worker.ModelRunner, or a simulated runner."""
-
-    def ready_message(self, rank: int = 0) -> WorkerReady: ...
-
-    def execute(self, plan: StepPlan) -> StepResult: ...
-
-
-class Launched(Protocol):
-    """A step a PipelinedRunner launched: its id, and whether finishing it would wait."""
-
-    @property
-    def step_id(self) -> int: ...
-
-    def device_done(self) -> bool: ...
-
-
-class PipelinedRunner(StepRunner, Protocol):
-    """A runner that can launch step N+1 before finishing step N (services/worker/runner.py)."""
-
-    def launch(self, plan: StepPlan) -> Launched: ...
-
-    def finish(self, launched: Any) -> StepResult: ...
-
-    def discard(self, launched: Any) -> None: ...
 
 
 def serve_worker(
@@ -263,105 +229,6 @@ def _on_frame(
     return "other"
 
 
-class Steps:
-    """Runs each plan to its result at once (`runner.execute`); `send` gets each answer
-    (a StepResult or a WorkerFailure), in plan order."""
-
-    def __init__(
-        self, send: Callable[[Any], None], runner: StepRunner, rank: int, log: Any
-    ) -> None:
-        self._send = send
-        self._runner = runner
-        self._rank = rank
-        self._log = log
-
-    def on_plan(self, plan: StepPlan) -> str:
-        """Run one plan and answer it: "step", or "group_lost" when its failure is fatal."""
-        reply, fatal = _run_step(self._runner, plan, self._log)
-        if fatal:  # no WorkerFailure: the exit itself tells the scheduler (requests are retried)
-            return "group_lost"
-        # Only rank 0 answers with results; every rank reports its own failures.
-        if self._rank == 0 or isinstance(reply, WorkerFailure):
-            self._send(reply)
-        return "step"
-
-    def wait_ms(self) -> int:
-        """How long the loop may wait for the next frame."""
-        return POLL_MS
-
-    def idle(self) -> bool:
-        """No step in flight."""
-        return True
-
-    def on_quiet(self) -> None:
-        """The loop's wait ended without a frame."""
-
-    def flush(self) -> None:
-        """Send what is still owed (before any other answer, and on exit)."""
-
-
-class PipelinedSteps(Steps):
-    """Keeps one launched step in flight: its result is sent once the next plan is launched
-    behind it, or once the device is done with it and no plan is waiting. One rank only
-    (`pipeline_steps` refuses tensor parallelism), so rank 0 answers everything."""
-
-    WAIT_MS = 1  # poll step while the device runs the launched step: how late its result may go
-
-    def __init__(self, send: Callable[[Any], None], runner: PipelinedRunner, log: Any) -> None:
-        super().__init__(send, runner, 0, log)
-        self._pipe = runner
-        self._pending: Optional[Launched] = None
-
-    def on_plan(self, plan: StepPlan) -> str:
-        """Launch the plan, then answer the step launched before it (if any)."""
-        prev, self._pending = self._pending, None
-        try:
-            launched = self._pipe.launch(plan)
-        except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
-            if prev is not None:
-                self._finish(prev)  # step N's result (or failure) first
-            return self._fail(plan.step_id, exc)
-        if prev is not None and not self._finish(prev):
-            self._pipe.discard(launched)  # it read step N's tokens: nothing of it is reported
-            why = RuntimeError(f"step {plan.step_id} was launched on failed step {prev.step_id}")
-            return self._fail(plan.step_id, why)
-        self._pending = launched
-        return "step"
-
-    def wait_ms(self) -> int:
-        if self._pending is None:
-            return POLL_MS
-        return 0 if self._pending.device_done() else self.WAIT_MS
-
-    def idle(self) -> bool:
-        return self._pending is None
-
-    def on_quiet(self) -> None:
-        if self._pending is not None and self._pending.device_done():
-            self.flush()
-
-    def flush(self) -> None:
-        prev, self._pending = self._pending, None
-        if prev is not None:
-            self._finish(prev)
-
-    def _finish(self, launched: Launched) -> bool:
-        """Send a launched step's result, or its failure; whether it succeeded."""
-        try:
-            result = self._pipe.finish(launched)
-        except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
-            self._fail(launched.step_id, exc)
-            return False
-        self._send(result)
-        return True
-
-    def _fail(self, step_id: int, exc: Exception) -> str:
-        self._log.error("step_failed", step_id=step_id, error=repr(exc))
-        failure = WorkerFailure(step_id=step_id, code=ErrorCode.WORKER_FAILED, message=repr(exc))
-        self._send(failure)
-        return "group_lost" if isinstance(exc, FatalWorkerError) else "step"
-
-
 class _SequenceLog:
     """One line per request joining or leaving this worker's batch (`conveyor logs --rid` shows
     them). Plans name released sequences by slot: the slot -> rid map they imply is kept here."""
@@ -391,18 +258,3 @@ class _SequenceLog:
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_blocks=len(seq.block_ids),
             )
-
-
-def _run_step(
-    runner: StepRunner, plan: StepPlan, log: Any
-) -> tuple[StepResult | WorkerFailure, bool]:
-    """One plan -> (its result, whether the failure is fatal); any runner error becomes a
-    WorkerFailure for that step."""
-    try:
-        return runner.execute(plan), False
-    except Exception as exc:  # noqa: BLE001 - any runner fault must reach the scheduler
-        log.exception("step_failed", step_id=plan.step_id, error=repr(exc))
-        failure = WorkerFailure(
-            step_id=plan.step_id, code=ErrorCode.WORKER_FAILED, message=repr(exc)
-        )
-        return failure, isinstance(exc, FatalWorkerError)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from services.worker.config import ParallelConfig
-from services.worker.loop import FatalWorkerError
+from services.worker.steps import FatalWorkerError
 
 
 class SingleRank:

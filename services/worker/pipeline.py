@@ -1,54 +1,69 @@
-"""A step launched but not finished: its sampled tokens on the device, on their way to the host.
+"""Step pipelining: a step launched but not finished, and when launching ahead pays.
 
-With `pipeline_steps` on, the worker loop (services/worker/loop.py) launches step N+1 before it
-finishes step N: N+1's decodes of the sequences that sampled at step N read those tokens from
-step N's device tensor by index (`device_rows`), so building and launching N+1 never waits for
-N's tokens on the host. Until they land, each such sequence's history ends with
-`PENDING_TOKEN`: its length is right (the persistent batch checks plan N+1 against it; the
-sequence's output index, which seeds its draws, counts it), its value is never read on the host
-(the input builder overwrites it on the device; `land` writes the real token over it before
-anything that reads histories on the host — penalties — runs). A value far outside any
-vocabulary (not -1, which tensor indexing would wrap to the last row), so that a slip fails the
-embedding lookup loudly instead of computing a wrong token.
+With pipelining, the worker loop (services/worker/loop.py `PipelinedSteps`) launches step N+1
+before it finishes step N: N+1's decodes of the sequences that sampled at step N read those
+tokens from step N's device tensor by index (`device_rows`), so building and launching N+1
+never waits for N's tokens on the host. Until they land, each such sequence's history ends
+with the held batch's PENDING_TOKEN (services/worker/held_batch.py).
+
+When it pays (`pipelines_steps` in services/worker/config.py, then `OverlapRule`):
+* only where the device runs behind the host. On CUDA the host queues kernels and goes on; on
+  a CPU the launch is the compute itself, so launching ahead would only hold each result back
+  by a step. With tensor parallelism rank 0 shares each step's tokens from the host, so there
+  is nothing to launch ahead either. So: on for a CUDA device and one rank, else off;
+* and there, only while what it hides is worth it: the host's work to get a step onto the
+  device (apply the plan, build the inputs, queue the forward), which without pipelining the
+  device waits for. The worker measures that work and the device's forward time on every step
+  (CUDA events, `DeviceClock`) and keeps launching ahead while the first is at least 2% of the
+  second (the house's bar for an optimisation), averaged over ~32 steps; it stops below 1%
+  (so it does not flip at the edge) and starts again at 2%. Long steps (large prefills, big
+  models) thus answer at once; short decode steps overlap.
+The internal setting `pipeline_steps` ("on"/"off") forces either way (tests force "on" on the
+CPU to check the tokens are the same).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from services.worker.held_batch import ExpandedStep, HeldSeq
+from services.worker.held_batch import PENDING_TOKEN, ExpandedStep, HeldBatch, HeldSeq
 from shared.protocol.worker_channel import TokenLogprobs
-
-PENDING_TOKEN = 1 << 62  # a sampled token still only on the device (see the module docstring)
 
 
 @dataclass(slots=True, eq=False)
 class LaunchedStep:
-    """One step whose forward and sampling are queued (ModelRunner.launch); `land` brings its
-    tokens to the host, ModelRunner.finish turns it into the StepResult."""
+    """One step whose forward and sampling are queued (ModelRunner.launch): a record the runner
+    writes (ModelRunner.finish lands its tokens); the loop reads only `step_id` and
+    `device_done`."""
 
     step: ExpandedStep
     sampled: list[HeldSeq]  # [S] the sequences that sample, in batch order
-    positions: list[int]  # [S] where each one's token sits in its history
+    positions: list[int]  # [S] where each one's pending token sits ([] when landed at launch)
     start: float  # perf_counter() when the launch began
     device_tokens: Optional[torch.Tensor]  # [S] int64 on the device; None: sampled on the host
     host_tokens: torch.Tensor  # [S] int64 on the CPU (pinned on CUDA; the copy is queued)
     ready: Optional[Any]  # torch.cuda.Event recorded after that copy; None: nothing to wait for
     logprobs: list[Optional[TokenLogprobs]]  # [S]
-    token_ids: Optional[list[int]] = None  # [S] once landed
+    token_ids: Optional[list[int]] = None  # [S] once landed (written into the histories)
     error: Optional[BaseException] = None  # why landing failed (raised again on every try)
     marks: tuple[Optional[Any], Optional[Any]] = (None, None)  # DeviceClock's forward events
+    queued_s: float = 0.0  # host seconds from `start` until the forward was queued
 
     @property
     def step_id(self) -> int:
         return self.step.step_id
 
+    @property
+    def landed(self) -> bool:
+        return self.token_ids is not None
+
     def device_done(self) -> bool:
-        """Whether `land` would not wait (the device has finished the step and its copy)."""
+        """Whether landing would not wait (the device has finished the step and its copy)."""
         return self.ready is None or bool(self.ready.query())
 
 
@@ -64,23 +79,18 @@ def copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[Any]]:
     return host, event
 
 
-def land(launched: LaunchedStep) -> list[int]:
-    """Wait for a launched step's tokens on the host and write them into the histories in
-    place of their PENDING_TOKEN. Idempotent; a failure is kept and raised on every call."""
+def wait_for_tokens(launched: LaunchedStep) -> list[int]:
+    """A launched step's tokens [S] on the host, waiting for the device; a failure is kept in
+    the record and raised on every later call (the step cannot be landed any more)."""
     if launched.error is not None:
         raise launched.error
-    if launched.token_ids is None:
-        try:
-            if launched.ready is not None:
-                launched.ready.synchronize()
-            tokens = launched.host_tokens.tolist()
-        except BaseException as exc:
-            launched.error = exc
-            raise
-        for seq, pos, tok in zip(launched.sampled, launched.positions, tokens, strict=True):
-            seq.token_ids[pos] = tok
-        launched.token_ids = tokens
-    return launched.token_ids
+    try:
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.host_tokens.tolist()
+    except BaseException as exc:
+        launched.error = exc
+        raise
 
 
 def device_rows(step: ExpandedStep, prev: LaunchedStep) -> tuple[list[int], list[int]]:
@@ -99,6 +109,54 @@ def device_rows(step: ExpandedStep, prev: LaunchedStep) -> tuple[list[int], list
             src.append(i)
         offset += n
     return rows, src
+
+
+def check_pending(held: HeldBatch, in_flight: Sequence[LaunchedStep]) -> None:
+    """Raise AssertionError unless the placeholders in the held histories are exactly the
+    samples of the launched steps not yet landed (`in_flight`: what the loop still holds);
+    reads only. A batch that needs a reset may keep those of a step that failed to land."""
+    expected: set[tuple[int, int]] = set()
+    for launched in in_flight:
+        if launched.landed:
+            continue
+        for seq, pos in zip(launched.sampled, launched.positions, strict=True):
+            assert seq.token_ids[pos] == PENDING_TOKEN, (launched.step_id, seq.rid, pos)
+            expected.add((id(seq), pos))
+    if held.needs_reset:
+        return
+    for seq in held.seqs.values():
+        for pos, tok in enumerate(seq.token_ids):
+            assert tok != PENDING_TOKEN or (id(seq), pos) in expected, (seq.rid, pos)
+
+
+class OverlapRule:
+    """Whether the loop launches step N+1 before finishing step N (see the module docstring):
+    `forced` (pipeline_steps "on"), else while the host's work to queue a step is at least
+    ON_SHARE of the device's forward time, averaged with weight WEIGHT per step; it stops below
+    OFF_SHARE. Until a first measure (and on the CPU, where there is none) it overlaps."""
+
+    ON_SHARE = 0.02
+    OFF_SHARE = 0.01
+    WEIGHT = 1.0 / 32
+
+    def __init__(self, forced: bool) -> None:
+        self.forced = forced
+        self.share: Optional[float] = None  # the running average of queued_s / forward_s
+        self._on = True
+
+    def on_step(self, queued_s: float, forward_s: Optional[float]) -> None:
+        """Called once per finished step with its measures (forward_s None: not measured)."""
+        if forward_s is None or forward_s <= 0.0:
+            return
+        x = queued_s / forward_s
+        self.share = x if self.share is None else self.share + self.WEIGHT * (x - self.share)
+        if self._on and self.share < self.OFF_SHARE:
+            self._on = False
+        elif not self._on and self.share >= self.ON_SHARE:
+            self._on = True
+
+    def overlaps(self) -> bool:
+        return self.forced or self._on
 
 
 class DeviceClock:
@@ -129,15 +187,17 @@ class DeviceClock:
         event.record()
         return event
 
-    def on_step(self, start: Optional[Any], end: Optional[Any]) -> None:
-        """Called in step order once a step's tokens are on the host (both events done)."""
+    def on_step(self, start: Optional[Any], end: Optional[Any]) -> Optional[float]:
+        """Called in step order once a step's tokens are on the host (both events done);
+        returns the step's forward seconds on the device (None on the CPU)."""
         if start is None or end is None:
-            return
+            return None
         if self._last_end is not None:
             gap = self._last_end.elapsed_time(start) / 1000.0
             self.idle_s += gap
             self._gaps.append(gap)
-        self.busy_s += start.elapsed_time(end) / 1000.0
+        busy = start.elapsed_time(end) / 1000.0
+        self.busy_s += busy
         self._last_end = end
         self.num_steps += 1
         if self.num_steps % self.LOG_EVERY == 0 and self._gaps:
@@ -148,3 +208,4 @@ class DeviceClock:
                 idle_p50_us=round(gaps[len(gaps) // 2] * 1e6, 1),
             )  # fmt: skip
             self._gaps = []
+        return busy

@@ -8,7 +8,7 @@ Reproducibility: the draw for a request's n-th output token is one uniform numbe
 a counter-based generator (SplitMix64 of the seed, mixed with n), turned into a token by inverse
 CDF over the filtered distribution in vocabulary order. It depends on (seed, n) alone, so a
 request recomputed after preemption draws the same tokens. Requests without a seed get
-crc32(rid) (input_batch.request_seed).
+crc32(rid) (held_batch.request_seed).
 """
 
 from __future__ import annotations

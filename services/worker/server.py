@@ -15,7 +15,8 @@ from types import FrameType
 from typing import Any, Optional
 
 from services.worker.config import ParallelConfig, WorkerConfig, check_model_divides
-from services.worker.loop import EXIT_GROUP_LOST, FatalWorkerError, serve_worker
+from services.worker.loop import EXIT_GROUP_LOST, serve_worker
+from services.worker.steps import FatalWorkerError
 
 EXIT_BAD_CONFIG = 2
 

@@ -75,7 +75,7 @@ def run_work(
     def execute(plan: StepPlan) -> StepResult:
         result = runner.execute(plan)
         # each request's history as this rank holds it after the step (released ones last)
-        histories.update({s.rid: list(s.token_ids) for s in runner.batch.held.seqs.values()})
+        histories.update({s.rid: list(s.token_ids) for s in runner.held.seqs.values()})
         return result
 
     sampled = PlanDriver(execute, NUM_BLOCKS, runner.kv_cache.block_size, 8, 4)

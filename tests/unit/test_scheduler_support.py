@@ -101,7 +101,7 @@ class CheckingWorker:
                 token = token_for(held.rid, index, self.vocab_size)
                 seq.token_ids.append(token)
                 tokens.append(token)
-        HeldBatch.record_samples(step.sampled(), tokens)
+        self.held.record_samples(step.sampled(), tokens)
         return StepResult(plan.step_id, tokens)  # batch order: the scheduler maps by position
 
     def peek(self, plan: StepPlan) -> ExpandedStep:

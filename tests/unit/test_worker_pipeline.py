@@ -15,6 +15,7 @@ from typing import Optional
 import pytest
 
 from services.worker.config import WorkerConfig, pipelines_steps
+from services.worker.pipeline import OverlapRule
 from services.worker.runner import ModelRunner
 from shared.protocol.sampling import SamplingParams
 from tests.support.plan_driver import PlanDriver
@@ -29,9 +30,18 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def _runner(folder: Path, pipeline: str) -> ModelRunner:
+def _runner(folder: Path, pipeline: str, overlap: Optional[OverlapRule] = None) -> ModelRunner:
     return ModelRunner(WorkerConfig(model=str(folder), dtype="float32", kv_cache_memory=8 << 20,
-                                    block_size=16, pipeline_steps=pipeline))  # fmt: skip
+                                    block_size=16, pipeline_steps=pipeline),
+                       overlap=overlap)  # fmt: skip
+
+
+def _not_paying() -> OverlapRule:
+    """The rule as it stands after a step whose host work was 0% of its forward."""
+    rule = OverlapRule(forced=False)
+    rule.on_step(0.0, 1.0)
+    assert not rule.overlaps()
+    return rule
 
 
 def _requests() -> dict[str, tuple[list[int], SamplingParams]]:
@@ -64,10 +74,14 @@ def _alone(folder: Path) -> dict[str, list[int]]:
 
 def _drive(folder: Path, mode: str, stops: dict[str, int], events: bool):
     """mode: "off" (the loop runs each plan at once), "on" (the loop pipelines, over a socket:
-    how often step N+1 is launched before step N finishes depends on timing) or "lockstep"
-    (the loop's pipelined handling called in-process: every plan launched on arrival)."""
-    runner = _runner(folder, "off" if mode == "off" else "on")
-    worker = LockstepWorker(runner) if mode == "lockstep" else SocketWorker(runner, mode == "on")
+    how often step N+1 is launched before step N finishes depends on timing), "lockstep"
+    (the loop's pipelined handling called in-process: every plan launched on arrival) or
+    "not-paying" (lockstep with a rule that says launching ahead does not pay: every launched
+    step is finished at once). In-process, the worker's invariants are checked between steps."""
+    overlap = _not_paying() if mode == "not-paying" else None
+    runner = _runner(folder, "off" if mode == "off" else "on", overlap)
+    in_process = mode in ("lockstep", "not-paying")
+    worker = LockstepWorker(runner) if in_process else SocketWorker(runner, mode == "on")
     driver = TwoPlanDriver(worker, runner.kv_cache.num_blocks, 16, 16)
     try:
         for rid, (prompt, params) in _requests().items():
@@ -76,6 +90,9 @@ def _drive(folder: Path, mode: str, stops: dict[str, int], events: bool):
             )
 
         def on_step(d: TwoPlanDriver, n: int) -> None:
+            if isinstance(worker, LockstepWorker):
+                pending = worker.steps.in_flight
+                runner.check_invariants([] if pending is None else [pending])  # type: ignore[list-item]
             if events and n == 6:
                 d.abort("r1")  # two plans in flight, both computing it
             if events and n == 9:
@@ -98,8 +115,10 @@ def test_pipelined_worker_gives_the_same_tokens(tiny: Path, events: bool) -> Non
     off = _drive(tiny, "off", stops, events)
     on = _drive(tiny, "on", stops, events)
     lockstep = _drive(tiny, "lockstep", stops, events)
-    assert on[:3] == off[:3] == lockstep[:3]  # outputs, how each ended, failures
+    not_paying = _drive(tiny, "not-paying", stops, events)
+    assert on[:3] == off[:3] == lockstep[:3] == not_paying[:3]  # outputs, endings, failures
     assert off[3] == 0 and lockstep[3] > 10  # decodes read from the previous step's tensor
+    assert not_paying[3] == 0  # each step finished before the next was launched
     outputs, ended, failures, _ = lockstep
     for rid, got in outputs.items():  # every token is the one the request computes alone
         assert got == alone[rid][: len(got)], rid
@@ -136,4 +155,4 @@ def test_unpipelined_runner_refuses_launch(tiny: Path) -> None:
     runner = _runner(tiny, "auto")
     assert not runner.pipelining
     with pytest.raises(ValueError, match="pipeline_steps on"):
-        runner.launch(None)  # type: ignore[arg-type]
+        runner.launch(None, None)  # type: ignore[arg-type]

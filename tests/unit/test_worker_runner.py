@@ -1,7 +1,7 @@
 """ModelRunner on a tiny random Llama: start-up errors, the ready message, mixed-batch logits
 against each sequence alone, block permutation, seeded sampling through the step API, and the
 forward pass against transformers (Llama, with and without q/k/v bias and tied embeddings).
-Runtime ~15 s."""
+The worker's invariants (`check_invariants`) are checked after every step. Runtime ~15 s."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KVCache
 from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
 from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import StepPlan, StepResult
 from tests.support.plan_driver import BlockAllocator, PlanDriver
 from tests.support.tiny_model import write_tiny_model
 
@@ -103,7 +105,8 @@ def _run_script(
             counts[rid] = n
         plan = writer.plan(counts, new, added)
         logits = runner.compute_logits(plan)  # [B, V] in the worker's batch order
-        in_batch = [seq.rid for seq in runner.batch.held.seqs.values() if seq.rid in counts]
+        runner.check_invariants()
+        in_batch = [seq.rid for seq in runner.held.seqs.values() if seq.rid in counts]
         for i, rid in enumerate(in_batch):
             done[rid] += counts[rid]
             out[(rid, done[rid] - 1)] = logits[i]
@@ -124,6 +127,13 @@ def test_mixed_batch_logits_equal_alone(tiny: Path, block_size: int) -> None:
         assert len(set(mixed) & set(alone)) >= 7
 
 
+def _permute_blocks(kv_cache: KVCache, order: torch.Tensor) -> None:
+    """Move physical block `order[i]` to slot i in every layer (through the pool's views)."""
+    for k, v in kv_cache.layers:
+        k.copy_(k[order])
+        v.copy_(v[order])
+
+
 def test_permuting_blocks_and_tables_leaves_logits_unchanged(tiny: Path) -> None:
     runner = make_runner(tiny, block_size=16)
     rng = random.Random(3)
@@ -136,7 +146,7 @@ def test_permuting_blocks_and_tables_leaves_logits_unchanged(tiny: Path) -> None
     before = runner.compute_logits(writer.plan({"a": 1}))
     n = runner.kv_cache.num_blocks
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
-    runner.kv_cache.permute_blocks(order)  # new slot i holds old block order[i]
+    _permute_blocks(runner.kv_cache, order)  # new slot i holds old block order[i]
     where = {int(old): new for new, old in enumerate(order.tolist())}
     moved = [where[b] for b in (5, 9, 2)]
     assert moved != [5, 9, 2]
@@ -155,9 +165,13 @@ def _generate(
     preempt: bool = False,
 ) -> dict[str, list[int]]:
     bs = runner.kv_cache.block_size
-    driver = PlanDriver(
-        runner.execute, runner.kv_cache.num_blocks, bs, chunk_size=16, shuffle_seed=1
-    )
+
+    def execute(plan: StepPlan) -> StepResult:
+        result = runner.execute(plan)
+        runner.check_invariants()
+        return result
+
+    driver = PlanDriver(execute, runner.kv_cache.num_blocks, bs, chunk_size=16, shuffle_seed=1)
     for rid, ids in prompts.items():
         driver.add(rid, ids, params[rid])
     if not interleave:
@@ -269,7 +283,9 @@ def test_auto_dtype_follows_the_probe(
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     assert resolve_dtype(WorkerConfig()) is None
     assert resolve_dtype(WorkerConfig(device="cuda")) == "bfloat16"
-    got = make_runner(tiny, dtype="auto").ready_message().dtype
+    # torch's ops: the C++ extension's build cache is under CONVEYOR_CACHE_DIR too, and a
+    # rebuild (~1 min on 2 cores) checks nothing here
+    got = make_runner(tiny, dtype="auto", attention_backend="torch").ready_message().dtype
     cached = decide_cpu_dtype(model_args(tiny), tmp_path / "dtype")
     assert cached.source == "cache" and got == cached.dtype
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.worker.input_batch import request_seed
+from services.worker.held_batch import request_seed
 from services.worker.sampler import SampleRow, draw_uniform, filter_logits, sample
 from shared.protocol.sampling import SamplingParams
 

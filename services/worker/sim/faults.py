@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from services.worker.loop import StepRunner
+from services.worker.steps import StepRunner
 from shared.protocol.worker_channel import StepPlan, StepResult, WorkerReady
 
 

@@ -174,7 +174,7 @@ class SimRunner:
         for i in redo:
             st = sims[seqs[i].slot]
             token_ids[i] = token(st.seed, int(ns[i]), st.forbidden, st.allow_eos)
-        HeldBatch.record_samples(seqs, token_ids)
+        self._batch.record_samples(seqs, token_ids)
         logprobs: dict[str, TokenLogprobs] = {}
         if self._logprob_slots:
             for seq, tok in zip(seqs, token_ids, strict=True):

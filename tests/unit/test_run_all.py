@@ -1,0 +1,78 @@
+"""`make test`'s time budgets (tests/run_all.py): a hung test fails by name within its group's
+budget and the run goes on; a hang pytest-timeout cannot interrupt (here: in a fixture) stops
+the group at its wall-clock budget, naming the test it was running. Each case runs a small
+pytest process on a throw-away test file (~2 s each)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.bounds import SLOW_HOST_MARGIN_S
+from tests.run_all import GROUPS, Group, run_group
+from tests.support.progress import in_progress
+
+HUNG_BODY = """
+import time
+
+def test_fine():
+    pass
+
+def test_hangs_in_its_body():
+    time.sleep(3600)
+
+def test_after_it():
+    pass
+"""
+
+HUNG_FIXTURE = """
+import time
+import pytest
+
+@pytest.fixture
+def stuck():
+    time.sleep(3600)
+
+def test_hangs_in_a_fixture(stuck):
+    pass
+"""
+
+
+def _group(tmp_path: Path, source: str, test_s: int, group_s: int) -> Group:
+    folder = tmp_path / "case"
+    folder.mkdir()
+    (folder / "test_case.py").write_text(source, encoding="utf-8")
+    return Group("case", [str(folder)], test_s=test_s, group_s=group_s)
+
+
+def test_a_hung_test_fails_by_name_and_the_group_goes_on(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    rc, counts = run_group(_group(tmp_path, HUNG_BODY, test_s=2, group_s=120), tmp_path)
+    out = capfd.readouterr().out
+    assert rc == 1 and counts == {"passed": 2, "failed": 1, "skipped": 0}
+    assert "test_hangs_in_its_body" in out and "Timeout" in out
+    assert "over its" not in out  # pytest-timeout caught it, not the group budget
+
+
+def test_a_hang_outside_the_test_body_stops_the_group_and_names_the_test(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # pytest must reach the fixture first: its start-up on a busy host within the margin
+    budget = 2 + int(SLOW_HOST_MARGIN_S)
+    rc, counts = run_group(_group(tmp_path, HUNG_FIXTURE, test_s=2, group_s=budget), tmp_path)
+    out = capfd.readouterr().out
+    assert rc != 0 and counts["failed"] == 1
+    assert f"over its {budget}s budget, stopped while running" in out
+    assert "test_case.py::test_hangs_in_a_fixture" in out
+
+
+def test_every_group_has_budgets() -> None:
+    assert [g.name for g in GROUPS] == ["unit", "kernels", "e2e"]
+    for group in GROUPS:
+        assert 0 < group.test_s < group.group_s, group
+
+
+def test_progress_file_reads_empty_when_missing(tmp_path: Path) -> None:
+    assert in_progress(tmp_path / "none") == ""
