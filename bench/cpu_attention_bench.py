@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.kernel_inputs import make_paged_batch
 from kernels.cpu_ext import cpu_paged_attention, load_cpu_ops
-from kernels.testing import make_paged_batch
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import ext_cache_dir
 

@@ -3,9 +3,11 @@
 The extension is compiled with torch.utils.cpp_extension (ninja from the venv) for the CPU it
 runs on (-march=native), so its build folder is keyed by what changes the binary: the CPU model
 and flags, the torch version, the compiler flags and every source and header in kernels/csrc
-(the .cpp files are compiled together into one module; cpu_ops.h declares what it binds). A
-second process (or a second worker rank) finds the build done and only imports it; torch's own
-file lock keeps two processes from building at once.
+(the .cpp files are compiled together into one module; cpu_ops.h declares what it binds), and
+where those sources lie: torch's build records their paths and rebuilds when they change, so
+two checkouts on one machine sharing a folder would rebuild it for each other. A second
+process (or a second worker rank) finds the build done and only imports it; torch's own file
+lock keeps two processes from building at once.
 
 Launchers check shapes and dtypes (ValueError naming the argument) before the C++ code, which
 trusts pointers. Each has a torch reference of the same function beside it:
@@ -57,9 +59,10 @@ def cpu_identity() -> str:
 
 
 def build_key() -> str:
-    """Hex digest naming the build folder: CPU, torch version, flags, sources and headers."""
+    """Hex digest naming the build folder: CPU, torch version, flags, the sources' folder,
+    sources and headers."""
     h = hashlib.sha256()
-    for part in (cpu_identity(), torch.__version__, " ".join(CFLAGS)):
+    for part in (cpu_identity(), torch.__version__, " ".join(CFLAGS), str(CSRC.resolve())):
         h.update(part.encode())
         h.update(b"\0")
     for path in sources() + headers():

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from bench.kernel_inputs import make_paged_batch, rope_cos_sin_cache
 from kernels import (
     paged_attention,
     paged_attention_ref,
@@ -25,7 +26,6 @@ from kernels import (
     write_kv,
     write_kv_ref,
 )
-from kernels.testing import make_paged_batch, rope_cos_sin_cache
 
 # (atol, rtol) against the fp32-computed reference, on a GPU.
 GPU_TOLERANCES = {

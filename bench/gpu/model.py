@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bench.kernel_inputs import rope_cos_sin_cache
 from kernels import paged_attention, rms_norm, rotary, silu_and_mul, write_kv
-from kernels.testing import rope_cos_sin_cache
 
 
 @dataclass(frozen=True)

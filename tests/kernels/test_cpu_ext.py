@@ -4,7 +4,7 @@ The extension must build on every machine of this kind (g++ present): a failed b
 `test_extension_builds_on_this_machine` here, so the worker's logged fallback to torch can never
 pass unnoticed. Batches are ragged and mixed (decodes with long contexts, chunks on top of cached
 context, fresh prompts, a chunk starting on a block boundary), GQA 9/3 as SmolLM2 and 4/1, block
-sizes 16 and 32, fp32 and bf16. Bounds: kernels.testing.TOLERANCES (fp32 2e-5; bf16 1.6e-2 abs +
+sizes 16 and 32, fp32 and bf16. Bounds: kernel_inputs.TOLERANCES (fp32 2e-5; bf16 1.6e-2 abs +
 2.4e-2 rel: the kernel computes in fp32 and rounds once, the reference rounds the same way).
 The first build takes ~30-90 s of one core; later runs import the cached build.
 """
@@ -18,12 +18,12 @@ from types import ModuleType
 import pytest
 import torch
 
+from bench.kernel_inputs import make_paged_batch, max_violation, rope_cos_sin_cache
 from kernels.cpu_ext import cpu_paged_attention, load_cpu_ops
 from kernels.paged_attention import paged_attention_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import rotary_ref
 from kernels.silu_and_mul import silu_and_mul_ref
-from kernels.testing import make_paged_batch, max_violation, rope_cos_sin_cache
 from services.worker.ops_cpu import ext_cache_dir
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.kernel_inputs import PagedBatch, make_paged_batch, rope_cos_sin_cache
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
 from kernels.rotary import rotary
 from kernels.silu_and_mul import silu_and_mul
-from kernels.testing import PagedBatch, make_paged_batch, rope_cos_sin_cache
 from kernels.write_kv import write_kv
 
 

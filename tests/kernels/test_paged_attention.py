@@ -2,7 +2,7 @@
 
 Batches are ragged and mixed: decodes with long contexts, a prefill chunk on top of cached
 context, a fresh prompt and a chunk starting exactly on a block boundary. The output is
-poisoned with NaN first, so an unwritten element fails. Error bounds: kernels.testing.TOLERANCES.
+poisoned with NaN first, so an unwritten element fails. Error bounds: kernel_inputs.TOLERANCES.
 Runtime: ~35 s of CPU for the whole file (minutes of wall time on a busy shared machine).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from bench.kernel_inputs import make_paged_batch, max_violation
 from kernels.paged_attention import paged_attention, paged_attention_ref
-from kernels.testing import make_paged_batch, max_violation
 
 # (new tokens this step, tokens already cached) per sequence.
 MIXED = ([1, 13, 20, 1, 5], [37, 40, 0, 80, 32])

@@ -1,7 +1,7 @@
 """KV write, RMSNorm, rotary and SiLU-and-mul under the Triton interpreter equal their references.
 
 Inputs are fresh random tensors, often views (slices of a fused projection, strided rows) as
-the model passes them; outputs are poisoned with NaN first. Bounds: kernels.testing.TOLERANCES.
+the model passes them; outputs are poisoned with NaN first. Bounds: kernel_inputs.TOLERANCES.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.kernel_inputs import make_paged_batch, max_violation, rope_cos_sin_cache
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import rotary, rotary_ref
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
-from kernels.testing import make_paged_batch, max_violation, rope_cos_sin_cache
 from kernels.write_kv import write_kv, write_kv_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -30,9 +30,7 @@ def test_no_function_over_60_lines() -> None:
 
 def test_no_module_over_400_lines() -> None:
     long = [
-        f"{m.rel} ({n} lines)"
-        for m in modules().values()
-        if (n := num_lines(m)) > MAX_MODULE_LINES
+        f"{m.rel} ({n} lines)" for m in modules().values() if (n := num_lines(m)) > MAX_MODULE_LINES
     ]
     assert not long, f"modules over {MAX_MODULE_LINES} lines:\n  " + "\n  ".join(long)
 

@@ -1,8 +1,7 @@
-"""Test-only code lives in tests/support/ (a tiny random model, an in-process plan driver);
-the production packages never import it (nor anything else under tests/), and the service,
-shared and CLI packages hold no test helper modules of their own. bench/ and tests/ may import
-it. (kernels/testing.py, the kernels' random inputs, is shared by the kernel tests and the GPU
-check in bench/, and stays with the kernels' owner for now; nothing in production imports it.)"""
+"""Test-only code lives in tests/support/ (a tiny random model, plan drivers); the production
+packages (what pyproject installs) never import it, nor anything else under tests/, and hold no
+test helper modules of their own. bench/ and tests/ may import it. (The kernels' random inputs,
+shared by the kernel tests and the GPU check, are bench/kernel_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PRODUCTION = ("conveyor", "services", "shared", "kernels")  # what pyproject installs
 TEST_PACKAGES = ("tests",)
 TEST_MODULE_NAMES = ("testing", "tiny_model", "conftest", "fixtures")
-NO_HELPERS_IN = ("conveyor", "services", "shared")
+NO_HELPERS_IN = PRODUCTION
 
 
 def imported_test_modules(source: str) -> list[str]:
