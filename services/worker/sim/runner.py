@@ -1,10 +1,11 @@
-"""SimRunner: a worker that holds no model (SIMULATED).
+"""SimRunner: the worker with a cost model where ModelRunner runs the forward (SIMULATED).
 
-It answers every step plan after the time the cost model gives for that step on the configured
-device and model, with deterministic tokens. It keeps the same persistent batch a real worker
-keeps (worker/held_batch.py: token histories, block tables, computed counts) and so checks the
-plans it receives exactly as the real worker does: it doubles as a checker of the scheduler's
-side of the step contract.
+It is a StepRunner of the one worker loop (services/worker/loop.py, steps.py) and moves the
+one held batch (services/worker/held_batch.py: token histories, block tables, computed counts)
+by each plan, as ModelRunner does; only its "model" differs: it answers every step after the
+time the cost model gives for that step on the configured device and model, with deterministic
+tokens. So it checks the plans it receives exactly as the real worker does: it doubles as a
+checker of the scheduler's side of the step contract.
 """
 
 from __future__ import annotations
