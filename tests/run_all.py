@@ -3,14 +3,20 @@
 Kernel tests run under the Triton interpreter in their own process: an out-of-bounds load there
 segfaults, which must show up as a failed group, not take the other groups down.
 
+Two lanes run side by side: the e2e group, and the unit then the kernel group. The e2e group
+spends much of its time waiting on the processes it starts (the whole suite run one group
+after the other kept ~1.2 of 2 cores busy), so the other lane fills the idle core; every test
+must hold on a busy machine anyway (tests/bounds.py). Each group's output is printed as one
+block when the group ends. `--serial` runs the groups one after the other, printing as they go.
+
 Time budgets, so that a hung test fails by name instead of hanging `make test`:
 * per test (pytest-timeout, the test's own body; fixtures have their own time-outs): a test
   that runs past its group's `test_s` fails with its stack, and the group goes on;
 * per group (`group_s`, wall clock): a group that outruns it (a hang pytest-timeout cannot
   interrupt: inside a fixture, or in C code that never returns to Python) is stopped, and the
   test it was running is named (tests/support/progress.py).
-Each budget is several times what the group takes alone on the 2-core machine, so a busy host
-does not trip it; the slowest tests of each group are listed (`--durations`).
+Each budget is several times what the group takes on the 2-core machine with the other lane
+beside it; the slowest tests of each group are listed (`--durations`).
 
 A skipped test fails the run: `make test` installs whatever a test needs, so a skip can only
 mean a test that did not check what it claims.
@@ -23,16 +29,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Optional
 
 from tests.support.progress import ENV as PROGRESS_ENV
 from tests.support.progress import in_progress
 
 ROOT = Path(__file__).resolve().parent.parent
-
 NUM_SLOWEST = 15  # per group, in the output (`--durations`)
 STOP_GRACE_S = 20.0  # after SIGTERM, before SIGKILL
 
@@ -51,6 +58,7 @@ GROUPS: list[Group] = [
     Group("kernels", ["tests/kernels"], test_s=300, group_s=900, env={"TRITON_INTERPRET": "1"}),
     Group("e2e", ["tests/e2e"], test_s=300, group_s=1800),
 ]
+LANES: list[list[str]] = [["e2e"], ["unit", "kernels"]]  # side by side; in order within one
 
 
 def counts_from_xml(xml: Path) -> dict[str, int]:
@@ -66,16 +74,21 @@ def counts_from_xml(xml: Path) -> dict[str, int]:
     return counts
 
 
-def run_group(group: Group, tmp: Path) -> tuple[int, dict[str, int]]:
+def run_group(group: Group, tmp: Path, out: Optional[IO[str]] = None) -> tuple[int, dict[str, int]]:
+    """Run one group; its pytest output goes to `out` (None: this process's stdout), then its
+    closing line. Returns (pytest's exit code, counts)."""
     xml, progress = tmp / f"{group.name}.xml", tmp / f"{group.name}.progress"
     env = {**os.environ, **group.env, PROGRESS_ENV: str(progress)}
     existing = [p for p in group.paths if (ROOT / p).exists()]
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", "-p",
            "tests.support.progress", f"--timeout={group.test_s}", "-o", "timeout_func_only=true",
            f"--durations={NUM_SLOWEST}", *existing]  # fmt: skip
-    print(f"\n=== {group.name}: {' '.join(cmd[2:])} (budget {group.group_s}s)", flush=True)
+    write = out.write if out is not None else sys.stdout.write
+    write(f"\n=== {group.name}: {' '.join(cmd[2:])} (budget {group.group_s}s)\n")
+    (out or sys.stdout).flush()
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=out,
+                            stderr=subprocess.STDOUT if out is not None else None)  # fmt: skip
     try:
         rc = proc.wait(timeout=group.group_s)
         hung = ""
@@ -84,12 +97,12 @@ def run_group(group: Group, tmp: Path) -> tuple[int, dict[str, int]]:
         rc = _stop(proc)
     counts = counts_from_xml(xml)
     if hung:
-        print(f"=== {group.name}: over its {group.group_s}s budget, stopped while running "
-              f"{hung}", flush=True)  # fmt: skip
+        write(f"=== {group.name}: over its {group.group_s}s budget, stopped while running {hung}\n")
         counts["failed"] += 1
     elif rc not in (0, 1) and counts["failed"] == 0:
         counts["failed"] += 1  # crashed (e.g. a segfault) or collected nothing (exit 5)
-    print(f"=== {group.name}: rc={rc} {counts} in {time.monotonic() - start:.0f}s", flush=True)
+    write(f"=== {group.name}: rc={rc} {counts} in {time.monotonic() - start:.0f}s\n")
+    (out or sys.stdout).flush()
     return rc, counts
 
 
@@ -108,19 +121,49 @@ def _stop(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
+def run_lanes(groups: list[Group], tmp: Path) -> list[tuple[int, dict[str, int]]]:
+    """The groups, lane by lane side by side (LANES; a group in no lane gets its own); each
+    group's output printed whole when it ends."""
+    by_name = {g.name: g for g in groups}
+    lanes = [[by_name.pop(n) for n in lane if n in by_name] for lane in LANES]
+    lanes = [lane for lane in lanes if lane] + [[g] for g in by_name.values()]
+    results: list[tuple[int, dict[str, int]]] = []
+    printing = threading.Lock()
+
+    def run_lane(lane: list[Group]) -> None:
+        for group in lane:
+            log = tmp / f"{group.name}.out"
+            with printing:
+                print(f"=== {group.name}: started", flush=True)
+            with log.open("w", encoding="utf-8") as out:
+                result = run_group(group, tmp, out)
+            with printing:
+                sys.stdout.write(log.read_text(encoding="utf-8", errors="replace"))
+                sys.stdout.flush()
+                results.append(result)
+
+    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 def main(argv: list[str]) -> int:
-    selected = argv or [g.name for g in GROUPS]
-    total = {"passed": 0, "failed": 0, "skipped": 0}
-    worst = 0
+    serial = "--serial" in argv
+    names = [a for a in argv if a != "--serial"]
+    groups = [g for g in GROUPS if not names or g.name in names]
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        for group in GROUPS:
-            if group.name not in selected:
-                continue
-            rc, counts = run_group(group, Path(tmp))
-            worst = worst or (rc != 0)
-            for k in total:
-                total[k] += counts[k]
-    print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+        if serial:
+            results = [run_group(g, Path(tmp)) for g in groups]
+        else:
+            results = run_lanes(groups, Path(tmp))
+    total = {k: sum(c[k] for _, c in results) for k in ("passed", "failed", "skipped")}
+    worst = any(rc != 0 for rc, _ in results)
+    print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped "
+          f"in {time.monotonic() - start:.0f}s")  # fmt: skip
     if total["skipped"]:
         print("a test skipped: `make test` must install whatever a test needs (see -ra above)")
     return 1 if worst or total["failed"] or total["skipped"] or total["passed"] == 0 else 0

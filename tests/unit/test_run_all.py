@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.bounds import SLOW_HOST_MARGIN_S
-from tests.run_all import GROUPS, Group, run_group
+from tests.run_all import GROUPS, Group, run_group, run_lanes
 from tests.support.progress import in_progress
 
 HUNG_BODY = """
@@ -76,3 +76,23 @@ def test_every_group_has_budgets() -> None:
 
 def test_progress_file_reads_empty_when_missing(tmp_path: Path) -> None:
     assert in_progress(tmp_path / "none") == ""
+
+
+def test_lanes_run_side_by_side_and_print_each_group_whole(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    groups = []
+    two = "def test_b():\n    pass\n\ndef test_c():\n    pass\n\ndef test_d():\n    assert 0\n"
+    for name, source in (("one", "def test_a():\n    pass\n"), ("two", two)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / f"test_{name}.py").write_text(source, encoding="utf-8")
+        groups.append(Group(name, [str(folder)], test_s=2, group_s=120))
+    results = run_lanes(groups, tmp_path)  # neither is in LANES: a lane each
+    out = capfd.readouterr().out
+    assert sorted(c["passed"] for _, c in results) == [1, 2]
+    assert sorted(c["failed"] for _, c in results) == [0, 1]
+    for name in ("one", "two"):  # each block whole: from its command line to its closing line
+        block = out[out.index(f"=== {name}: pytest") : out.index(f"=== {name}: rc=")]
+        other = "two" if name == "one" else "one"
+        assert f"=== {other}: pytest" not in block and f"=== {other}: rc=" not in block
