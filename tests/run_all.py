@@ -1,13 +1,16 @@
 """`make test`: each test group in its own pytest process, then one closing line.
 
 Kernel tests run under the Triton interpreter in their own process: an out-of-bounds load there
-segfaults, which must show up as a failed group, not take the other groups down.
+segfaults, which must show up as a failed group, not take the other groups down. The e2e tests
+are two groups (tests/e2e/conftest.py): those that use the session's real-model engine (one
+process holds it) and those that start stacks of their own.
 
-Two lanes run side by side: the e2e group, and the unit then the kernel group. The e2e group
-spends much of its time waiting on the processes it starts (the whole suite run one group
-after the other kept ~1.2 of 2 cores busy), so the other lane fills the idle core; every test
-must hold on a busy machine anyway (tests/bounds.py). Each group's output is printed as one
-block when the group ends. `--serial` runs the groups one after the other, printing as they go.
+Two groups run at a time: two lanes take the next group from GROUPS, in order, as they free up
+(the real-model engine's group first: it is the longest and grows the most). Most e2e tests
+spend their time waiting on the processes they start (one group after the other kept ~1.2 of
+2 cores busy), so the other lane fills the idle core; every test must hold on a busy machine
+anyway (tests/bounds.py). Each group's output is printed as one block when the group ends.
+`--serial` runs the groups one after the other, printing as they go.
 
 Time budgets, so that a hung test fails by name instead of hanging `make test`:
 * per test (pytest-timeout, the test's own body; fixtures have their own time-outs): a test
@@ -15,8 +18,8 @@ Time budgets, so that a hung test fails by name instead of hanging `make test`:
 * per group (`group_s`, wall clock): a group that outruns it (a hang pytest-timeout cannot
   interrupt: inside a fixture, or in C code that never returns to Python) is stopped, and the
   test it was running is named (tests/support/progress.py).
-Each budget is several times what the group takes on the 2-core machine with the other lane
-beside it; the slowest tests of each group are listed (`--durations`).
+Each budget is several times what the group takes on the 2-core machine beside another group;
+the slowest tests of each group are listed (`--durations`).
 
 A skipped test fails the run: `make test` installs whatever a test needs, so a skip can only
 mean a test that did not check what it claims.
@@ -53,12 +56,15 @@ class Group:
     env: dict[str, str] = field(default_factory=dict)
 
 
-GROUPS: list[Group] = [
+GROUPS: list[Group] = [  # the order the lanes take them in
+    Group("e2e-engine", ["tests/e2e"], test_s=300, group_s=1800,
+          env={"CONVEYOR_E2E_PART": "engine"}),
+    Group("e2e-stacks", ["tests/e2e"], test_s=300, group_s=1200,
+          env={"CONVEYOR_E2E_PART": "stacks"}),
     Group("unit", ["tests/unit"], test_s=180, group_s=1200),
     Group("kernels", ["tests/kernels"], test_s=300, group_s=900, env={"TRITON_INTERPRET": "1"}),
-    Group("e2e", ["tests/e2e"], test_s=300, group_s=1800),
-]
-LANES: list[list[str]] = [["e2e"], ["unit", "kernels"]]  # side by side; in order within one
+]  # fmt: skip
+NUM_LANES = 2
 
 
 def counts_from_xml(xml: Path) -> dict[str, int]:
@@ -122,27 +128,28 @@ def _stop(proc: subprocess.Popen) -> int:
 
 
 def run_lanes(groups: list[Group], tmp: Path) -> list[tuple[int, dict[str, int]]]:
-    """The groups, lane by lane side by side (LANES; a group in no lane gets its own); each
-    group's output printed whole when it ends."""
-    by_name = {g.name: g for g in groups}
-    lanes = [[by_name.pop(n) for n in lane if n in by_name] for lane in LANES]
-    lanes = [lane for lane in lanes if lane] + [[g] for g in by_name.values()]
+    """The groups, NUM_LANES at a time: each lane takes the next group in order as it frees
+    up; each group's output printed whole when it ends."""
+    todo = list(groups)
     results: list[tuple[int, dict[str, int]]] = []
-    printing = threading.Lock()
+    lock = threading.Lock()  # the queue, the results and stdout
 
-    def run_lane(lane: list[Group]) -> None:
-        for group in lane:
-            log = tmp / f"{group.name}.out"
-            with printing:
+    def lane() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                group = todo.pop(0)
                 print(f"=== {group.name}: started", flush=True)
+            log = tmp / f"{group.name}.out"
             with log.open("w", encoding="utf-8") as out:
                 result = run_group(group, tmp, out)
-            with printing:
+            with lock:
                 sys.stdout.write(log.read_text(encoding="utf-8", errors="replace"))
                 sys.stdout.flush()
                 results.append(result)
 
-    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes]
+    threads = [threading.Thread(target=lane) for _ in range(NUM_LANES)]
     for t in threads:
         t.start()
     for t in threads:
@@ -150,10 +157,16 @@ def run_lanes(groups: list[Group], tmp: Path) -> list[tuple[int, dict[str, int]]
     return results
 
 
+def select(names: list[str]) -> list[Group]:
+    """The groups `names` ask for, in GROUPS' order (none: all); "e2e" selects both e2e
+    groups."""
+    return [g for g in GROUPS if not names or {g.name, g.name.split("-")[0]} & set(names)]
+
+
 def main(argv: list[str]) -> int:
     serial = "--serial" in argv
     names = [a for a in argv if a != "--serial"]
-    groups = [g for g in GROUPS if not names or g.name in names]
+    groups = select(names)
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         if serial:

@@ -11,12 +11,18 @@ on, must match token for token (test_async_scheduling.py, test_prefix_caching.py
 session: a model load costs ~20-60 s on the shared 2-core machine.
 
 `hf_reference` loads transformers' fp32 model from the same converted folder, once per session.
+
+`make test` runs this folder as two processes side by side (tests/run_all.py): with
+CONVEYOR_E2E_PART=engine only the tests that use one of these session fixtures (one process
+holds the engines), with CONVEYOR_E2E_PART=stacks only the others (each starts what it needs).
+Unset: every test.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +36,27 @@ from services.scheduler.config import SchedulerConfig
 from tests.e2e.stack_tools import ENGINE_WORKER, engine_settings
 
 READY_TIMEOUT_S = 600.0  # model load on a busy 2-core machine; normally ~15-40 s
+PART_ENV = "CONVEYOR_E2E_PART"
+ENGINE_FIXTURES = frozenset({"engine", "reference_engine", "hf_reference"})
+
+
+def e2e_part(item: pytest.Item) -> str:
+    """ "engine" when the test uses a session fixture that starts or loads the real model,
+    directly or through its other fixtures, else "stacks"."""
+    return "engine" if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) else "stacks"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    part = os.environ.get(PART_ENV)
+    if not part:
+        return
+    if part not in ("engine", "stacks"):
+        raise pytest.UsageError(f"{PART_ENV} must be engine or stacks, got {part!r}")
+    keep = [item for item in items if e2e_part(item) == part]
+    dropped = [item for item in items if e2e_part(item) != part]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.bounds import SLOW_HOST_MARGIN_S
-from tests.run_all import GROUPS, Group, run_group, run_lanes
+from tests.run_all import GROUPS, Group, run_group, run_lanes, select
 from tests.support.progress import in_progress
 
 HUNG_BODY = """
@@ -69,9 +69,15 @@ def test_a_hang_outside_the_test_body_stops_the_group_and_names_the_test(
 
 
 def test_every_group_has_budgets() -> None:
-    assert [g.name for g in GROUPS] == ["unit", "kernels", "e2e"]
+    assert {g.name for g in GROUPS} == {"unit", "kernels", "e2e-engine", "e2e-stacks"}
     for group in GROUPS:
         assert 0 < group.test_s < group.group_s, group
+
+
+def test_selecting_groups_by_name() -> None:
+    assert [g.name for g in select([])] == [g.name for g in GROUPS]
+    assert [g.name for g in select(["e2e"])] == ["e2e-engine", "e2e-stacks"]
+    assert [g.name for g in select(["kernels", "e2e-stacks"])] == ["e2e-stacks", "kernels"]
 
 
 def test_progress_file_reads_empty_when_missing(tmp_path: Path) -> None:
@@ -88,7 +94,7 @@ def test_lanes_run_side_by_side_and_print_each_group_whole(
         folder.mkdir()
         (folder / f"test_{name}.py").write_text(source, encoding="utf-8")
         groups.append(Group(name, [str(folder)], test_s=2, group_s=120))
-    results = run_lanes(groups, tmp_path)  # neither is in LANES: a lane each
+    results = run_lanes(groups, tmp_path)
     out = capfd.readouterr().out
     assert sorted(c["passed"] for _, c in results) == [1, 2]
     assert sorted(c["failed"] for _, c in results) == [0, 1]
