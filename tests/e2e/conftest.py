@@ -41,8 +41,8 @@ ENGINE_FIXTURES = frozenset({"engine", "reference_engine", "hf_reference"})
 
 
 def e2e_part(item: pytest.Item) -> str:
-    """ "engine" when the test uses a session fixture that starts or loads the real model,
-    directly or through its other fixtures, else "stacks"."""
+    """The part a test belongs to: "engine" when it uses a session fixture that starts or
+    loads the real model, directly or through its other fixtures, else "stacks"."""
     return "engine" if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) else "stacks"
 
 
