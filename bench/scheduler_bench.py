@@ -114,10 +114,11 @@ def _warm_up(
     worker = _Worker(sched)
     while True:
         plan = sched.schedule()
-        assert plan is not None
+        flight = sched.in_flight.newest()
+        assert plan is not None and flight is not None
         sched.update(worker.answer(plan))
-        rec = sched.last_step_record
-        if rec is not None and not any(rec.is_prefill) and len(rec.rids) == n:
+        rec = flight.record
+        if not any(rec.is_prefill) and len(rec.rids) == n:
             return sched, worker
 
 

@@ -57,17 +57,18 @@ class SchedulerConfig:
         },
     )
 
-    # With async scheduling: when steps are long next to the scheduler's own path (a CPU
-    # worker's 100-600 ms), plan N+1 is held until shortly before step N is expected to end, so
-    # that requests arriving meanwhile join it instead of the plan after (one step less of
-    # TTFT); short steps (a GPU's few ms) still send it at once. services/scheduler/dispatch.py.
+    # Not a user switch: with async scheduling, plan N+1 leaves at once when steps are short
+    # next to the scheduler's own path (a GPU's few ms) and is held until shortly before step N
+    # is expected to end when they are long (a CPU worker's 100-600 ms), so that requests
+    # arriving meanwhile join it; the rule decides itself from the measured step times
+    # (services/scheduler/dispatch.py). Tests and experiments may turn it off.
     just_in_time_plans: bool = field(
         default=True,
         metadata={
-            "help": "with async scheduling: when steps are long (>= 50x the scheduler's own "
-            "path), hold plan N+1 until shortly before step N is expected to end, so requests "
-            "arriving meanwhile join it; short steps send it at once. --no-just-in-time-plans: "
-            "always at once"
+            "internal": True,
+            "help": "with async scheduling, hold plan N+1 until shortly before step N is "
+            "expected to end when steps are long (decided from measured step times); false: "
+            "always send it at once",
         },
     )
 
