@@ -1,7 +1,7 @@
 """Scheduler settings: one frozen, validated dataclass; each field is also a command-line flag.
 
 Defaults are sized for the CPU this project runs on (2 threads, SmolLM2-135M; measured on the
-team's 2-core machines, docs/PERFORMANCE.md §1 has the worker's own figures): the model's
+team's 2-core machines; docs/PERFORMANCE.md has the worker's own figures): the model's
 linear layers reach ~2.3k tok/s at 128 tokens per step and ~3.6k at 512, while a 512-token
 step takes ~140 ms. A 256-token budget keeps most of that
 throughput and holds a running decode's inter-token gap near 100 ms even while a prompt is being
@@ -47,7 +47,7 @@ class SchedulerConfig:
     # request goes on (one that finished at step N computes one extra, discarded token). On by
     # default: outputs are the same either way (tests/e2e/test_async_scheduling.py, the whole
     # e2e suite runs with it), and the worker no longer waits for the scheduler between steps
-    # (docs/PERFORMANCE.md §12). `--no-async-scheduling`: one plan in flight at a time.
+    # (docs/PERFORMANCE.md). `--no-async-scheduling`: one plan in flight at a time.
     async_scheduling: bool = field(
         default=True,
         metadata={
