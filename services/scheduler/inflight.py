@@ -106,10 +106,11 @@ class InFlightSteps:
 
     def take(self, step_id: int) -> InFlightStep:
         """Called by `update()`: the oldest step, which `step_id` must name."""
-        if not self._steps or step_id != self._steps[0].step_id:
-            expected = self._steps[0].step_id if self._steps else None
+        steps = self._steps
+        if not steps or step_id != steps[0].plan.step_id:
+            expected = steps[0].step_id if steps else None
             raise ValueError(f"result for step {step_id} but step {expected} is next")
-        return self._steps.popleft()
+        return steps.popleft()
 
     def clear(self) -> None:
         """A failed step or a lost worker: no result will come for any of them."""

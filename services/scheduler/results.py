@@ -74,11 +74,13 @@ class ResultApplier:
             failed = self._fail_missing(flight.sampled, now, message)
             return OutputBatch(result.step_id, finished=failed)
         ends = self._steady.apply(flight, result)
-        if ends is not None:
-            sampled, tokens, logprobs = flight.sampled, result.token_ids, result.logprobs
-            finished = [self._finish_with(sampled[i], tokens[i], logprobs, now) for i in ends]
-            return self._output_batch(result, flight.sampled_rids, ends, finished)
-        return self._apply_each(flight, result, now)
+        if ends is None:
+            return self._apply_each(flight, result, now)
+        finished: list[RequestOutput] = []
+        for i in ends:  # rare: the common steady result ends nobody
+            req = flight.sampled[i]
+            finished.append(self._finish_with(req, result.token_ids[i], result.logprobs, now))
+        return self._output_batch(result, flight.sampled_rids, ends, finished)
 
     def _apply_each(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
         """The general path: each sample checked against its request."""
@@ -121,8 +123,10 @@ class ResultApplier:
             drop = set(skipped)
             rids = [r for i, r in enumerate(rids) if i not in drop]
             token_ids = [t for i, t in enumerate(token_ids) if i not in drop]
-        num_finished = sum(len(o.new_token_ids) for o in finished)
-        self._counters.num_output_tokens += len(rids) + num_finished
+        num_outputs = len(rids)
+        for out in finished:
+            num_outputs += len(out.new_token_ids)
+        self._counters.num_output_tokens += num_outputs
         # the result's logprobs as they are: the server cuts them per frontend (off this path)
         return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished)
 

@@ -22,7 +22,9 @@ from shared.protocol.worker_channel import NewSequence, StepPlan
 @dataclass(slots=True)
 class BuiltStep:
     plan: StepPlan
-    rids: list[str]  # [B] every request that computes, in batch order (the step record)
+    # [B] every request that computes, in batch order (the step record; read-only: a steady
+    # step without chunks shares the steady run's own list)
+    rids: list[str]
     num_tokens: list[int]  # [B]
     is_prefill: list[bool]  # [B], for the step record
     num_prefill_tokens: int
@@ -113,7 +115,8 @@ class StepBuilder:
         released = worker.take_released()
         reused = self._reused
         if reused is not None and len(reused[0]) == len(self.decodes):  # none dropped since
-            rids = list(reused[0])  # for the step record
+            # for the step record: the run's list itself (read-only) unless chunks follow
+            rids = list(reused[0]) if self._chunks else reused[0]
             _send_blocks(reused[1], block_slots, block_ids)  # only checked ones can send blocks
             for r in self.decodes:
                 r.num_computed_tokens += 1
