@@ -147,6 +147,16 @@ class Bisection:
     def num_held(self) -> int:
         return sum(len(group) for group in self._held)
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every held request is waiting, live, out of the queue
+        and held once. Read-only."""
+        held = [req for group in self._held for req in group]
+        assert all(group for group in self._held), "an empty held group"
+        assert len({id(r) for r in held}) == len(held), "a request held twice"
+        for req in held:
+            assert req.status is RequestStatus.WAITING and req.rid in self._live, req.rid
+            assert req not in self._waiting, f"{req.rid} is held and queued"
+
     def remove_waiting(self, req: Request) -> None:
         """Take a waiting request out of the queue, or out of the held groups (it is aborted or
         fails)."""

@@ -304,6 +304,8 @@ class Scheduler:
         self.prefix_cache.check_invariants(running)
         self._waiting.check_invariants()
         self._batch.check_invariants(self.config.max_num_seqs, self.block_size)
+        self.steady.check_invariants()
+        self.faults.check_invariants()
         self.live.check_invariants(self._waiting, self._batch, self.faults.is_held,
                                    self.faults.num_held)  # fmt: skip
         assert len(self.in_flight) <= self.config.max_plans_in_flight

@@ -134,6 +134,17 @@ class SteadyDecodes:
                 ends.append(i)
         return ends
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless a run whose batch is unchanged holds exactly the running
+        requests, in batch order, each filed once for a later check. Read-only."""
+        run = self._run
+        if run is None or run.version != self._batch.version:
+            return  # no run, or one the next step ends
+        assert [r.rid for r in run.decodes] == list(self._batch.requests), "steady run: stale"
+        assert run.rids == [r.rid for r in run.decodes], "steady run: rids"
+        filed = [r.rid for bucket in run.due.values() for r in bucket]
+        assert sorted(filed) == sorted(run.rids), "steady run: a request not filed once"
+
 
 @dataclass(slots=True)
 class _Run:
