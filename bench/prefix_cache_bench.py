@@ -26,8 +26,8 @@ on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts
 
 Engine configuration (the same for both modes): with the real worker the scheduler's defaults
 (sized for this CPU: 32 running, a 256-token step budget); with `--worker sim` an H200-sized one,
-256 running and a 4,096-token step budget (chunk = budget, as the defaults have it), what §12 of
-docs/PERFORMANCE.md runs the H200 profile with and near vLLM's GPU defaults (256 sequences,
+256 running and a 4,096-token step budget (chunk = budget, as the defaults have it), what the
+H200 profile's overlap runs use and near vLLM's GPU defaults (256 sequences,
 2,048 tokens; 1,024 and 8,192 on GPUs of >= 70 GiB). The simulated worker sizes the KV pool from
 the device's memory. `--max-num-seqs` / `--max-num-batched-tokens` override either.
 
@@ -91,22 +91,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=256)
     p.add_argument("--turn-len", type=int, default=64, help="multi-turn: tokens per user turn")
-    p.add_argument(
-        "--think-time",
-        type=float,
-        default=2.0,
-        help="chat: a user's mean think time (s, exponential) before each turn; 0: lock-step",
-    )
+    p.add_argument("--think-time", type=float, default=2.0, help="chat: a user's mean think "
+                   "time (s, exponential) before each turn; 0: lock-step")  # fmt: skip
     p.add_argument("--scenarios", default="shared-prefix,multi-turn,chat,no-sharing")
-    p.add_argument(
-        "--max-num-seqs", type=int, help="default: the scheduler's with the real worker, 256 sim"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="step budget, also the chunk size; default: the scheduler's with the real worker, "
-        "4096 with the simulated one",
-    )
+    p.add_argument("--max-num-seqs", type=int,
+                   help="default: the scheduler's with the real worker, 256 sim")  # fmt: skip
+    p.add_argument("--max-num-batched-tokens", type=int, help="step budget, also the chunk "
+                   "size; default: the scheduler's with the real worker, 4096 sim")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("results/prefix_cache"))
     return p.parse_args(argv)
@@ -249,17 +240,23 @@ async def _chat(
                 return
             history = prompt + reply
 
-    thinks = [
-        [think_rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
-         for _ in range(cfg.num_turns)]
-        for _ in range(num_convs)
-    ]  # fmt: skip
+    thinks = _think_times(think_rng, think_time_s, num_convs, cfg.num_turns)
     start = time.perf_counter()
     try:
         await asyncio.gather(*(conversation(c, thinks[c]) for c in range(num_convs)))
     finally:
         await client.close()
     return traces, time.perf_counter() - start
+
+
+def _think_times(
+    rng: random.Random, mean_s: float, num_convs: int, num_turns: int
+) -> list[list[float]]:
+    """Each conversation's think time before each turn (exponential, mean `mean_s`; 0: none)."""
+    return [
+        [rng.expovariate(1.0 / mean_s) if mean_s > 0 else 0.0 for _ in range(num_turns)]
+        for _ in range(num_convs)
+    ]
 
 
 def _ttft_by_turn_ms(traces: list[RequestTrace], num_turns: int) -> list[float]:
@@ -331,6 +328,48 @@ def _run(address: str, scenario: Scenario, log_dir: Path, think_time_s: float) -
     return metrics
 
 
+def _print_run(r: int, name: str, mode: str, m: dict[str, Any]) -> None:
+    """One round's figures of one scenario and mode."""
+    print(
+        f"round {r} {name:13s} caching {mode:3s}: mean TTFT "
+        f"{m['mean_ttft_ms']:9.1f} ms, output {m['output_throughput']:8.1f} tok/s,"
+        f" hit rate {m['hit_rate']:.3f}, prefill tokens {m['prefill_tokens']:.0f},"
+        f" median gap {m['median_gap_us']:.0f} us",
+        flush=True,
+    )
+    split = m["ttft_split"]
+    print(
+        f"  TTFT split: {split['wait_s'] * 1e3:.0f} ms to the first plan, then "
+        f"{split['prefill_s'] * 1e3:.0f} ms to the first token "
+        f"({split['prefill_steps']:.2f} prefill steps)",
+        flush=True,
+    )
+    if "mean_ttft_ms_by_turn" in m:
+        turns = [round(x) for x in m["mean_ttft_ms_by_turn"]]
+        print(f"  mean TTFT by turn (ms): {turns}", flush=True)
+
+
+def _summarize(name: str, modes: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The medians over rounds of each mode, and the on/off ratios (printed)."""
+    med = {
+        mode: {k: statistics.median(m[k] for m in ms) for k in ("mean_ttft_ms",
+               "output_throughput", "hit_rate", "prefill_tokens", "duration",
+               "median_gap_us")}
+        for mode, ms in modes.items()
+    }  # fmt: skip
+    ttft_x = med["off"]["mean_ttft_ms"] / med["on"]["mean_ttft_ms"]
+    tput_x = med["on"]["output_throughput"] / med["off"]["output_throughput"]
+    gap_x = med["on"]["median_gap_us"] / max(med["off"]["median_gap_us"], 1e-9)
+    print(
+        f"{name:13s}: mean TTFT off/on = {ttft_x:.2f}x, output throughput on/off = "
+        f"{tput_x:.2f}x, scheduler gap on/off = {gap_x:.2f}x "
+        f"(hit rate on {med['on']['hit_rate']:.3f})",
+        flush=True,
+    )
+    return {**med, "ttft_off_over_on": ttft_x, "throughput_on_over_off": tput_x,
+            "gap_on_over_off": gap_x}  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     plan = scenarios(args)
@@ -348,44 +387,10 @@ def main(argv: list[str]) -> int:
                     if m["failed"]:
                         raise SystemExit(f"{s.name} caching {mode}: {m['failed']} requests failed")
                     runs[s.name][mode].append(m)
-                    print(
-                        f"round {r} {s.name:13s} caching {mode:3s}: mean TTFT "
-                        f"{m['mean_ttft_ms']:9.1f} ms, output {m['output_throughput']:8.1f} tok/s,"
-                        f" hit rate {m['hit_rate']:.3f}, prefill tokens {m['prefill_tokens']:.0f},"
-                        f" median gap {m['median_gap_us']:.0f} us",
-                        flush=True,
-                    )
-                    split = m["ttft_split"]
-                    print(
-                        f"  TTFT split: {split['wait_s'] * 1e3:.0f} ms to the first plan, then "
-                        f"{split['prefill_s'] * 1e3:.0f} ms to the first token "
-                        f"({split['prefill_steps']:.2f} prefill steps)",
-                        flush=True,
-                    )
-                    if "mean_ttft_ms_by_turn" in m:
-                        turns = [round(x) for x in m["mean_ttft_ms_by_turn"]]
-                        print(f"  mean TTFT by turn (ms): {turns}", flush=True)
+                    _print_run(r, s.name, mode, m)
             finally:
                 stack.stop()
-    summary = {}
-    for name, modes in runs.items():
-        med = {
-            mode: {k: statistics.median(m[k] for m in ms) for k in ("mean_ttft_ms",
-                   "output_throughput", "hit_rate", "prefill_tokens", "duration",
-                   "median_gap_us")}
-            for mode, ms in modes.items()
-        }  # fmt: skip
-        ttft_x = med["off"]["mean_ttft_ms"] / med["on"]["mean_ttft_ms"]
-        tput_x = med["on"]["output_throughput"] / med["off"]["output_throughput"]
-        gap_x = med["on"]["median_gap_us"] / max(med["off"]["median_gap_us"], 1e-9)
-        summary[name] = {**med, "ttft_off_over_on": ttft_x, "throughput_on_over_off": tput_x,
-                         "gap_on_over_off": gap_x}  # fmt: skip
-        print(
-            f"{name:13s}: mean TTFT off/on = {ttft_x:.2f}x, output throughput on/off = "
-            f"{tput_x:.2f}x, scheduler gap on/off = {gap_x:.2f}x "
-            f"(hit rate on {med['on']['hit_rate']:.3f})",
-            flush=True,
-        )
+    summary = {name: _summarize(name, modes) for name, modes in runs.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {k: str(v) for k, v in vars(args).items()}
     meta["engine_flags"] = str(engine_flags(args))

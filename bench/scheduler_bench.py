@@ -9,7 +9,8 @@ decodes. Timed per step, as the server runs them between a result and the next p
 the result frame, `update()`, `schedule()`, encoding the plan frame. The "worker" answers
 instantly with a fixed token; building and encoding its answer is not timed.
 Goal: <= 200 us per step at 256 running. Run it on a quiet machine only (not while tests or
-other benchmarks run); the figures go in docs/PERFORMANCE.md. Writes JSON to --out.
+other benchmarks run); docs/PERFORMANCE.md and docs/design/scheduler.md cite its figures.
+Writes JSON to --out.
 
 Every prompt is distinct (no shared prefix: 0% prefix-cache hits), and sampled tokens differ
 per request, so prefix caching costs here what it costs a workload it cannot help.
@@ -114,10 +115,11 @@ def _warm_up(
     worker = _Worker(sched)
     while True:
         plan = sched.schedule()
-        assert plan is not None
+        flight = sched.in_flight.newest()
+        assert plan is not None and flight is not None
         sched.update(worker.answer(plan))
-        rec = sched.last_step_record
-        if rec is not None and not any(rec.is_prefill) and len(rec.rids) == n:
+        rec = flight.record
+        if not any(rec.is_prefill) and len(rec.rids) == n:
             return sched, worker
 
 

@@ -1,7 +1,7 @@
 """Scheduler settings: one frozen, validated dataclass; each field is also a command-line flag.
 
 Defaults are sized for the CPU this project runs on (2 threads, SmolLM2-135M; measured on the
-team's 2-core machines, docs/PERFORMANCE.md §1 has the worker's own figures): the model's
+team's 2-core machines; docs/PERFORMANCE.md has the worker's own figures): the model's
 linear layers reach ~2.3k tok/s at 128 tokens per step and ~3.6k at 512, while a 512-token
 step takes ~140 ms. A 256-token budget keeps most of that
 throughput and holds a running decode's inter-token gap near 100 ms even while a prompt is being
@@ -73,7 +73,7 @@ class SchedulerConfig:
     # request goes on (one that finished at step N computes one extra, discarded token). On by
     # default: outputs are the same either way (tests/e2e/test_async_scheduling.py, the whole
     # e2e suite runs with it), and the worker no longer waits for the scheduler between steps
-    # (docs/PERFORMANCE.md §12). `--no-async-scheduling`: one plan in flight at a time.
+    # (docs/PERFORMANCE.md). `--no-async-scheduling`: one plan in flight at a time.
     async_scheduling: bool = field(
         default=True,
         metadata={
@@ -83,17 +83,18 @@ class SchedulerConfig:
         },
     )
 
-    # With async scheduling: when steps are long next to the scheduler's own path (a CPU
-    # worker's 100-600 ms), plan N+1 is held until shortly before step N is expected to end, so
-    # that requests arriving meanwhile join it instead of the plan after (one step less of
-    # TTFT); short steps (a GPU's few ms) still send it at once. services/scheduler/dispatch.py.
+    # Not a user switch: with async scheduling, plan N+1 leaves at once when steps are short
+    # next to the scheduler's own path (a GPU's few ms) and is held until shortly before step N
+    # is expected to end when they are long (a CPU worker's 100-600 ms), so that requests
+    # arriving meanwhile join it; the rule decides itself from the measured step times
+    # (services/scheduler/dispatch.py). Tests and experiments may turn it off.
     just_in_time_plans: bool = field(
         default=True,
         metadata={
-            "help": "with async scheduling: when steps are long (>= 50x the scheduler's own "
-            "path), hold plan N+1 until shortly before step N is expected to end, so requests "
-            "arriving meanwhile join it; short steps send it at once. --no-just-in-time-plans: "
-            "always at once"
+            "internal": True,
+            "help": "with async scheduling, hold plan N+1 until shortly before step N is "
+            "expected to end when steps are long (decided from measured step times); false: "
+            "always send it at once",
         },
     )
 

@@ -4,10 +4,12 @@ With overlap (`--async-scheduling`) plan N+1 used to leave right after plan N, s
 arriving while step N runs could join plan N+2 at the earliest: one extra step of
 time-to-first-token. vLLM's async scheduling and SGLang's overlap scheduler pay the same; on a
 GPU (steps of a few ms) it is noise, on this CPU (steps of 100-600 ms) it is most of a turn's
-TTFT gain from prefix caching (docs/PERFORMANCE.md §12, "Third round: when plan N+1 leaves").
+TTFT gain from prefix caching (the figure that keeps it: docs/design/scheduler.md).
 
 The policy (`DispatchPolicy`), asked by the scheduler loop whenever plan N is in flight and
-plan N+1 could be built:
+plan N+1 could be built, decides by itself from the step times it measures: it is no user
+switch (the one overlap switch is `--async-scheduling`); the internal config field
+`SchedulerConfig.just_in_time_plans` lets tests and experiments turn it off. The rule:
 
 * **short steps: send now** (what overlap was built for). A step is short when its expected
   time is under `HOLD_MIN_RATIO` times the scheduler's own path (its work between a result and

@@ -1,9 +1,8 @@
-"""The scheduler's answers to worker faults: a lost worker, a failed step.
+"""The scheduler's answer to a failed step: bisection (`Bisection`), a part of the core.
 
-A part of `Scheduler` (services/scheduler/scheduler.py), kept in its own module because it is
-its own concern: the methods run on the scheduler's state and keep the same invariants
-(services/scheduler/integrity.py) after every call. The server calls them when the worker link
-reports a loss or a `WorkerFailure`.
+The server calls `Scheduler.bisect_failed_step` when the worker link reports a `WorkerFailure`
+(a lost worker is `Scheduler.requeue_all`, which rebuilds the core's parts). The scheduler's
+invariants hold after every call.
 
 A failed step fails only the requests it can be pinned on, found by bisection
 (`bisect_failed_step`): a step of one request pins the failure on it; a step of several puts
@@ -20,9 +19,15 @@ its requests, as before. Waiting requests are never failed by a step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from services.scheduler.batching import BatchingRules
+from services.scheduler.inflight import InFlightSteps
+from services.scheduler.live import LiveRequests
+from services.scheduler.policy import WaitingQueue
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.running import RunningSet
 from shared.protocol.engine_channel import RequestOutput
 
 # A request that was part of this many failed steps ends with the step's error even when not
@@ -30,17 +35,32 @@ from shared.protocol.engine_channel import RequestOutput
 MAX_FAILED_STEPS = 16
 
 
-class WorkerFaults:
-    """Mixed into Scheduler; uses its `_live`, `_waiting`, `_batch`, `pool`, `_clock`,
-    `_rules`, `_inflight`, `prefix_cache`, `config`, `_fresh_state` and `_mark_finished`.
-    `_reset_faults` is called by its __init__."""
+class Bisection:
+    """Owns bisection's state: the groups held aside, the rids that passed a step, the failed
+    steps per rid. One per core (a new core starts afresh)."""
 
-    def _reset_faults(self) -> None:
-        self._held: list[list[Request]] = []  # bisection's set-aside groups, next one first
+    def __init__(
+        self,
+        live: LiveRequests,
+        waiting: WaitingQueue,
+        batch: RunningSet,
+        cache: PrefixCache,
+        in_flight: InFlightSteps,
+        rules: BatchingRules,
+        async_scheduling: bool,
+        clock: Callable[[], float],
+    ) -> None:
+        self._live = live
+        self._waiting = waiting
+        self._batch = batch
+        self._cache = cache
+        self._in_flight = in_flight
+        self._rules = rules
+        self._async = async_scheduling
+        self._clock = clock
+        self._held: list[list[Request]] = []  # the set-aside groups, next one first
         self._passed: set[str] = set()  # rids part of a completed step (not suspects)
         self._num_failed_steps: dict[str, int] = {}  # rid -> failed steps it was part of
-
-    # ---- a failed step: bisection ------------------------------------------------------------
 
     def bisect_failed_step(self, code: str, message: str) -> list[RequestOutput]:
         """The worker failed the oldest step in flight: the outputs of the requests the failure
@@ -50,15 +70,18 @@ class WorkerFaults:
         reset: the next plan resets it and sends every running request again. With overlap,
         blocks registered while the failed step was in flight may miss KV: the prefix cache is
         emptied. What the failed steps filled is never registered."""
-        rids = [rid for flight in self._inflight for rid in flight.rids]
-        if len(self._inflight) > 1 or self.config.async_scheduling:
-            self.prefix_cache.reset()
+        rids = [rid for flight in self._in_flight for rid in flight.rids]
+        if len(self._in_flight) > 1 or self._async:
+            self._cache.reset()
         else:  # what completed steps queued, before their requests' tables are dropped
-            self.prefix_cache.flush()
-        self._inflight.clear()
+            self._cache.flush()
+        self._in_flight.clear()
         self._batch.forget_worker()
-        step = [self._live[r] for r in dict.fromkeys(rids)
-                if r in self._live and self._live[r].status is RequestStatus.RUNNING]  # fmt: skip
+        step = []
+        for rid in dict.fromkeys(rids):
+            req = self._live.get(rid)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                step.append(req)
         counts = self._num_failed_steps
         for req in step:
             counts[req.rid] = counts.get(req.rid, 0) + 1
@@ -68,8 +91,13 @@ class WorkerFaults:
             pinned = [r for r in step if counts[r.rid] >= MAX_FAILED_STEPS]
         outputs = self.fail_step([r.rid for r in pinned], code, message)
         rest = [r for r in step if r not in pinned]
-        if not rest:
-            return outputs
+        if rest:
+            self._split(rest)
+        return outputs
+
+    def _split(self, rest: list[Request]) -> None:
+        """The requests of a failed step not pinned: back by recompute, the first half of the
+        suspects at the head of the queue, the second half held aside."""
         suspects = [r for r in rest if r.rid not in self._passed]
         if not suspects:  # every one completed a step before: suspects again, all of them
             self._passed.difference_update(r.rid for r in rest)
@@ -83,19 +111,18 @@ class WorkerFaults:
         for req in rest:
             self._batch.drop(req)  # frees its blocks; the next plan releases it at the worker
             req.reset_for_recompute()
-            req.status = RequestStatus.WAITING
+            req.requeue()
         for req in first:
             self._waiting.add_preempted(req)
         if later:
             self._held.append(sorted(later, key=lambda r: r.seq_no))
-        return outputs
 
     def step_completed(self, rids: Iterable[str]) -> None:
         """Called with the rids of each step whose result arrived: they are no suspects, and
         the next held group (if any) rejoins the head of the queue."""
         self._passed.update(rids)
         if len(self._passed) > 2 * len(self._live) + 64:  # forget finished rids now and then
-            self._passed.intersection_update(self._live)
+            self._passed = {rid for rid in self._passed if rid in self._live}
             self._num_failed_steps = {
                 r: n for r, n in self._num_failed_steps.items() if r in self._live
             }
@@ -120,28 +147,25 @@ class WorkerFaults:
     def num_held(self) -> int:
         return sum(len(group) for group in self._held)
 
-    def _remove_waiting(self, req: Request) -> None:
-        """Take a waiting request out of the queue, or out of bisection's held groups."""
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every held request is waiting, live, out of the queue
+        and held once. Read-only."""
+        held = [req for group in self._held for req in group]
+        assert all(group for group in self._held), "an empty held group"
+        assert len({id(r) for r in held}) == len(held), "a request held twice"
+        for req in held:
+            assert req.status is RequestStatus.WAITING and req.rid in self._live, req.rid
+            assert req not in self._waiting, f"{req.rid} is held and queued"
+
+    def remove_waiting(self, req: Request) -> None:
+        """Take a waiting request out of the queue, or out of the held groups (it is aborted or
+        fails)."""
         for group in self._held:
             if req in group:
                 group.remove(req)
                 self._held = [g for g in self._held if g]
                 return
         self._waiting.remove(req)
-
-    # ---- the worker lost, a failure pinned -------------------------------------------------
-
-    def fail_all(self, code: str, message: str) -> list[RequestOutput]:
-        """The worker is lost: every live request ends with an error; all state is reset."""
-        now = self._clock()
-        outputs = []
-        for req in list(self._live.values()):
-            self._mark_finished(req, "error", now)
-            outputs.append(req.output([], [], "error", code, message))
-        self._fresh_state(self.pool.num_blocks)  # a new pool: the prefix cache is empty
-        self._reset_faults()
-        self._inflight.clear()
-        return outputs
 
     def fail_step(self, rids: Iterable[str], code: str, message: str) -> list[RequestOutput]:
         """A failure pinned on `rids`: they end with `code`; the worker drops their state with
@@ -154,36 +178,9 @@ class WorkerFaults:
             if req is None:
                 continue
             if req.status is RequestStatus.WAITING:
-                self._remove_waiting(req)
+                self.remove_waiting(req)
             else:
                 self._batch.drop(req)
-            self._mark_finished(req, "error", now)
+            self._live.finish(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
-        return outputs
-
-    def requeue_all(self, max_retries: int, code: str, message: str) -> list[RequestOutput]:
-        """The worker is lost with all its state: every request it held restarts from the
-        waiting queue by recompute (its generated tokens kept, so no token is sent twice),
-        unless it already restarted `max_retries` times: then it ends with `code`. Waiting
-        requests keep their places. The pool starts empty (the new worker's is)."""
-        live = sorted(self._live.values(), key=lambda r: r.seq_no)
-        # and an empty prefix cache: the KV is gone. The first plan resets the worker's batch
-        # (a worker that only reconnected still holds the old one).
-        self._fresh_state(self.pool.num_blocks)
-        self._reset_faults()  # held requests are live and waiting: they rejoin the queue below
-        self._inflight.clear()
-        now = self._clock()
-        outputs = []
-        for req in live:
-            if req.status is RequestStatus.WAITING:
-                self._waiting.add(req)
-                continue
-            req.reset_for_recompute()
-            if req.num_worker_retries >= max_retries:
-                self._mark_finished(req, "error", now)
-                outputs.append(req.output([], [], "error", code, message))
-                continue
-            req.num_worker_retries += 1
-            req.status = RequestStatus.WAITING
-            self._waiting.add_preempted(req)
         return outputs

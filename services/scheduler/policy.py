@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Optional, Protocol
 
-from services.scheduler.request import Request
+from services.scheduler.request import Request, RequestStatus
 
 
 class CachedPrefixes(Protocol):
@@ -42,6 +42,10 @@ class CachedPrefixes(Protocol):
     def cached_len(self, req: Request, known_len: int = 0) -> int:
         """Tokens of `req`'s prompt found cached now; `known_len` of them were found cached
         earlier and none has been dropped since (only what follows is looked up)."""
+        ...
+
+    def registered_len(self, req: Request) -> int:
+        """Tokens of `req`'s prompt registered now (read-only: for `check_invariants`)."""
         ...
 
 
@@ -150,9 +154,30 @@ class WaitingQueue:
         return req if req is not None else next((r for r in self._head if r.rid == rid), None)
 
     def known_cached_lens(self) -> dict[str, tuple[tuple[int, int], int]]:
-        """lpm's memo, rid -> (cache version, cached len) when last found (read-only: for
-        services/scheduler/integrity.py)."""
+        """lpm's memo, rid -> (cache version, cached len) when last found (read-only)."""
         return self._cached
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every waiting request is WAITING and holds no blocks,
+        and lpm's memo holds: a remembered rid waits; while no cached block was dropped since,
+        the remembered prefix is still registered, and with no registration since either, it is
+        exactly what is registered. Read-only."""
+        for req in [*self._head, *self._by_arrival.values()]:
+            assert req.status is RequestStatus.WAITING and not req.block_ids, req.rid
+        if self._sorts:
+            assert len(self._sorted) == len(self._by_arrival), "the sorted list is stale"
+        if self._cache is None:
+            return
+        dropped, registered = self._cache.version()
+        for rid, ((was_dropped, was_registered), n) in self._cached.items():
+            req = self.find(rid)
+            assert req is not None, f"lpm remembers {rid}, which does not wait"
+            if was_dropped != dropped:
+                continue  # stale: looked up afresh next time
+            found = self._cache.registered_len(req)
+            assert n <= found, f"{rid}: lpm remembers {n} cached tokens, {found} are"
+            if was_registered == registered:
+                assert n == found, f"{rid}: lpm remembers {n} cached tokens, {found} are"
 
     def oldest_arrival(self) -> float | None:
         times = [self._head[0].arrival_time] if self._head else []  # head is in arrival order

@@ -10,37 +10,37 @@ is looked up and registered:
   (len(tokens) - 1) // block_size blocks are looked up, so at least one token is always computed
   (the last position must produce logits) and a hit block is never written to.
 * registration: a full block becomes findable only once the step that computed its last slot
-  has completed. Blocks filled by prefill chunks are counted when the plan is built (step.py
-  `BuiltStep.filled`: what the chunk's table holds once that step has completed) and queued
-  when its result arrives (the scheduler extends `filled`: one list operation; a failed step's
-  never are), blocks filled by decodes when the request's table next grows (the scheduler
-  appends the request to `grown`: one list append, resolved here), a finishing request's
-  blocks when it finishes (`hold`: its table goes to the pool's held state, counted as free,
-  registered and released here). `flush()` does all of it after the next plan has left (the
-  server calls `after_plan()` off the result -> plan path), or earlier, at a lookup whose first
-  miss a queued block may hold (so no lookup misses a completed block, and lookups that cannot
-  hit, e.g. of prompts no one shares, flush nothing). A preempted request registers at once
-  (its blocks are freed next). A failed step registers nothing, and a worker failure or
+  has completed. Two kinds are queued and registered off the result -> plan path, by `flush()`
+  (the server calls `after_plan()` once the next plan has left):
+  - blocks filled by prefill chunks: counted when the plan is built (step.py `BuiltStep.filled`)
+    and queued by the result path (`queue_filled`) when the step's result arrives (a failed
+    step's never are);
+  - blocks filled by decodes: queued (`queue_grown`) when the request's table next grows.
+  A lookup whose first miss a queued block may hold flushes first, so no lookup misses a
+  completed block (and lookups that cannot hit, e.g. of prompts no one shares, flush nothing).
+  A preempted or finishing request registers what it computed at once (`register_computed`:
+  its blocks are freed next). A failed step registers nothing, and a worker failure or
   (re)handshake replaces the pool, which empties the cache.
 
 Keys cost ~1-2 us per block, so they are computed off the result -> plan path where possible:
 a prompt's at `add_request` (which the server runs while the worker computes), a decode-filled
-block's in `flush()`.
+block's in `flush()`. Same-run figures for both queues, on ÷ off: docs/design/scheduler.md.
 
 Eviction ahead (`after_plan`): once the free stack runs short (a full cache), every block an
-allocation takes must be evicted first (its key dropped: ~0.5 us a block, on the path). So after
-each plan the free stack is topped up from the cache's least recently used end with as many
-blocks as the most any of the last `EVICT_AHEAD_STEPS` steps took (at most what one step can
-allocate, `max_step_blocks`), and the next step pops them. This bends one rule of the cache --
-a released block stays findable until it is reused -- for a bounded set: at any moment at most
-that many blocks, the next ones to be evicted anyway, are dropped up to a step early. A lookup
-loses a hit only on those (the oldest cached blocks); with free blocks to spare, nothing is
-evicted ahead.
+allocation takes must be evicted first (its key dropped, on the path). So after each plan the
+free stack is topped up from the cache's least recently used end with as many blocks as the
+most any of the last `EVICT_AHEAD_STEPS` steps took (at most what one step can allocate,
+`max_step_blocks`), and the next step pops them. This bends one rule of the cache -- a released
+block stays findable until it is reused -- for a bounded set: at any moment at most that many
+blocks, the next ones to be evicted anyway, are dropped up to a step early. A lookup loses a
+hit only on those (the oldest cached blocks); with free blocks to spare, nothing is evicted
+ahead.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.block_pool import BlockPool
@@ -53,6 +53,10 @@ RUNNING = RequestStatus.RUNNING
 # of them): two block periods of a decode, which crosses a block boundary every block_size steps
 # (16 by default), so a batch of decodes crossing together is remembered until they cross again
 EVICT_AHEAD_STEPS = 32
+
+# a queued chunk: (request, its preemption count when the plan was built, the full blocks of
+# its table once that step completed)
+Filled = tuple[Request, int, int]
 
 
 @dataclass(slots=True)
@@ -84,17 +88,10 @@ class PrefixCache:
         self.namespace = namespace
         self.enabled = enabled
         self.counters = PrefixCacheCounters()
-        # (request, its preemption count, blocks of its table whose KV is complete) of the
-        # chunks of completed steps: the scheduler's `update()` extends it with the step's
-        # `filled` (counted when the plan was built); `flush()` registers them
-        self.filled: list[tuple[Request, int, int]] = []
-        # decoding requests whose full table grew by a block in this schedule(): the scheduler
-        # appends them (the cheapest thing on its per-decode path); `flush()` registers the
-        # blocks before the new one (see `_grown_full`)
-        self.grown: list[Request] = []
-        # finished requests: (request, its table, its full blocks, the pool's hold id), the
-        # table held in the pool until `flush()` registers and releases it
-        self._finished: list[tuple[Request, list[int], int, int]] = []
+        self._filled: list[Filled] = []  # chunks of completed steps (`queue_filled`)
+        # decoding requests whose full table grew by a block (`queue_grown`): the blocks before
+        # the new one are registered by `flush()` (see `_grown_full`)
+        self._grown: list[Request] = []
         # eviction ahead (`after_plan`): blocks each of the last steps took from the free stack
         # or by evicting, and the free stack's length and the eviction count when the last
         # `after_plan` ended
@@ -103,51 +100,111 @@ class PrefixCache:
         self._free_left = pool.num_plain_free
         self._evicted_seen = pool.num_evicted
 
+    # ---- queued registrations ----------------------------------------------------------------
+
+    def queue_filled(self, filled: list[Filled]) -> None:
+        """Called by the result path with a completed step's chunks (`InFlightStep.filled`):
+        registered by `flush()`, off the path."""
+        self._filled.extend(filled)
+
+    def queue_grown(self, reqs: list[Request]) -> None:
+        """Called by the step filler with the decodes whose table grew this step (one call a
+        step): the blocks before each one's new block are registered by `flush()`."""
+        self._grown.extend(reqs)
+
+    def flush(self) -> None:
+        """Register what was queued. A chunk of a request preempted or finished since was
+        registered at that moment, and one no longer running holds other blocks now: both
+        are skipped."""
+        if self._filled:
+            for req, num_preemptions, num_full in self._filled:
+                if req.status is RUNNING and req.num_preemptions == num_preemptions:
+                    self._register(req, min(num_full, len(req.block_ids)))
+            self._filled.clear()
+        if self._grown:
+            bs = self.block_size
+            for req in self._grown:
+                self._register(req, _grown_full(req, bs))
+            self._grown.clear()
+
+    def after_plan(self, max_step_blocks: int) -> None:
+        """Called once a plan has left, while the worker computes (the scheduler's
+        `after_plan()`): `flush()`, then evict ahead (see the module docstring) so the free
+        stack holds as many blocks as the most any of the last steps took, at most
+        `max_step_blocks` (what one step can allocate). What a step took is measured here, not
+        on the path: the free stack's shrinkage since the last call plus the blocks evicted on
+        the path (an underestimate when blocks were freed meanwhile)."""
+        pool = self.pool
+        taken = max(0, self._free_left - pool.num_plain_free)
+        self._step_demand.append(taken + pool.num_evicted - self._evicted_seen)
+        self.flush()
+        pool.evict_ahead(min(max(self._step_demand), max_step_blocks))
+        self._free_left = pool.num_plain_free
+        self._evicted_seen = pool.num_evicted
+
+    def register_computed(self, req: Request) -> None:
+        """Make `req`'s full blocks findable, up to what it computed. Called when it is
+        preempted or finishes, before its blocks are freed (no later plan writes them)."""
+        self._register(req, min(req.num_computed_tokens // self.block_size, len(req.block_ids)))
+
+    def _register(self, req: Request, num_full: int) -> None:
+        """Register `req`'s table's blocks [req.num_registered_blocks, num_full) under its keys."""
+        if num_full <= req.num_registered_blocks:
+            return
+        keys = req.block_keys
+        if len(keys) < num_full:
+            extend_int_block_keys(keys, req.token_ids, self.block_size, self.namespace, num_full)
+        self.pool.register_blocks(req.block_ids, keys, req.num_registered_blocks, num_full)
+        req.num_registered_blocks = num_full
+
+    # ---- lookups -----------------------------------------------------------------------------
+
     def prepare(self, req: Request) -> None:
         """A request arrived: compute the keys of its prompt's full blocks now (the server
         handles arrivals while the worker computes), so lookups and registrations of them on
         the result -> plan path are dictionary operations."""
         if self.enabled:
-            bs = self.block_size
-            extend_int_block_keys(
-                req.block_keys, req.token_ids, bs, self.namespace, (len(req.token_ids) - 1) // bs
-            )
+            self._keys(req)
 
-    def lookup(self, req: Request) -> list[int]:
-        """The cached blocks `req` could start with (changes nothing). Computes the request's
-        block keys once; later lookups (each schedule() while it waits) are dict reads."""
-        if not self.enabled:
-            return []
+    def _keys(self, req: Request) -> tuple[list[int], int]:
+        """`req`'s keys, computed up to its last full block before the last token, and how many
+        blocks that is (what a lookup may find)."""
         bs = self.block_size
         num_full = (len(req.token_ids) - 1) // bs
         keys = req.block_keys
         if len(keys) < num_full:
             extend_int_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
+        return keys, num_full
+
+    def lookup(self, req: Request) -> list[int]:
+        """The cached blocks `req` could start with (changes nothing but, when a queued
+        registration may extend the hit, flushes the queue). Computes the request's block keys
+        once; later lookups (each schedule() while it waits) are dict reads."""
+        if not self.enabled:
+            return []
+        keys, num_full = self._keys(req)
         if not num_full:
             return []
         # a prompt whose first block is not cached (no shared prefix) costs one dict read
         hits = self.pool.find_prefix(keys, num_full) if keys[0] in self._registered else []
-        if len(hits) < num_full and self._pending_holds(keys[len(hits)], len(hits)):
+        if len(hits) < num_full and self._may_be_queued(keys[len(hits)], len(hits)):
             self.flush()  # a completed block not registered yet would extend the hit
             hits = self.pool.find_prefix(keys, num_full)
         return hits
 
-    def _pending_holds(self, key: int, depth: int) -> bool:
+    def _may_be_queued(self, key: int, depth: int) -> bool:
         """Whether a queued registration may be the block `key` at table index `depth` (the
         first miss of a lookup): only then must the queue be flushed on the result -> plan path
         (with no shared prefix, never). True when unsure (keys of decode-filled blocks are
         computed by `flush()`)."""
-        for req, _, num_full in self.filled:
+        for req, _, num_full in self._filled:
             if req.num_registered_blocks <= depth < num_full and _may_be(req, depth, key):
                 return True
         bs = self.block_size
-        for req in self.grown:
+        for req in self._grown:
             if req.num_registered_blocks <= depth < _grown_full(req, bs) and _may_be(
                 req, depth, key
             ):
-                return True
-        for req, _, num_full, _ in self._finished:
-            if req.num_registered_blocks <= depth < num_full and _may_be(req, depth, key):
                 return True
         return False
 
@@ -162,16 +219,18 @@ class PrefixCache:
         after them are looked up. Changes nothing but, like `lookup`, may flush the queue."""
         if not self.enabled:
             return 0
-        bs = self.block_size
-        num_full = (len(req.token_ids) - 1) // bs
-        keys = req.block_keys
-        if len(keys) < num_full:
-            extend_int_block_keys(keys, req.token_ids, bs, self.namespace, num_full)
-        depth = self.pool.num_prefix(keys, num_full, known_len // bs)
-        if depth < num_full and self._pending_holds(keys[depth], depth):
+        keys, num_full = self._keys(req)
+        depth = self.pool.num_prefix(keys, num_full, known_len // self.block_size)
+        if depth < num_full and self._may_be_queued(keys[depth], depth):
             self.flush()
             depth = self.pool.num_prefix(keys, num_full, depth)
-        return depth * bs
+        return depth * self.block_size
+
+    def registered_len(self, req: Request) -> int:
+        """Tokens of `req`'s prompt registered now, by the keys it has (read-only: no key is
+        computed, no queue flushed; for the lpm memo's check)."""
+        num_full = (len(req.token_ids) - 1) // self.block_size
+        return self.pool.num_prefix(req.block_keys, num_full) * self.block_size
 
     def attach(self, req: Request, hits: list[int], step: StepBuilder) -> None:
         """`req` (no blocks, nothing computed) starts with `hits` from `lookup()` in its table:
@@ -179,9 +238,7 @@ class PrefixCache:
         cannot evict them. Counts the query (a miss when `hits` is empty)."""
         if hits:  # a miss changes nothing but the counts
             self.pool.take_cached(hits)
-            req.block_ids = list(hits)
-            req.num_registered_blocks = len(hits)
-            req.num_computed_tokens = len(hits) * self.block_size
+            req.attach_cached(hits, self.block_size)
         self.count(req, step)
 
     def attach_if_room(self, req: Request, step: StepBuilder) -> bool:
@@ -204,98 +261,32 @@ class PrefixCache:
         step.num_cache_queries += len(req.token_ids)
         step.num_cache_hits += num_cached
 
-    def register_computed(self, req: Request) -> None:
-        """Make `req`'s full blocks findable, up to what completed steps computed. Called only
-        when no step that writes into them is in flight (see the module docstring)."""
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-        self._register(req, req.block_ids, num_full)
-
-    def hold(self, req: Request) -> None:
-        """`req` finished (its last step completed): its table moves to the pool's held state
-        (counted as free at once) and `req` holds no blocks any more; `flush()` registers its
-        full blocks and releases them, off the result -> plan path."""
-        table = req.block_ids
-        req.block_ids = []
-        num_full = min(req.num_computed_tokens // self.block_size, len(table))
-        self._finished.append((req, table, num_full, self.pool.hold(table)))
-
-    def flush(self) -> None:
-        """Register what was queued: the `filled` chunks (a request preempted or finished since
-        registered at that moment, and one no longer running holds other blocks now: both are
-        skipped), `grown` decodes, and `hold`-ed finished tables, which are released then."""
-        if self.filled:
-            for req, num_preemptions, num_full in self.filled:
-                if req.status is RUNNING and req.num_preemptions == num_preemptions:
-                    self._register(req, req.block_ids, min(num_full, len(req.block_ids)))
-            self.filled.clear()
-        if self.grown:  # cleared in place: the scheduler may hold its `append`
-            bs = self.block_size
-            for req in self.grown:
-                self._register(req, req.block_ids, _grown_full(req, bs))
-            self.grown.clear()
-        if self._finished:
-            finished, self._finished = self._finished, []
-            for req, table, num_full, hold_id in finished:
-                if self._extend_keys(req, num_full):
-                    start = req.num_registered_blocks
-                    self.pool.register_held(table, req.block_keys, start, num_full, hold_id)
-                    req.num_registered_blocks = num_full
-            self.pool.release_held()
-
-    def after_plan(self, max_step_blocks: int) -> None:
-        """Called once a plan has left, while the worker computes (the scheduler's
-        `after_plan()`): `flush()`, then evict ahead (see the module docstring) so the free
-        stack holds as many blocks as the most any of the last steps took, at most
-        `max_step_blocks` (what one step can allocate). What a step took is measured here, not
-        on the path: the free stack's shrinkage since the last call plus the blocks evicted on
-        the path (an underestimate when blocks were freed meanwhile)."""
-        pool = self.pool
-        taken = max(0, self._free_left - pool.num_plain_free)
-        self._step_demand.append(taken + pool.num_evicted - self._evicted_seen)
-        self.flush()
-        pool.evict_ahead(min(max(self._step_demand), max_step_blocks))
-        self._free_left = pool.num_plain_free
-        self._evicted_seen = pool.num_evicted
-
-    def _register(self, req: Request, table: list[int], num_full: int) -> None:
-        """Register `table`'s blocks [req.num_registered_blocks, num_full) under `req`'s keys."""
-        if self._extend_keys(req, num_full):
-            self.pool.register_blocks(table, req.block_keys, req.num_registered_blocks, num_full)
-            req.num_registered_blocks = num_full
-
-    def _extend_keys(self, req: Request, num_full: int) -> bool:
-        """Whether `req` has blocks to register up to `num_full`; computes their keys."""
-        if num_full <= req.num_registered_blocks:
-            return False
-        if len(req.block_keys) < num_full:
-            bs = self.block_size
-            extend_int_block_keys(req.block_keys, req.token_ids, bs, self.namespace, num_full)
-        return True
+    # ---- the rest ----------------------------------------------------------------------------
 
     def reset(self) -> int:
         """Empty the cache (the `reset_prefix_cache` command, and after a failed step with
-        overlap); the number of keys dropped. Queued registrations are dropped too (the pool
-        releases held blocks at once, their keys gone)."""
+        overlap); the number of keys dropped. Queued registrations are dropped too."""
         self.counters.num_resets += 1
-        self.filled.clear()
-        self.grown.clear()
-        self._finished.clear()
+        self._filled.clear()
+        self._grown.clear()
         return self.pool.reset_cache()
-
-    def pending_holds(self) -> list[tuple[Request, list[int], int, int]]:
-        """(request, table, full blocks, hold id) of each finished request `hold()` queued."""
-        return list(self._finished)
-
-    def held_tables(self) -> dict[int, list[int]]:
-        """hold id -> table, of the finished requests whose registration is pending (for the
-        integrity checks: every held block is in the table of the hold that holds it)."""
-        return {hold_id: table for _, table, _, hold_id in self._finished}
 
     def stats(self) -> dict[str, float]:
         out = self.counters.as_stats()
         out["prefix_cache_blocks"] = self.pool.num_cached
         out["num_prefix_cache_evictions"] = self.pool.num_evicted
         return out
+
+    def check_invariants(self, running: Iterable[Request]) -> None:
+        """Raise AssertionError unless each running table's registered blocks hold the content
+        its request's keys claim (no request reads another prefix's KV), and no more are
+        registered than it computed. Read-only."""
+        bs = self.block_size
+        for req in running:
+            assert req.num_registered_blocks * bs <= req.num_computed_tokens, req.rid
+            for i in range(req.num_registered_blocks):
+                key = self.pool.key_of(req.block_ids[i])
+                assert key in (None, req.block_keys[i]), f"{req.rid}: block {i} holds other KV"
 
 
 def _may_be(req: Request, depth: int, key: int) -> bool:

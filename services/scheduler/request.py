@@ -1,9 +1,16 @@
-"""One request's scheduling state, owned by the scheduler alone.
+"""One request's scheduling state.
 
 There is no prefill or decode phase field: `num_computed_tokens` catches up to `len(token_ids)`.
 After (re)admission the request is in prefill while `num_computed_tokens < prefill_len`; once the
 last prompt chunk has been computed it samples, and from then on each step computes the one token
 sampled last (a decode).
+
+Its `status` and its block table (`block_ids`) change only through its own methods below, which
+the scheduler's parts call (services/scheduler/running.py, live.py, prefix_cache.py): a status
+moves WAITING -> RUNNING (`start`), RUNNING -> WAITING (`requeue`, its table released first) and
+any -> FINISHED (`finish`, once). The counters the step builder and the result path advance on
+every step (`num_computed_tokens`, `token_ids`) stay plain fields: a method call per request per
+step is what the result -> plan path cannot afford.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (as of the last plan)
     prefill_len: int = 0  # len(token_ids) when (re)admitted: work up to here is prefill
-    block_ids: list[int] = field(default_factory=list)  # its block table
+    block_ids: list[int] = field(default_factory=list)  # its block table (read-only outside)
     num_sent_blocks: int = 0  # how many of block_ids the worker already knows
     slot: Optional[int] = None  # its slot in the worker's batch (sent, not yet released)
     protected: bool = False  # just resumed after preemption: not the next victim
@@ -68,6 +75,74 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Joins the running batch (RunningSet.start): everything it holds is prefill until it
+        samples."""
+        self.status = RequestStatus.RUNNING
+        self.prefill_len = len(self.token_ids)
+
+    def requeue(self) -> None:
+        """Back to waiting, to recompute from token 0 (a preemption to the queue, a failed step,
+        a lost worker); its table was released and `reset_for_recompute` called first."""
+        if self.block_ids:
+            raise ValueError(f"{self.rid} requeued while it holds blocks")
+        self.status = RequestStatus.WAITING
+
+    def finish(self, reason: str, now: float) -> None:
+        """It stops being live (LiveRequests.finish); its final output follows."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finished = now
+
+    def note_sampled(self, now: float) -> None:
+        """Its first sample after (re)admission landed (the result path): no longer protected,
+        and the first token's time is kept."""
+        if self.first_token is None:
+            self.first_token = now
+        self.protected = False
+
+    def note_preempted(self, round_no: int, version: int) -> None:
+        """It lost its blocks to another request (RunningSet.preempt) and will recompute: counted,
+        protected from being the next victim until it samples again."""
+        self.num_preemptions += 1
+        self.preempted_at_step = round_no
+        self.preempted_at_version = version
+        self.protected = True
+
+    # ---- block table -------------------------------------------------------------------------
+
+    def add_blocks(self, blocks: list[int]) -> None:
+        """Blocks just allocated for it (RunningSet) join the end of its table."""
+        self.block_ids.extend(blocks)
+
+    def attach_cached(self, blocks: list[int], block_size: int) -> None:
+        """A prefix-cache hit (PrefixCache.attach): its table starts with `blocks`, which count as
+        computed and registered. Only for a request that holds nothing yet."""
+        if self.block_ids or self.num_computed_tokens:
+            raise ValueError(f"{self.rid} attached cached blocks to a table in use")
+        self.block_ids = list(blocks)
+        self.num_registered_blocks = len(blocks)
+        self.num_computed_tokens = len(blocks) * block_size
+
+    def release_table(self) -> list[int]:
+        """Its table, which it no longer holds (the caller frees the blocks)."""
+        table, self.block_ids = self.block_ids, []
+        return table
+
+    def reset_for_recompute(self) -> None:
+        """Called on preemption after its blocks and slot were released: it restarts from
+        token 0."""
+        self.num_computed_tokens = 0
+        self.prefill_len = len(self.token_ids)
+        self.block_ids = []
+        self.num_sent_blocks = 0
+        self.num_registered_blocks = 0
+        self.slot = None
+
+    # ---- what the frontend gets --------------------------------------------------------------
 
     def timings(self) -> RequestTimings:
         return RequestTimings(
@@ -99,13 +174,3 @@ class Request:
             error_message,
             self.num_cached_tokens or 0,
         )
-
-    def reset_for_recompute(self) -> None:
-        """Called on preemption after its blocks and slot were released: it restarts from
-        token 0."""
-        self.num_computed_tokens = 0
-        self.prefill_len = len(self.token_ids)
-        self.block_ids = []
-        self.num_sent_blocks = 0
-        self.num_registered_blocks = 0
-        self.slot = None

@@ -1,18 +1,24 @@
 """The scheduler's result path: a step's sampled tokens in, outputs and finished requests out.
 
-A part of `Scheduler` (services/scheduler/scheduler.py), kept in its own module because it is
-its own concern: `update()` runs between a result and the next plan, so it is the code that
-must stay cheap per running request. The methods run on the scheduler's state and keep the same
-invariants (services/scheduler/integrity.py) after every call.
+`ResultApplier.update()` runs between a result and the next plan, so it is the code that must
+stay cheap per running request. It takes the oldest step of the in-flight record, appends each
+sample to its request (through the steady seam when the batch is unchanged,
+services/scheduler/steady.py), finishes requests (stop token, max_tokens, max_model_len) and
+frees their blocks; the scheduler's invariants hold after every call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Optional
+from collections.abc import Callable, Iterable
 
+from services.scheduler.batching import BatchingRules
+from services.scheduler.inflight import InFlightStep, InFlightSteps
+from services.scheduler.live import LiveRequests
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.steady import SteadyTokens
+from services.scheduler.running import RunningSet
+from services.scheduler.stats import Counters
+from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
 from shared.protocol.engine_channel import OutputBatch, RequestOutput
 from shared.protocol.errors import ErrorCode
@@ -21,18 +27,32 @@ from shared.protocol.worker_channel import StepResult, TokenLogprobs
 RUNNING = RequestStatus.RUNNING
 
 
-class StepResults:
-    """Mixed into Scheduler; uses its `_inflight`, `_batch`, `_live`, `_clock`, `_rules`,
-    `_caching`, `prefix_cache`, `block_size` and `counters`."""
-
-    _steady_tokens: Optional[SteadyTokens]  # the steady run's fast append, if any (steady.py)
-
-    # ---- results -----------------------------------------------------------------------------
+class ResultApplier:
+    def __init__(
+        self,
+        live: LiveRequests,
+        batch: RunningSet,
+        cache: PrefixCache,
+        in_flight: InFlightSteps,
+        steady: SteadyDecodes,
+        rules: BatchingRules,
+        counters: Counters,
+        clock: Callable[[], float],
+    ) -> None:
+        self._live = live
+        self._batch = batch
+        self._cache = cache
+        self._caching = cache.enabled
+        self._in_flight = in_flight
+        self._steady = steady
+        self._padding = rules.keeps_finished_as_padding
+        self._counters = counters
+        self._clock = clock
 
     def update(self, result: StepResult) -> OutputBatch:
-        """Called with the in-flight plan's result: append sampled tokens, finish requests
-        (stop token, max_tokens, max_model_len) and free their blocks. Tokens of requests that
-        are no longer live (aborted while the plan was in flight) are ignored.
+        """Called with the oldest in-flight plan's result: append sampled tokens, finish
+        requests and free their blocks. Tokens of requests that are no longer live (aborted
+        while the plan was in flight) are ignored.
 
         The result names no rids: its i-th token is the sample of the i-th sequence that
         sampled, in the worker's batch order, which the scheduler kept (`InFlightStep.sampled`,
@@ -40,28 +60,30 @@ class StepResults:
         contract: every request that sampled in that step fails (the worker is not trusted to
         have sampled for the right one).
 
-        Returns the step's outputs for every frontend, columnar (this loop is on the path
-        between a result and the next plan: a request that goes on costs no allocation). Its
-        `logprobs` are the result's, possibly with entries of finished or ignored rids; the
-        server keeps each frontend's own when it splits the batch.
+        Returns the step's outputs for every frontend, columnar (a request that goes on costs
+        no allocation). Its `logprobs` are the result's, possibly with entries of finished or
+        ignored rids; the server keeps each frontend's own when it splits the batch.
         """
-        if not self._inflight or result.step_id != self._inflight[0].step_id:
-            expected = self._inflight[0].step_id if self._inflight else None
-            raise ValueError(f"result for step {result.step_id} but step {expected} is next")
-        flight = self._inflight.popleft()
+        flight = self._in_flight.take(result.step_id)
         if flight.filled:  # the step completed: its chunks' blocks are registered off the path
-            self.prefix_cache.filled.extend(flight.filled)
+            self._cache.queue_filled(flight.filled)
         now = self._clock()
         if len(result.token_ids) != len(flight.sampled):
             message = (f"the worker returned {len(result.token_ids)} tokens for "
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
-            self._steady_tokens = None
             failed = self._fail_missing(flight.sampled, now, message)
             return OutputBatch(result.step_id, finished=failed)
-        if flight.steady_mark == self._batch.num_changes:
-            ended, ends = self._apply_steady(flight.sampled, result, now)
-            return self._output_batch(result, flight.sampled_rids, ends, ended)
-        self._steady_tokens = None  # tokens appended outside it
+        ends = self._steady.apply(flight, result)
+        if ends is None:
+            return self._apply_each(flight, result, now)
+        finished: list[RequestOutput] = []
+        for i in ends:  # rare: the common steady result ends nobody
+            req = flight.sampled[i]
+            finished.append(self._finish_with(req, result.token_ids[i], result.logprobs, now))
+        return self._output_batch(result, flight.sampled_rids, ends, finished)
+
+    def _apply_each(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
+        """The general path: each sample checked against its request."""
         running = RUNNING
         finished: list[RequestOutput] = []
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
@@ -76,11 +98,8 @@ class StepResults:
                 tokens = req.token_ids
                 if req.status is running:
                     tokens.append(token)
-                    if req.first_token is None:
-                        req.first_token = now
-                        req.protected = False
-                    elif req.protected:
-                        req.protected = False
+                    if req.protected or req.first_token is None:
+                        req.note_sampled(now)
                     if token not in req.stop_ids and len(tokens) < req.max_len:
                         continue  # the common case: it goes on, and stays in the columns
                     finished.append(self._finish_with(req, token, result.logprobs, now))
@@ -89,30 +108,6 @@ class StepResults:
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
         return self._output_batch(result, flight.sampled_rids, skipped, finished)
-
-    def _apply_steady(
-        self, sampled: list[Request], result: StepResult, now: float
-    ) -> tuple[list[RequestOutput], list[int]]:
-        """`update` for a steady plan with no request finished, aborted or preempted since it
-        was built (`InFlightStep.steady_mark`): each request runs, has its first token and is
-        not protected, so a token costs an append and the two finish checks, or, while no token
-        can end a request (steady.py `SteadyTokens`), only the append. Returns the final
-        outputs and their indices in the result."""
-        fast = self._steady_tokens
-        if fast is None or fast.sampled is not sampled:
-            fast = self._steady_tokens = SteadyTokens.of(sampled)
-        if fast.append_if_none_ends(result.token_ids):
-            return [], []
-        self._steady_tokens = None  # some request ends: its list changes
-        ends: list[int] = []
-        for i, (req, token) in enumerate(zip(sampled, result.token_ids, strict=True)):
-            tokens = req.token_ids
-            tokens.append(token)
-            if token in req.stop_ids or len(tokens) >= req.max_len:
-                ends.append(i)
-        finished = [self._finish_with(sampled[i], result.token_ids[i], result.logprobs, now)
-                    for i in ends]  # fmt: skip
-        return finished, ends
 
     def _output_batch(
         self,
@@ -128,7 +123,10 @@ class StepResults:
             drop = set(skipped)
             rids = [r for i, r in enumerate(rids) if i not in drop]
             token_ids = [t for i, t in enumerate(token_ids) if i not in drop]
-        self.counters.num_output_tokens += len(rids) + sum(len(o.new_token_ids) for o in finished)
+        num_outputs = len(rids)
+        for out in finished:
+            num_outputs += len(out.new_token_ids)
+        self._counters.num_output_tokens += num_outputs
         # the result's logprobs as they are: the server cuts them per frontend (off this path)
         return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished)
 
@@ -137,27 +135,15 @@ class StepResults:
     ) -> RequestOutput:
         """`req` sampled its last token: finish it; its final output."""
         reason = "stop" if token in req.stop_ids else "length"
-        self._finish(req, reason, now)
-        lps = [logprobs[req.rid]] if req.rid in logprobs else []
-        return req.output([token], lps, reason)
-
-    def _finish(self, req: Request, reason: str, now: float) -> None:
-        self._mark_finished(req, reason, now)
-        if self._rules.keeps_finished_as_padding:
-            if self._caching:  # its last step completed: what it computed stays findable
-                self.prefix_cache.register_computed(req)
+        self._live.finish(req, reason, now)
+        if self._caching:  # what it computed stays findable once its blocks are freed
+            self._cache.register_computed(req)
+        if self._padding:
             req.padding = True  # keeps its slot and blocks until the whole batch is done
         else:
-            if self._caching:  # its blocks are registered and freed by after_plan()
-                self.prefix_cache.hold(req)  # takes them: drop() frees none
             self._batch.drop(req)
-
-    def _mark_finished(self, req: Request, reason: str, now: float) -> None:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.finished = now
-        del self._live[req.rid]
-        self.counters.count_finish(reason)
+        lps = [logprobs[req.rid]] if req.rid in logprobs else []
+        return req.output([token], lps, reason)
 
     def _fail_missing(
         self, sampled: Iterable[Request], now: float, message: str
@@ -172,6 +158,6 @@ class StepResults:
                 self._batch.preempt(req, StepBuilder(0))  # evict: it only holds its slot now
             elif req.status is RUNNING:
                 self._batch.drop(req)
-                self._mark_finished(req, "error", now)
+                self._live.finish(req, "error", now)
                 outputs.append(req.output([], [], "error", ErrorCode.WORKER_FAILED, message))
         return outputs

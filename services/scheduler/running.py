@@ -34,16 +34,14 @@ class RunningSet:
         self._register = register
         self.policy = policy
         self.requeue = requeue
-        self.requests: dict[str, Request] = {}  # batch order (admission order)
+        self.requests: dict[str, Request] = {}  # batch order (admission order); read-only
         self.worker = WorkerView()  # what the worker's persistent batch holds
         self.round = 0  # schedule() pass: a request preempted in this one waits for the next
         # Just-resumed requests are not taken from, unless nothing else could run at all.
         self.spare_protected = True
-        # bumped whenever a request leaves the batch or is preempted: a plan built with no
-        # such change before its result arrives holds only requests that go on (results.py)
-        self.num_changes = 0
         # bumped whenever a request joins or leaves the batch, is preempted, or the worker's
-        # batch is forgotten: an unchanged version keeps a steady run of decodes (steady.py)
+        # batch is forgotten: a plan built at an unchanged version holds only requests that go
+        # on (the steady path, services/scheduler/steady.py)
         self.version = 0
 
     def __len__(self) -> int:
@@ -51,6 +49,12 @@ class RunningSet:
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.requests
+
+    def begin_pass(self, spare_protected: bool) -> None:
+        """Called before each pass of schedule() over the batch: a request preempted in this
+        pass is not scheduled again in it."""
+        self.round += 1
+        self.spare_protected = spare_protected
 
     def release(self, req: Request) -> None:
         """`req` leaves the worker's batch with the next plan (its slot is free for reuse)."""
@@ -69,19 +73,15 @@ class RunningSet:
 
     def start(self, req: Request) -> None:
         """`req` joins the batch; everything it holds is prefill until it samples."""
-        req.status = RequestStatus.RUNNING
-        req.prefill_len = len(req.token_ids)
+        req.start()
         self.requests[req.rid] = req
         self.version += 1
 
     def drop(self, req: Request) -> None:
         """Take `req` out of the batch and free its blocks (finished, aborted, batch over)."""
         del self.requests[req.rid]
-        self.num_changes += 1
         self.version += 1
-        if req.block_ids:  # none left when prefix caching holds a finished table (results.py)
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+        self.pool.free(req.release_table())
         self.release(req)
 
     def grow(self, req: Request, num_positions: int, step: StepBuilder) -> bool:
@@ -89,17 +89,18 @@ class RunningSet:
         (static padding first) while blocks are short. False when there is nobody left to take
         from: `req` keeps what it has and waits this step (those ranked above it progress, and
         will take its blocks if they need them)."""
-        need = self.pool.blocks_needed(len(req.block_ids), num_positions)
+        pool = self.pool
+        need = pool.blocks_needed(len(req.block_ids), num_positions)
         if need == 0:
             return True
-        while not self.pool.can_allocate(need, keep_watermark=False):
+        blocks = pool.allocate(need)  # None while too few are free or cached
+        while blocks is None:
             victim = self._choose_victim(req)
             if victim is None:
                 return False
             self.preempt(victim, step)
-        blocks = self.pool.allocate(need)
-        assert blocks is not None  # can_allocate said so
-        req.block_ids.extend(blocks)
+            blocks = pool.allocate(need)
+        req.add_blocks(blocks)
         return True
 
     def grow_if_free(self, req: Request, num_positions: int) -> bool:
@@ -108,8 +109,14 @@ class RunningSet:
         blocks = self.pool.allocate(need) if need else []
         if blocks is None:
             return False
-        req.block_ids.extend(blocks)
+        req.add_blocks(blocks)
         return True
+
+    def allocate_for(self, req: Request, num: int) -> None:
+        """An admission's blocks (the caller checked `can_allocate`)."""
+        blocks = self.pool.allocate(num)
+        assert blocks is not None  # the caller checked
+        req.add_blocks(blocks)
 
     def _choose_victim(self, requester: Request) -> Optional[Request]:
         """Static padding first (its tokens are thrown away anyway), then the policy's last
@@ -124,25 +131,21 @@ class RunningSet:
         """Free `req`'s blocks; it recomputes later with its generated tokens kept. Static
         padding is only evicted: it keeps its slot and is never computed again."""
         step.drop(req)
-        self.num_changes += 1
         self.version += 1
         if self._register is not None and not req.padding:
             # Its KV is complete, or (a plan in flight) will be before any later plan runs:
             # the worker runs plans in order.
             self._register(req)
-        self.pool.free(req.block_ids)
+        self.pool.free(req.release_table())
         self.release(req)
         req.reset_for_recompute()
         if req.padding:
             return
         step.num_preemptions += 1
-        req.num_preemptions += 1
-        req.preempted_at_step = self.round
-        req.preempted_at_version = self.version
-        req.protected = True  # until it samples again: not the next victim
+        req.note_preempted(self.round, self.version)
         if self.requeue is not None:
             del self.requests[req.rid]
-            req.status = RequestStatus.WAITING
+            req.requeue()
             self.requeue.add_preempted(req)
 
     def end_static_batch_if_done(self) -> None:
@@ -150,3 +153,17 @@ class RunningSet:
         if self.requests and all(r.padding for r in self.requests.values()):
             for req in list(self.requests.values()):
                 self.drop(req)
+
+    def check_invariants(self, max_num_seqs: int, block_size: int) -> None:
+        """Raise AssertionError unless at most `max_num_seqs` run, each is RUNNING with a table
+        covering what it computed, and the worker view holds exactly the requests with a slot,
+        each in its own slot. Read-only."""
+        assert len(self.requests) <= max_num_seqs, "too many running"
+        for rid, req in self.requests.items():
+            running = req.status is RequestStatus.RUNNING or req.padding  # padding: finished
+            assert req.rid == rid and running, f"{rid} runs wrongly"
+            assert len(req.block_ids) * block_size >= req.num_computed_tokens, f"{rid}: table"
+            if req.slot is not None:
+                assert self.worker.order.get(req.slot) is req, f"{rid}: slot {req.slot}"
+        held = sum(1 for r in self.requests.values() if r.slot is not None)
+        assert held == self.worker.num_held, "the worker view holds requests not running"

@@ -15,22 +15,22 @@ outputs are encoded). One plan is in flight at a time; with `--async-scheduling`
 is built while the worker runs step N, so the worker finds its next plan waiting
 (services/scheduler/inflight.py). It leaves right after plan N when steps are short, or, when
 they are long next to the scheduler's own path, is held until shortly before step N is
-expected to end, so that requests arriving meanwhile join it (services/scheduler/dispatch.py;
-`--no-just-in-time-plans`: always right away). SIGTERM drains (see `request_drain`)."""
+expected to end, so that requests arriving meanwhile join it (services/scheduler/dispatch.py:
+the rule decides itself from the measured step times). The plans in flight are the core's one
+record (`SchedulerCore.in_flight`, services/scheduler/inflight.py): the loop stamps each when it
+leaves and reads it to hold, log and time steps. SIGTERM drains (see `request_drain`)."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import zmq
 
 from services.scheduler.dispatch import DispatchPolicy
 from services.scheduler.frontend_link import FrontendLink
+from services.scheduler.inflight import InFlightStep
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
-from services.scheduler.stats import StepRecord
 from services.scheduler.step_log import StepLogColumns
 from services.scheduler.summary import EngineSummary
 from services.scheduler.worker_link import WorkerLink
@@ -62,14 +62,6 @@ def _decode_only(plan: StepPlan) -> bool:
     return not plan.new_seqs and not plan.counts
 
 
-@dataclass(slots=True)
-class _InFlight:
-    plan: StepPlan
-    record: Optional[StepRecord]  # what the core decided for this plan (the step log line)
-    sent_at: float  # time.time() when the plan left
-    gap_s: Optional[float]  # previous result -> this plan, when sent back to back
-
-
 class SchedulerServer:
     """Owns the links and the core; `run()` is the process's whole life. Is the links' host
     (FrontendHost, WorkerHost): they report to it, it decides."""
@@ -87,7 +79,6 @@ class SchedulerServer:
         ctx = context or zmq.Context.instance()
         self.sched: Optional[SchedulerCore] = None
         self._engine_shape: Optional[tuple[Any, ...]] = None  # what the core was built for
-        self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
         self._worker_lost_at: Optional[float] = None  # monotonic; None while workers are up
         self._last_result_at: Optional[float] = None
         self._dispatch = DispatchPolicy(enabled=False)  # replaced with each new core
@@ -137,7 +128,7 @@ class SchedulerServer:
 
     def _poll_timeout_ms(self) -> int:
         timeout = HOUSEKEEPING_S
-        if self.sched is not None and not self._in_flight:
+        if self.sched is not None and len(self.sched.in_flight) == 0:
             core_timeout = self.sched.next_timeout()
             if core_timeout is not None:
                 timeout = min(timeout, max(core_timeout, MIN_POLL_S))
@@ -195,7 +186,8 @@ class SchedulerServer:
         dispatch policy says so: `_hold_next`)."""
         self._hold_until = None
         while self._workers_up() and not self._stopped and self.sched.can_schedule():
-            if self._in_flight and self._hold_next():
+            newest = self.sched.in_flight.newest()
+            if newest is not None and self._hold_next(newest):
                 return
             started = time.time()
             self.sched.release_held_if_idle()
@@ -209,15 +201,15 @@ class SchedulerServer:
             self._dispatch.on_path(self._update_s + sent_at - started)
             last = self._last_result_at
             gap = sent_at - last if back_to_back and last else None
-            record = self.sched.last_step_record
-            self._in_flight.append(_InFlight(plan, record, sent_at, gap))
+            flight = self.sched.in_flight.newest()
+            assert flight is not None and flight.plan is plan  # schedule() recorded it
+            flight.mark_sent(sent_at, gap)
             back_to_back = False
 
-    def _hold_next(self) -> bool:
-        """Called with plan N in flight (and none behind it) before building plan N+1: True
-        while the dispatch policy holds it (then `_hold_until` says until when). Step N began
-        when its plan left or when result N-1 arrived, whichever came later."""
-        flight = self._in_flight[-1]
+    def _hold_next(self, flight: InFlightStep) -> bool:
+        """Called with plan N in flight (`flight`, none behind it) before building plan N+1:
+        True while the dispatch policy holds it (then `_hold_until` says until when). Step N
+        began when its plan left or when result N-1 arrived, whichever came later."""
         started = max(flight.sent_at, self._last_result_at or 0.0)
         plan = flight.plan
         send_at = self._dispatch.send_at(plan.num_scheduled_tokens, _decode_only(plan), started)
@@ -247,20 +239,18 @@ class SchedulerServer:
         )
 
     def on_result(self, result: StepResult, received_at: float) -> None:
-        flight = self._in_flight[0] if self._in_flight else None
+        flight = self.sched.in_flight.oldest() if self.sched is not None else None
         if self.sched is None or flight is None or flight.plan.step_id != result.step_id:
             self.log.warning("stale_result", step_id=result.step_id)
             return
-        self._in_flight.popleft()
         self._last_result_at = received_at
         self.last_step_id = result.step_id
         self._num_steps += 1
         plan = flight.plan
         self._dispatch.on_result(plan.num_scheduled_tokens, _decode_only(plan), result.forward_s)
-        outputs = self.sched.update(result)
+        outputs = self.sched.update(result)  # takes `flight` off the record
         self._update_s = time.time() - received_at
-        if flight.record is not None:  # no suspects of a failed step any more
-            self.sched.step_completed(flight.record.rids)
+        self.sched.step_completed(flight.rids)  # no suspects of a failed step any more
         # The worker waits for the next plan: send it before logging and emitting outputs.
         self._maybe_send_plan(back_to_back=True)
         self._log_step(flight, result, received_at, len(outputs))
@@ -268,9 +258,9 @@ class SchedulerServer:
         if self.sched is not None:
             self.sched.after_plan()  # deferred core work, while the worker computes
 
-    def _log_step(self, flight: _InFlight, result: StepResult, now: float, n_out: int) -> None:
+    def _log_step(self, flight: InFlightStep, result: StepResult, now: float, n_out: int) -> None:
         # converted once, after the next plan has left: the record is not copied on send
-        fields = self._step_columns.fields(flight.record) if flight.record is not None else {}
+        fields = self._step_columns.fields(flight.record)
         fields.update(
             step_id=result.step_id,
             num_seqs=flight.plan.num_seqs,
@@ -295,24 +285,23 @@ class SchedulerServer:
         self.log.error(
             "step_failed", step_id=failure.step_id, code=failure.code, message=failure.message
         )
-        flight = self._in_flight[0] if self._in_flight else None
+        flight = self.sched.in_flight.oldest() if self.sched is not None else None
         if flight is None or failure.step_id not in (None, flight.plan.step_id):
             return
-        self._in_flight.clear()
-        if self.sched is not None:
-            message = f"the worker failed the step: {failure.message}"
-            finals = self.sched.bisect_failed_step(ErrorCode.WORKER_FAILED, message)
-            # the rest recompute: held aside or back at the head of the queue
-            failed = [out.rid for out in finals]
-            self.log.warning("step_failure_pinned", step_id=flight.plan.step_id,
-                             num_seqs=flight.plan.num_seqs, failed_rids=failed)  # fmt: skip
-            self.frontends.emit_finals(finals)
+        assert self.sched is not None  # it holds the flight
+        message = f"the worker failed the step: {failure.message}"
+        # clears the plans in flight; the rest recompute: held aside or back at the queue's head
+        finals = self.sched.bisect_failed_step(ErrorCode.WORKER_FAILED, message)
+        failed = [out.rid for out in finals]
+        self.log.warning("step_failure_pinned", step_id=flight.plan.step_id,
+                         num_seqs=flight.plan.num_seqs, failed_rids=failed)  # fmt: skip
+        self.frontends.emit_finals(finals)
 
     def on_worker_lost(self, reason: str) -> None:
         """Every request the worker held restarts by recompute when a worker is back (or fails
         past `max_retries`); frontends hear EngineNotReady and keep their requests."""
         self.log.error("worker_lost", reason=reason, num_live=len(self.frontends.owners))
-        if self.sched is not None:
+        if self.sched is not None:  # clears the plans in flight
             message = f"the worker was lost {self.config.max_retries + 1} times: {reason}"
             finals = self.sched.requeue_all(
                 self.config.max_retries, ErrorCode.WORKER_FAILED, message
@@ -321,7 +310,6 @@ class SchedulerServer:
         if self.config.num_workers > 1:  # a tensor-parallel group restarts as a whole
             self.workers.restart_group(f"a rank of the group was lost: {reason}")
         self.workers.forget_ranks()
-        self._in_flight.clear()
         if self._worker_lost_at is None:
             self._worker_lost_at = time.monotonic()
         self.frontends.broadcast(EngineNotReady(reason=reason))

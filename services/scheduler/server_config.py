@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Protocol
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.stats import StepRecord
+from services.scheduler.inflight import InFlightSteps
 from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.env import DRAIN_TIMEOUT_S
 from shared.protocol.engine_channel import (
@@ -28,7 +28,7 @@ class SchedulerCore(Protocol):
     """The parts of services.scheduler.Scheduler this loop uses (docs/design/contracts.md)."""
 
     config: SchedulerConfig
-    last_step_record: Optional[StepRecord]
+    in_flight: InFlightSteps  # the one record of plans in flight: the loop reads it
 
     def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]: ...
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]: ...

@@ -22,7 +22,9 @@ from shared.protocol.worker_channel import NewSequence, StepPlan
 @dataclass(slots=True)
 class BuiltStep:
     plan: StepPlan
-    rids: list[str]  # [B] every request that computes, in batch order (the step record)
+    # [B] every request that computes, in batch order (the step record; read-only: a steady
+    # step without chunks shares the steady run's own list)
+    rids: list[str]
     num_tokens: list[int]  # [B]
     is_prefill: list[bool]  # [B], for the step record
     num_prefill_tokens: int
@@ -54,11 +56,11 @@ class StepBuilder:
         self.num_cache_queries = 0
         self.num_cache_hits = 0
         self.decodes: list[Request] = []  # batch order; append directly
-        # A steady step (services/scheduler/steady.py): `decodes` is the last step's list,
-        # `steady_rids` its rids, and only the requests in `grown` were checked (their tables
-        # may have grown); every other decode is held by the worker with its whole table.
-        self.steady_rids: Optional[list[str]] = None
+        # decodes whose table grew by a block in this step (prefix caching queues the blocks
+        # before the new one for registration); append directly
         self.grown: list[Request] = []
+        # `reuse_decodes`: the rids of the reused list, and the decodes that were checked
+        self._reused: Optional[tuple[list[str], list[Request]]] = None
         # rid -> (request, num_tokens) for prefill chunks, in batch order after the decodes
         self._chunks: dict[str, tuple[Request, int]] = {}
         self._num_chunk_tokens = 0
@@ -74,6 +76,15 @@ class StepBuilder:
     def has_live(self) -> bool:
         """Something other than static padding runs (padding never finishes anything)."""
         return bool(self._chunks) or any(not r.padding for r in self.decodes)
+
+    def reuse_decodes(
+        self, decodes: list[Request], rids: list[str], checked: list[Request]
+    ) -> None:
+        """This step's decodes are the last step's list again (a steady run,
+        services/scheduler/steady.py): `rids` are theirs (read-only), and only the `checked`
+        ones may have new blocks; every other one is held by the worker with its whole table."""
+        self.decodes = list(decodes)
+        self._reused = (rids, checked)
 
     def add_chunk(self, req: Request, num_tokens: int) -> None:
         self._chunks[req.rid] = (req, num_tokens)
@@ -102,10 +113,11 @@ class StepBuilder:
         chunk_samplers: set[str] = set()
         new_seqs: list[NewSequence] = []
         released = worker.take_released()
-        steady = self.steady_rids is not None and len(self.steady_rids) == len(self.decodes)
-        if steady:  # the last step's decodes, none dropped since: only `grown` can send blocks
-            rids = list(self.steady_rids)  # for the step record
-            _send_blocks(self.grown, block_slots, block_ids)
+        reused = self._reused
+        if reused is not None and len(reused[0]) == len(self.decodes):  # none dropped since
+            # for the step record: the run's list itself (read-only) unless chunks follow
+            rids = list(reused[0]) if self._chunks else reused[0]
+            _send_blocks(reused[1], block_slots, block_ids)  # only checked ones can send blocks
             for r in self.decodes:
                 r.num_computed_tokens += 1
         else:

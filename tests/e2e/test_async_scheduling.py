@@ -7,8 +7,10 @@ stop string that fire mid-generation (taken from a first run, so they are known 
 plain length-limited prompts. The session engine (overlap on, the default) and the session's
 reference engine (conftest.py: `--no-async-scheduling`, one plan in flight; also no prefix
 caching, which changes no output either: test_prefix_caching.py) must give identical token ids,
-text and finish reasons; the session engine's step log must show plans sent before the previous
-step's result (real overlap). Both engines are shared with other tests: this test itself costs
+text and finish reasons; the session engine's step log must show at least one plan sent before
+the previous step's result (real overlap). How many steps overlap depends on timing (with long
+steps, just-in-time plans hold plan N+1 until shortly before step N is expected to end), so the
+count is not asserted. Both engines are shared with other tests: this test itself costs
 three runs of 8 x 32 tokens (~5-15 s on the shared 2-core machine).
 """
 
@@ -95,5 +97,5 @@ def test_async_scheduling_changes_no_output(engine: Engine, reference_engine: En
     assert reasons.count("stop") >= 3, reasons  # the stop id, the stop string, EOS
     assert len(want[a].token_ids) < len(first[a].token_ids)  # the stop token fired
     assert len(want[b].text) < len(first[b].text)  # the stop string fired
-    # the session engine really overlapped (async scheduling is its default)
-    assert _num_overlapped(engine.log_dir / "scheduler.log", t_start, t_end) > MAX_TOKENS // 2
+    # the session engine really overlapped (async scheduling is its default): at least once
+    assert _num_overlapped(engine.log_dir / "scheduler.log", t_start, t_end) > 0

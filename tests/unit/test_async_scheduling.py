@@ -49,7 +49,7 @@ def _run_out_of_phase(
         ahead = phases[step % len(phases)]
         while sched.can_schedule() and (ahead or not results):
             plan = sched.schedule()
-            sched.check_integrity()
+            sched.check_invariants()
             if plan is None:
                 break
             assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
@@ -59,11 +59,11 @@ def _run_out_of_phase(
             _arrive_and_abort(sched, workload, step, True, run)  # aborts while in flight
         if results:
             run.add(sched.update(results.popleft()))
-            sched.check_integrity()
+            sched.check_invariants()
         elif step > last_arrival and not sched.has_work():
             break
         clock.advance(max(0.01, sched.next_timeout() or 0.0) if not results else 0.01)
-    assert not results and sched.num_plans_in_flight == 0
+    assert not results and len(sched.in_flight) == 0
     return run, admitted
 
 
@@ -167,7 +167,7 @@ def test_a_finished_request_runs_one_extra_step_and_is_released_after_it() -> No
     run.add(out2)
     run.add(out3)
     run.add(sched.update(r4))
-    sched.check_integrity()
+    sched.check_invariants()
     drive(sched, worker, clock, run=run)
     assert run.tokens("a") == [r1.token_ids[0], r2.token_ids[0]]
     assert len(run.tokens("b")) == 2 and sched.pool.num_used == 0

@@ -9,7 +9,7 @@ worker computes. What that may change, and what not:
 * the only difference is what is findable: a lookup can miss only blocks evicted ahead and not
   reused yet, the least recently used ones, never more than the largest target asked for;
 * in a scheduler with a full cache and a steady load, schedule() evicts nothing itself, and
-  every invariant holds (`check_integrity()` after every call).
+  every invariant holds (`check_invariants()` after every call).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.prefix_cache import EVICT_AHEAD_STEPS, PrefixCache
 
 # weighted towards what fills a pool with cached blocks and then evicts them
-OPS = ["alloc"] * 3 + ["free", "register"] * 2 + ["hit", "hold", "register_held", "release"]
-OPS += ["ahead"] * 2
+OPS = ["alloc"] * 3 + ["free", "register"] * 2 + ["hit"] + ["ahead"] * 2
 ops_lists = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 99)), min_size=20, max_size=100)
 
 
@@ -36,7 +35,6 @@ class _Twins:
         self.plain = BlockPool(num_blocks, block_size=1)
         self.num_blocks = num_blocks
         self.tables: list[list[int]] = []
-        self.held: list[tuple[list[int], int]] = []
         self.next_key = 1  # every registration a new key: both pools accept or refuse alike
         self.max_target = 0
 
@@ -55,25 +53,10 @@ class _Twins:
             assert got == p.allocate(1 + x % 3)  # the same blocks, in the same order
             if got is not None:
                 self.tables.append(got)
-        elif op in ("free", "hold") and self.tables:
+        elif op == "free" and self.tables:
             table = self.tables.pop(x % len(self.tables))
-            if op == "free":
-                a.free(table)
-                p.free(table)
-            else:
-                hold_id = a.hold(table)
-                assert p.hold(table) == hold_id
-                self.held.append((table, hold_id))
-        elif op == "register_held" and self.held:
-            table, hold_id = self.held[x % len(self.held)]
-            keys = list(range(self.next_key, self.next_key + len(table)))
-            self.next_key += len(table)
-            a.register_held(table, keys, 0, len(table), hold_id)
-            p.register_held(table, keys, 0, len(table), hold_id)
-        elif op == "release":
-            a.release_held()
-            p.release_held()
-            self.held.clear()
+            a.free(table)
+            p.free(table)
         elif op == "register" and self.tables:  # the table's first blocks (a prefix)
             table = self.tables[x % len(self.tables)]
             keys = list(range(self.next_key, self.next_key + len(table)))
@@ -86,7 +69,7 @@ class _Twins:
             target = x % 7
             self.max_target = max(self.max_target, target)
             plain_free = a.num_plain_free
-            cached = a.num_free - plain_free - a.num_held
+            cached = a.num_free - plain_free
             moved = a.evict_ahead(target)
             assert moved == max(0, min(target - plain_free, cached))
 
@@ -114,19 +97,18 @@ def test_evicting_ahead_changes_only_what_is_findable(
     for op, x in ops:
         twins.apply(op, x)
         a, p = twins.ahead, twins.plain
-        a.check_integrity(twins.tables, shared_ok=True)
-        p.check_integrity(twins.tables, shared_ok=True)
-        assert a.num_free == p.num_free and a.num_held == p.num_held
+        a.check_invariants(twins.tables, shared_ok=True)
+        p.check_invariants(twins.tables, shared_ok=True)
+        assert a.num_free == p.num_free
         lost = twins.lost()
-        # lost blocks are unowned, unheld and unregistered in the pool that evicted them ahead
-        assert all(a.num_reviving([b]) and a.held_by(b) is None for b in lost)
+        # lost blocks are unowned and unregistered in the pool that evicted them ahead
+        assert all(a.num_reviving([b]) for b in lost)
         assert a.num_cached == p.num_cached - len(lost)
         assert len(lost) <= twins.max_target  # at most the largest target asked for
     for table in twins.tables:
         twins.ahead.free(table)
         twins.plain.free(table)
-    twins.ahead.release_held()
-    twins.ahead.check_integrity([], shared_ok=True)
+    twins.ahead.check_invariants([], shared_ok=True)
     assert twins.ahead.num_free == num_blocks
 
 
@@ -151,7 +133,7 @@ def test_after_plan_evicts_the_next_blocks_to_evict_and_the_root_lives_longest()
     assert pool.num_evicted == 2  # nothing evicted by the allocation itself
     cache.after_plan(max_step_blocks=2)  # the last steps took 6 and 2: tops up to 2
     assert pool.num_plain_free == 1 and pool.find_prefix(keys, 3) == []
-    pool.check_integrity([plain, again])
+    pool.check_invariants([plain, again])
 
 
 def test_after_plan_keeps_nothing_evicted_while_free_blocks_suffice() -> None:
@@ -193,14 +175,14 @@ def test_a_full_cache_under_steady_load_evicts_nothing_on_the_path() -> None:
         plan = sched.schedule()
         assert plan is not None
         evicted_on_path.append(sched.pool.num_evicted - before)
-        sched.check_integrity()
+        sched.check_invariants()
         before = sched.pool.num_evicted
         sched.after_plan()
-        sched.check_integrity()
+        sched.check_invariants()
         if sched.pool.num_evicted > before:  # topped up: at most one step's worth
             assert sched.pool.num_plain_free <= most
         run.add(sched.update(worker.execute(plan)))
-        sched.check_integrity()
+        sched.check_invariants()
     assert sched.pool.num_evicted > 200  # the cache was full: blocks were reused
     assert sched.stats()["num_preemptions"] == 0
     assert sum(evicted_on_path[EVICT_AHEAD_STEPS:]) == 0

@@ -1,8 +1,9 @@
-"""Property tests of automatic prefix caching (~10-20 s): the block pool alone, then the
-scheduler driven by random streams of requests that share prefixes, with aborts (also while a
-step is in flight), preemptions (small pools), evictions, cache resets and every policy.
+"""Property tests of automatic prefix caching (~10-20 s): the scheduler driven by random streams
+of requests that share prefixes, with aborts (also while a step is in flight), preemptions
+(small pools), evictions, cache resets and every policy (the pool alone:
+tests/unit/test_prefix_cache_pool.py).
 
-After every step: `check_integrity()` holds (each block owned, free or cached; ref counts equal
+After every step: `check_invariants()` holds (each block owned, free or cached; ref counts equal
 owners; nothing both cached and owned-free; a table's registered blocks hold the keys its request
 claims), and the checking worker read every cached position of every scheduled request back
 through its table: a hit on a block holding another prefix's KV fails there. At the end nothing
@@ -15,157 +16,20 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import CheckingWorker, FakeClock, Run, token_for
+from test_scheduler_support import CheckingWorker, FakeClock, Run, last_record, token_for
 
 from services.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.policy import WaitingQueue
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
-from shared.prefix_hash import block_key, extend_block_keys, extend_int_block_keys
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import NewSequence, StepPlan
 
 VOCAB = 50
-
-
-def _key(token_ids: list[int], namespace: bytes) -> int:
-    """A first block's content key, as the scheduler's pool keeps it (an int)."""
-    return int.from_bytes(block_key(None, token_ids, namespace), "little")
-
-
-def test_int_keys_are_the_digests_of_the_shared_keys() -> None:
-    """The scheduler's int keys are the shared key function's digests (the router's form)."""
-    tokens = list(range(100, 150))
-    as_bytes: list[bytes] = []
-    as_ints: list[int] = []
-    extend_block_keys(as_bytes, tokens, 16, b"ns", 2)
-    extend_int_block_keys(as_ints, tokens, 16, b"ns", 2)
-    extend_int_block_keys(as_ints, tokens, 16, b"ns", 3)  # continues from an int parent
-    extend_block_keys(as_bytes, tokens, 16, b"ns", 3)
-    assert as_ints == [int.from_bytes(k, "little") for k in as_bytes]
-
-
-# ---- the pool alone --------------------------------------------------------------------------
-
-POOL_OPS = ["alloc", "free", "register", "hit", "reset", "hold", "register_held", "release"]
-pool_ops = st.lists(st.tuples(st.sampled_from(POOL_OPS), st.integers(0, 99)), max_size=60)
-
-
-@settings(max_examples=200, deadline=None)
-@given(num_blocks=st.integers(1, 12), ops=pool_ops)
-def test_pool_states_stay_consistent_under_random_operations(
-    num_blocks: int, ops: list[tuple[str, int]]
-) -> None:
-    """Tables as lists of blocks; every operation the scheduler uses, in any order. A held
-    table (`hold`, a finished request's) is registered by `register_held` only where its blocks
-    are still held by that hold: never a block that was taken, released or reused since."""
-    pool = BlockPool(num_blocks, block_size=2)
-    tables: list[list[int]] = []
-    held: list[tuple[list[int], int]] = []  # (table, hold id) given to hold(), not yet released
-    content: dict[int, bytes] = {}  # block -> the key it was registered under (while it is)
-    for op, x in ops:
-        if op == "alloc":
-            before = pool.num_held
-            got = pool.allocate(1 + x % 3)
-            if got is not None:
-                assert all(pool.key_of(b) is None for b in got)  # evicted: no key any more
-                assert pool.num_held in (0, before)  # held blocks are taken only all at once
-                tables.append(got)
-        elif op in ("free", "hold") and tables:
-            table = tables.pop(x % len(tables))
-            if op == "free":
-                pool.free(table)
-            else:
-                held.append((table, pool.hold(table)))
-                assert all(pool.held_by(b) is not None for b in table if pool.num_reviving([b]))
-        elif op == "register_held" and held:
-            table, hold_id = held[x % len(held)]
-            was_held = {b for b in table if pool.held_by(b) == hold_id and pool.key_of(b) is None}
-            before = {b: pool.key_of(b) for b in range(num_blocks)}
-            keys = [_key([x, i], b"ns") for i in range(len(table))]
-            pool.register_held(table, keys, 0, len(table), hold_id)
-            for b in range(num_blocks):
-                if b in was_held and pool.key_of(b) is not None:
-                    assert pool.key_of(b) == keys[table.index(b)]
-                    content[b] = keys[table.index(b)]
-                else:  # taken, released or reused since the hold: never registered here
-                    assert pool.key_of(b) == before[b]
-        elif op == "release":
-            pool.release_held()
-            held.clear()
-            assert pool.num_held == 0
-        elif op == "register" and tables:
-            table = tables[x % len(tables)]
-            key = _key([x, x], b"ns")
-            if pool.register(table[x % len(table)], key):
-                content[table[x % len(table)]] = key
-        elif op == "hit":
-            key = _key([x, x], b"ns")
-            found = pool.find_prefix([key], 1)
-            if found:
-                assert pool.key_of(found[0]) == key == content[found[0]]
-                reviving = pool.num_reviving(found)
-                before = pool.num_free
-                pool.take_cached(found)
-                assert pool.num_free == before - reviving
-                tables.append(found)
-        elif op == "reset":
-            dropped = pool.reset_cache()
-            assert dropped >= 0 and pool.num_cached == 0 and pool.num_held == 0
-        pool.check_integrity(tables, shared_ok=True)
-        # used + free (plain, cached and held) is the whole pool
-        assert pool.num_used + pool.num_free == num_blocks
-        for table, hold_id in held:  # a held block is in the table of the hold that holds it
-            assert all(b in table for b in range(num_blocks) if pool.held_by(b) == hold_id)
-    for table in tables:
-        pool.free(table)
-    pool.release_held()
-    pool.check_integrity([], shared_ok=True)
-    assert pool.num_free == num_blocks and pool.num_held == 0
-
-
-def test_eviction_takes_plain_free_blocks_first_then_lru_deepest_first() -> None:
-    pool = BlockPool(6, block_size=1)
-    first = pool.allocate(3)
-    assert first is not None
-    keys = [_key([i], b"") for i in range(3)]
-    for block, key in zip(first, keys, strict=True):
-        assert pool.register(block, key)
-    pool.free(first)  # released together: the deepest (last) is evicted first
-    plain = pool.allocate(3)
-    assert plain is not None and not set(plain) & set(first)  # never-registered blocks first
-    assert pool.num_cached == 3
-    one = pool.allocate(1)
-    assert one == [first[2]] and pool.find_prefix(keys, 3) == first[:2]
-    two = pool.allocate(1)
-    assert two == [first[1]] and pool.find_prefix(keys, 3) == first[:1]
-
-
-def test_register_blocks_skips_taken_keys_and_eviction_takes_the_oldest_in_one_go() -> None:
-    pool = BlockPool(6, block_size=1)
-    table = pool.allocate(4)
-    assert table is not None
-    keys = [_key([i], b"") for i in range(4)]
-    assert pool.register(table[1], keys[1])
-    other = pool.allocate(1)
-    assert other is not None and pool.register(other[0], keys[2])  # keys[2] is taken
-    pool.register_blocks(table, keys, 0, 4)
-    assert [pool.key_of(b) for b in table] == [keys[0], keys[1], None, keys[3]]
-    assert pool.find_prefix(keys, 4) == [table[0], table[1], other[0], table[3]]
-    with pytest.raises(ValueError, match="not owned"):
-        pool.register_blocks([5], [_key([9], b"")], 0, 1)  # block 5 is free
-    pool.free(table)  # released deepest first: table[3], then table[1], table[0] (cached)
-    pool.free(other)
-    taken = pool.allocate(4)  # one plain free block (table[2] and the last never-used one)...
-    assert taken is not None and taken[:2] == [table[2], 5]
-    assert taken[2:] == [table[3], table[1]]  # ...then the two oldest cached, oldest first
-    assert pool.num_evicted == 2 and pool.find_prefix(keys, 4) == [table[0]]
-    pool.check_integrity([taken], shared_ok=True)
 
 
 # ---- the scheduler ---------------------------------------------------------------------------
@@ -261,20 +125,20 @@ def test_shared_prefix_workloads_keep_every_invariant(
         if step in reset_steps:
             assert sched.reset_prefix_cache() >= 0
         plan = sched.schedule()
-        sched.check_integrity()
+        sched.check_invariants()
         if plan is not None:
             if after_plan:
                 sched.after_plan()
-                sched.check_integrity()
+                sched.check_invariants()
             _step_requests(sched, workload, step, True, run)  # aborts while in flight
             run.add(sched.update(worker.execute(plan)))
-            sched.check_integrity()
+            sched.check_invariants()
         elif step > last_arrival and not sched.has_work():
             break
         clock.advance(max(0.01, sched.next_timeout() or 0.0) if plan is None else 0.01)
     assert not sched.has_work(), "work left after 3000 steps"
     assert sched.pool.num_used == 0 and sched.pool.num_free == num_blocks  # no leak
-    sched.check_integrity()
+    sched.check_invariants()
     stats = sched.stats()
     event(f"hits: {stats['prefix_cache_hits'] > 0}")
     event(f"evictions: {stats['num_prefix_cache_evictions'] > 0}")
@@ -313,7 +177,7 @@ def test_hits_happen_and_count_in_the_step_log() -> None:
     assert plan is not None
     i = worker.peek(plan).rids.index("b")
     assert worker.peek(plan).start_positions[i] == 20 and worker.peek(plan).num_tokens[i] == 3
-    rec = sched.last_step_record
+    rec = last_record(sched)
     assert rec is not None
     assert rec.num_prefix_cache_queries == 23 and rec.num_prefix_cache_hits == 20
     run.add(sched.update(worker.execute(plan)))
@@ -356,7 +220,7 @@ def test_lookups_flush_queued_registrations_only_when_these_may_hit() -> None:
     assert plan is not None
     assert _new_seq(plan, "d").num_computed_tokens == 20  # found the queued blocks
     assert sched.stats()["prefix_cache_blocks"] == 10
-    sched.check_integrity()
+    sched.check_invariants()
 
 
 def _step(sched: Scheduler, worker: CheckingWorker, run: Run) -> StepPlan:
@@ -364,17 +228,16 @@ def _step(sched: Scheduler, worker: CheckingWorker, run: Run) -> StepPlan:
     to); the invariants hold after each."""
     plan = sched.schedule()
     assert plan is not None
-    sched.check_integrity()
+    sched.check_invariants()
     run.add(sched.update(worker.execute(plan)))
-    sched.check_integrity()
+    sched.check_invariants()
     return plan
 
 
-def test_a_finished_request_is_held_until_after_plan_or_a_lookup_that_needs_it() -> None:
-    """A finishing request's blocks are not registered and freed on the result -> plan path:
-    they are held (counted as free) until after_plan() registers them, or until a lookup whose
-    first miss they may hold flushes first (so it still finds them); a lookup of a prompt
-    nobody shares leaves them held."""
+def test_a_finished_request_registers_its_blocks_when_it_finishes() -> None:
+    """A finishing request's full blocks (its decode-filled last one too) become findable when
+    its result is applied, and its blocks are free (cached) at once; a lookup of a prompt nobody
+    shares finds nothing, one of its history finds all of it."""
     sched, worker, sampling, prefix = _family_setup()  # max_tokens 3, 5 prompt blocks of 4
     run = Run()
     sched.add_request(SubmitRequest("a", prefix + [1, 2], sampling))
@@ -384,23 +247,22 @@ def test_a_finished_request_is_held_until_after_plan_or_a_lookup_that_needs_it()
     _step(sched, worker, run)
     _step(sched, worker, run)  # a finishes: 24 positions computed, 6 full blocks
     assert run.final("a").finish_reason == "length"
-    assert sched.pool.num_held == 6 and sched.pool.num_free == 32 and sched.pool.num_used == 0
-    assert sched.stats()["prefix_cache_blocks"] == 5  # its 6th (decode-filled) block: pending
+    assert sched.pool.num_free == 32 and sched.pool.num_used == 0
+    assert sched.stats()["prefix_cache_blocks"] == 6  # its 6th (decode-filled) block too
     sched.add_request(SubmitRequest("c", list(range(40, 62)), sampling))  # shares nothing
-    _step(sched, worker, run)
-    assert sched.pool.num_held == 6 and sched.stats()["prefix_cache_blocks"] == 5
+    plan = _step(sched, worker, run)
+    assert _new_seq(plan, "c").num_computed_tokens == 0
     history = prefix + [1, 2] + run.tokens("a")[:2]  # what a computed: 24 tokens
     sched.add_request(SubmitRequest("b", history + [9], sampling))
-    plan = _step(sched, worker, run)  # b's lookup misses at a's 6th block: flushed first
+    plan = _step(sched, worker, run)
     assert _new_seq(plan, "b").num_computed_tokens == 24
-    assert sched.pool.num_held == 0
     sched.after_plan()
-    sched.check_integrity()
+    sched.check_invariants()
 
 
-def test_after_plan_registers_finished_and_decode_filled_blocks() -> None:
-    """after_plan() registers what the step's result and plan queued: a finished request's
-    held table (then free or cached), and the blocks a decode filled before its table grew."""
+def test_after_plan_registers_decode_filled_blocks() -> None:
+    """after_plan() registers what the step's result and plan queued: the blocks a decode
+    filled before its table grew (a finished request's were registered when it finished)."""
     sched, worker, sampling, prefix = _family_setup()
     run = Run()
     long = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -411,11 +273,11 @@ def test_after_plan_registers_finished_and_decode_filled_blocks() -> None:
     assert sched.stats()["prefix_cache_blocks"] == 6
     for _ in range(2):  # a decodes positions 7, 8: its table (2 blocks) grows for position 8
         _step(sched, worker, run)
-    assert sched.stats()["prefix_cache_blocks"] == 6
-    assert run.final("b").finish_reason == "length" and sched.pool.num_held == 6
-    sched.after_plan()  # a's 2nd block (positions 4-7, filled by a decode), b's 6th
-    assert sched.stats()["prefix_cache_blocks"] == 8 and sched.pool.num_held == 0
-    sched.check_integrity()
+    assert run.final("b").finish_reason == "length"
+    assert sched.stats()["prefix_cache_blocks"] == 7  # b's 6th, registered as it finished
+    sched.after_plan()  # a's 2nd block (positions 4-7, filled by a decode)
+    assert sched.stats()["prefix_cache_blocks"] == 8
+    sched.check_invariants()
     # a request sharing a's history finds its decode-filled block
     history = list(range(60, 67)) + run.tokens("a")[:2]
     sched.add_request(SubmitRequest("d", history, sampling))
@@ -471,7 +333,7 @@ def test_caching_off_never_shares_and_counts_nothing() -> None:
             if first_start is None:
                 first_start = worker.peek(plan).start_positions[worker.peek(plan).rids.index(rid)]
             run.add(sched.update(worker.execute(plan)))
-            sched.check_integrity()
+            sched.check_invariants()
         assert first_start == 0  # the same prompt again: computed from scratch
     assert run.final("b").num_cached_tokens == 0
     stats = sched.stats()

@@ -2,8 +2,7 @@
 full blocks when it is built (step.py `BuiltStep.filled`), the step's result queues them, and
 `after_plan()` (or a lookup that may need them) registers them. So a block is findable once the
 step that filled it has completed: not while it is in flight (overlap: a later plan's chunk is
-not counted with an earlier result), never when it failed. And the pool's held state (a
-finished table, released by `after_plan()`) releases its blocks in the order `free()` would.
+not counted with an earlier result), never when it failed.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 from test_scheduler_support import CheckingWorker, FakeClock, Run
 
 from services.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.block_pool import BlockPool
 from shared.prefix_hash import extend_int_block_keys
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.errors import ErrorCode
@@ -49,12 +47,12 @@ def test_with_overlap_a_result_registers_only_the_chunks_its_step_filled() -> No
     results = [worker.execute(first), worker.execute(second)]
     sched.update(results[0])
     sched.after_plan()
-    sched.check_integrity()
+    sched.check_invariants()
     assert _num_findable(sched) == 2
     sched.update(results[1])
     assert _num_findable(sched) == 2  # queued by the result: registered off the path
     sched.after_plan()
-    sched.check_integrity()
+    sched.check_invariants()
     assert _num_findable(sched) == 4
 
 
@@ -75,7 +73,7 @@ def test_a_failed_step_registers_nothing_and_completed_chunks_stay_findable() ->
     run.add(sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom"))
     assert run.final("a").error_code == ErrorCode.WORKER_FAILED  # alone in it: pinned on it
     sched.after_plan()
-    sched.check_integrity()
+    sched.check_invariants()
     assert _num_findable(sched) == 2
     assert sched.pool.num_used == 0
     sched.add_request(SubmitRequest("b", PROMPT[:16] + [7], SAMPLING))
@@ -83,39 +81,4 @@ def test_a_failed_step_registers_nothing_and_completed_chunks_stay_findable() ->
     assert plan is not None
     (seq,) = plan.new_seqs
     assert seq.rid == "b" and seq.num_computed_tokens == 8  # a's first chunk, not its second
-    sched.check_integrity()
-
-
-def test_held_tables_release_in_the_order_free_would() -> None:
-    """A pool that frees tables and its twin that holds them (then releases the holds) end in
-    the same state: same free count at every point, then the same allocation order, including
-    a block a hit took out of one hold and a later hold held again."""
-    freed, held = BlockPool(10, block_size=1), BlockPool(10, block_size=1)
-    keys = [(i + 1) << 100 for i in range(10)]
-    t1, t2 = freed.allocate(4), freed.allocate(3)
-    assert t1 is not None and t2 is not None
-    assert held.allocate(4) == t1 and held.allocate(3) == t2
-    kept = freed.allocate(1)  # a table nobody releases
-    assert kept is not None and held.allocate(1) == kept
-    for pool in (freed, held):
-        pool.register_blocks(t1, keys, 0, 3)  # t1's first 3 blocks are findable
-    freed.free(t1)
-    held.hold(t1)
-    hit = freed.find_prefix(keys, 2)
-    assert hit == held.find_prefix(keys, 2) == t1[:2]
-    for pool in (freed, held):
-        pool.take_cached(hit)  # taken back out of the cache / out of the first hold
-        assert pool.num_free == 10 - 1 - 3 - 2
-        pool.check_integrity([kept, t2, hit], shared_ok=True)
-    freed.free(t2)
-    held.hold(t2)
-    freed.free(hit)
-    held.hold(hit)  # held again, by a later hold than the one it left
-    assert held.num_held == 2 + 3 + 2 and freed.num_free == held.num_free == 9
-    held.check_integrity([kept], shared_ok=True)
-    held.release_held()
-    assert held.num_held == 0
-    for pool in (freed, held):
-        pool.check_integrity([kept], shared_ok=True)
-    assert [freed.allocate(1) for _ in range(9)] == [held.allocate(1) for _ in range(9)]
-    assert freed.num_evicted == held.num_evicted == 3
+    sched.check_invariants()

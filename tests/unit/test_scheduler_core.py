@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_scheduler_support import Run, drive, make, submit, token_for
+from test_scheduler_support import Run, drive, last_record, make, submit, token_for
 
 from services.scheduler import SchedulerConfig
 from services.scheduler.block_pool import BlockPool
@@ -171,7 +171,7 @@ def test_abort_waiting_running_and_unknown_is_idempotent() -> None:
     assert sched.pool.num_used == 0  # freed in the same step
     assert sched.abort_request("run") is None and sched.abort_request("nope") is None
     assert sched.schedule() is None
-    sched.check_integrity()
+    sched.check_invariants()
 
 
 def test_abort_while_plan_in_flight_ignores_its_token_and_releases_it() -> None:
@@ -187,7 +187,7 @@ def test_abort_while_plan_in_flight_ignores_its_token_and_releases_it() -> None:
     assert plan2 is not None and plan2.released_slots == [plan.new_seqs[0].slot]
     sched.update(worker.execute(plan2))
     assert worker.steps[-1].released_rids == ["a"] and worker.steps[-1].rids == ["b"]
-    sched.check_integrity()
+    sched.check_invariants()
 
 
 def test_fail_all_ends_every_live_request_with_the_code() -> None:
@@ -199,7 +199,7 @@ def test_fail_all_ends_every_live_request_with_the_code() -> None:
     assert sorted(o.rid for o in outs) == ["a", "b"]
     assert all(o.finish_reason == "error" and o.error_code == ErrorCode.WORKER_FAILED for o in outs)
     assert not sched.has_work() and sched.pool.num_used == 0
-    sched.check_integrity()
+    sched.check_invariants()
 
 
 @pytest.mark.parametrize("token_ids", [[9], [9, 9, 9]])
@@ -220,13 +220,13 @@ def test_a_result_with_the_wrong_number_of_tokens_fails_the_step_samplers(
     assert sorted(o.rid for o in outs.finished) == ["a", "b"] and outs.rids == []
     assert all(o.error_code == ErrorCode.WORKER_FAILED for o in outs.finished)
     assert "2 sequences that sampled" in (outs.finished[0].error_message or "")
-    sched.check_integrity()
+    sched.check_invariants()
     plan = sched.schedule()  # the next plan releases a and b; c goes on
     assert plan is not None and len(plan.released_slots) == 2
     last = None
     while plan is not None:
         outs = sched.update(worker.execute(plan))
-        sched.check_integrity()
+        sched.check_invariants()
         last = outs.finished or last
         plan = sched.schedule()
     assert last is not None and last[0].rid == "c" and last[0].finish_reason == "length"
@@ -297,7 +297,7 @@ def test_step_record_describes_the_step() -> None:
     sched.update(worker.execute(plan))
     sched.add_request(submit("p", 20, 5))
     sched.schedule()
-    rec = sched.last_step_record
+    rec = last_record(sched)
     assert rec is not None and rec.rids == ["d", "p"] and rec.num_tokens == [1, 8]
     assert rec.is_prefill == [False, True]
     assert rec.num_prefill_tokens == 8 and rec.num_decode_tokens == 1
@@ -317,11 +317,11 @@ def test_block_pool_allocates_frees_and_checks_itself() -> None:
     assert pool.can_allocate(2, keep_watermark=True)
     assert not pool.can_allocate(3, keep_watermark=True)
     assert pool.can_allocate(4, keep_watermark=False)
-    pool.check_integrity([a, b])
+    pool.check_invariants([a, b])
     with pytest.raises(AssertionError, match="!= total"):
-        pool.check_integrity([a])  # b's block is neither free nor owned (a leak)
+        pool.check_invariants([a])  # b's block is neither free nor owned (a leak)
     with pytest.raises(AssertionError, match="owned by 2"):
-        pool.check_integrity([a, b, [3]])
+        pool.check_invariants([a, b, [3]])
     pool.free(a)
     assert pool.num_free == 7 and pool.allocate(1) == [0]
     with pytest.raises(ValueError, match="not allocated"):

@@ -4,7 +4,7 @@ recompute after preemption losing nothing, short-first aging, priority order."""
 from __future__ import annotations
 
 import pytest
-from test_scheduler_support import Run, drive, make, submit
+from test_scheduler_support import Run, drive, last_record, make, submit
 
 from shared.protocol.worker_channel import StepPlan
 
@@ -101,7 +101,7 @@ def test_mixed_step_holds_a_prefill_chunk_and_every_running_decode() -> None:
     while True:
         plan = sched.schedule()
         assert plan is not None
-        rec = sched.last_step_record
+        rec = last_record(sched)
         assert rec is not None
         decodes = [r for r, p in zip(rec.rids, rec.is_prefill, strict=True) if not p]
         assert sorted(decodes) == ["x", "y", "z"]  # every running decode, every step
@@ -124,7 +124,7 @@ def _kv_workload(sched_kw: dict[str, object], num_blocks: int) -> tuple[Run, obj
     run = Run()
     for _ in range(5000):
         plan = sched.schedule()
-        sched.check_integrity()
+        sched.check_invariants()
         if plan is None:
             break
         for rid in worker.peek(plan).released_rids:  # a preempted request was just resumed: thrash
@@ -137,7 +137,7 @@ def _kv_workload(sched_kw: dict[str, object], num_blocks: int) -> tuple[Run, obj
         result = worker.execute(plan)
         resumed_not_sampled.difference_update(s.rid for s in worker.peek(plan).sampled())
         run.add(sched.update(result))
-        sched.check_integrity()
+        sched.check_invariants()
     assert not sched.has_work()
     return run, sched
 
@@ -176,7 +176,7 @@ def _long_prompt_wait(max_wait: float, step_time: float = 0.05) -> float:
             return clock() - arrival
         clock.advance(step_time)
         sched.update(worker.execute(plan))
-        sched.check_integrity()
+        sched.check_invariants()
     return float("inf")
 
 
@@ -227,7 +227,7 @@ def test_a_resumed_request_reaches_the_worker_as_new_with_all_its_tokens(caching
         if "late" in worker.peek(plan).released_rids and released_at is None:
             released_at = i
             assert sched.is_live("late")  # preempted, not finished
-            rec = sched.last_step_record
+            rec = last_record(sched)
             assert rec is not None and rec.num_preemptions >= 1
         new = [s for s in plan.new_seqs if s.rid == "late"]
         if released_at is not None and new and resumed is None:

@@ -1,6 +1,6 @@
 """Property tests over random configs, workloads, worker results and aborts (~10-20 s).
 
-After every step: the block pool passes `check_integrity()` (and the checking worker saw no
+After every step: the scheduler passes `check_invariants()` (and the checking worker saw no
 request read another's KV), tokens scheduled <= budget, running <= max_num_seqs. At the end:
 every admitted request finished exactly once, within its limits, and no block leaked.
 """
@@ -63,7 +63,7 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
 
 def _check_plan_limits(sched: Scheduler, num_tokens: int) -> None:
     assert num_tokens <= sched.config.max_num_batched_tokens
-    sched.check_integrity()
+    sched.check_invariants()
 
 
 def _arrive_and_abort(
@@ -170,7 +170,7 @@ def test_random_workloads_keep_every_invariant(
         clock.advance(max(0.01, sched.next_timeout() or 0.0) if plan is None else 0.01)
     assert not sched.has_work(), "work left after 3000 steps"
     assert sched.pool.num_used == 0 and sched.pool.num_free == num_blocks  # no leak
-    sched.check_integrity()
+    sched.check_invariants()
     assert set(run.outputs) <= set(admitted)
     event(f"preempted: {sched.stats()['num_preemptions'] > 0}")
     for rid, a in admitted.items():

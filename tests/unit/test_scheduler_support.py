@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import pytest
 
-from services.scheduler import Scheduler, SchedulerConfig
+from services.scheduler import Scheduler, SchedulerConfig, StepRecord
 from services.worker.held_batch import ExpandedStep, HeldBatch
 from services.worker.plan_writer import PlanWriter
 from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
@@ -168,6 +168,13 @@ class Run:
         return finals[0]
 
 
+def last_record(sched: Scheduler) -> StepRecord:
+    """The step record of the last plan `schedule()` built (it is in flight)."""
+    flight = sched.in_flight.newest()
+    assert flight is not None, "no plan in flight"
+    return flight.record
+
+
 def drive(
     sched: Scheduler,
     worker: CheckingWorker,
@@ -177,13 +184,13 @@ def drive(
     before_step: Optional[Callable[[int], None]] = None,
     run: Optional[Run] = None,
 ) -> Run:
-    """Schedule -> worker -> update until nothing is left, checking integrity each step."""
+    """Schedule -> worker -> update until nothing is left, checking invariants each step."""
     run = run if run is not None else Run()
     for i in range(max_steps):
         if before_step is not None:
             before_step(i)
         plan = sched.schedule()
-        sched.check_integrity()
+        sched.check_invariants()
         if plan is None:
             if not sched.has_work():
                 if before_step is None:
@@ -195,12 +202,12 @@ def drive(
             clock.advance(max(timeout, step_time))
             continue
         assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
-        run.records.append(sched.last_step_record)
+        run.records.append(last_record(sched))
         clock.advance(step_time)
         result = worker.execute(plan)
         run.plans.append(worker.steps[-1])
         run.add(sched.update(result))
-        sched.check_integrity()
+        sched.check_invariants()
     if sched.has_work():
         raise AssertionError(f"not done after {max_steps} steps")
     return run

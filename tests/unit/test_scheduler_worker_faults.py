@@ -6,7 +6,7 @@ told to drop every request that ends."""
 from __future__ import annotations
 
 import pytest
-from test_scheduler_support import CheckingWorker, Run, drive, make, submit
+from test_scheduler_support import CheckingWorker, Run, drive, last_record, make, submit
 
 from shared.protocol.errors import ErrorCode
 
@@ -135,13 +135,13 @@ def _drive_with_faults(sched, worker: _FaultyWorker, clock) -> Run:  # type: ign
     for _ in range(2000):
         sched.release_held_if_idle()
         plan = sched.schedule()
-        sched.check_integrity()
+        sched.check_invariants()
         if plan is None:
             assert not sched.has_work(), "stuck: work left, nothing scheduled"
             return run
         clock.advance(0.01)
         worker.run(sched, plan, run)
-        sched.check_integrity()
+        sched.check_invariants()
     raise AssertionError("not done after 2000 steps")
 
 
@@ -159,7 +159,7 @@ def test_bisection_fails_only_the_culprit(culprit: str, from_token: int) -> None
             assert run.final(rid).error_code is None, rid
             assert run.tokens(rid) == want.tokens(rid), rid
     assert 1 <= worker.num_failed <= 6  # ~log2(4) + 1 failures, not one per step
-    assert sched.pool.num_used == 0 and sched.num_held == 0
+    assert sched.pool.num_used == 0 and sched.faults.num_held == 0
     assert sched.add_request(submit("late", 4, 2)) is None  # releases go out with a next plan
     _drive_with_faults(sched, worker, clock)
     assert culprit not in worker.seqs  # the worker dropped the failed request's state
@@ -178,14 +178,14 @@ def test_a_held_request_can_be_aborted() -> None:
     sched, _, _ = make(max_num_seqs=4, max_num_batched_tokens=64)
     _submit_all(sched)
     plan = sched.schedule()
-    record = sched.last_step_record
+    record = last_record(sched)
     assert plan is not None and record is not None and len(record.rids) == 4
     assert sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom") == []
-    held = [rid for rid in record.rids if sched.is_held(sched._live[rid])]
-    assert len(held) == 2 and sched.num_held == 2
+    held = [rid for rid in record.rids if sched.faults.is_held(sched.live.get(rid))]
+    assert len(held) == 2 and sched.faults.num_held == 2
     assert sched.abort_request(held[0]) is not None
-    assert sched.num_held == 1
-    sched.check_integrity()
+    assert sched.faults.num_held == 1
+    sched.check_invariants()
 
 
 def test_dynamic_batching_fails_the_whole_step() -> None:
@@ -194,8 +194,8 @@ def test_dynamic_batching_fails_the_whole_step() -> None:
                        batch_size=4)  # fmt: skip
     _submit_all(sched)
     plan = sched.schedule()
-    record = sched.last_step_record
+    record = last_record(sched)
     assert plan is not None and record is not None and len(record.rids) == 4
     outs = sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom")
-    assert sorted(o.rid for o in outs) == sorted(record.rids) and sched.num_held == 0
-    sched.check_integrity()
+    assert sorted(o.rid for o in outs) == sorted(record.rids) and sched.faults.num_held == 0
+    sched.check_invariants()
