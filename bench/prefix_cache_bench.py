@@ -25,18 +25,15 @@ on it, emptying the prefix cache first (`reset_prefix_cache`) so each run starts
 * no-sharing: random distinct prompts (0% hits), to show what caching costs when it cannot help.
 
 Engine configuration (the same for both modes): with the real worker the scheduler's defaults
-(sized for this CPU: 32 running, a 256-token step budget); with `--worker sim` an H200-sized one,
-256 running and a 4,096-token step budget (chunk = budget, as the defaults have it), what the
-H200 profile's overlap runs use and near vLLM's GPU defaults (256 sequences,
-2,048 tokens; 1,024 and 8,192 on GPUs of >= 70 GiB). The simulated worker sizes the KV pool from
-the device's memory. `--max-num-seqs` / `--max-num-batched-tokens` override either.
+(sized for a CPU: 32 running, a 256-token step budget); with `--worker sim` an H200-sized one,
+256 running and a 4,096-token step budget (near vLLM's GPU defaults), the KV pool sized from the
+device's memory. `--max-num-seqs` / `--max-num-batched-tokens` override either.
 
 Prints mean TTFT (by turn for chat, and split into arrival -> first plan -> first token from
 the step log), output throughput, the engine's hit rate and the scheduler's median
 result -> next plan gap (`gap_s` of the step log: the scheduler's cost per step as the server
 runs it) per scenario and mode, and the on/off ratios (median over rounds); writes everything to
-<out>/prefix_cache.json. Run it alone (flock -x /tmp/conveyor-cpu.lock ...): end-to-end timings
-on a shared machine swing.
+<out>/prefix_cache.json. Run it alone: end-to-end timings on a shared machine swing.
 """
 
 from __future__ import annotations
