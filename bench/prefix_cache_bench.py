@@ -29,10 +29,9 @@ Engine configuration (the same for both modes): with the real worker the schedul
 256 running and a 4,096-token step budget (near vLLM's GPU defaults), the KV pool sized from the
 device's memory. `--max-num-seqs` / `--max-num-batched-tokens` override either.
 
-Prints mean TTFT (by turn for chat, and split into arrival -> first plan -> first token from
-the step log), output throughput, the engine's hit rate and the scheduler's median
-result -> next plan gap (`gap_s` of the step log: the scheduler's cost per step as the server
-runs it) per scenario and mode, and the on/off ratios (median over rounds); writes everything to
+Prints mean TTFT (by turn for chat; split into arrival -> first plan -> first token), output
+throughput, the hit rate and the scheduler's median result -> next plan gap (the step log's
+`gap_s`) per scenario and mode, and the on/off ratios (median over rounds); writes everything to
 <out>/prefix_cache.json. Run it alone: end-to-end timings on a shared machine swing.
 """
 
