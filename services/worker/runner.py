@@ -5,7 +5,8 @@ Step: the runner owns it and walks it one way, each piece of state with one owne
 
     plan -> HeldBatch.apply (the sequences: histories, block tables, computed counts)
          -> InputBatch.tensors (the step's flat tensors on the device)
-         -> LlamaModel.forward (writes K/V into the KVCache, returns logits)
+         -> LlamaModel.forward (writes K/V into the KVCache, returns logits), while the
+            grammar masks of constrained sequences are computed beside it (constraints.py)
          -> sample -> HeldBatch.record_samples -> StepResult
 
 A failed step tells the held batch (`fail`: only a reset plan is accepted next).
@@ -40,6 +41,7 @@ from services.worker.config import (
     pipelines_steps,
     resolve_dtype,
 )
+from services.worker.constraints import ConstraintMasks, PendingMasks, RowMasks
 from services.worker.dtype_probe import resolve_auto_dtype
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
@@ -54,9 +56,16 @@ from services.worker.pipeline import (
     check_pending,
     copy_to_host,
     device_rows,
+    known_step,
     wait_for_tokens,
 )
-from services.worker.sampler import SampleRow, is_plain_greedy, reads_history, sample
+from services.worker.sampler import (
+    SampleRow,
+    apply_token_masks,
+    is_plain_greedy,
+    reads_history,
+    sample,
+)
 from services.worker.steps import FatalWorkerError
 from services.worker.weights import ModelArgs, load_weights, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model
@@ -110,6 +119,10 @@ class ModelRunner:
         self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
+        # grammar masks for constrained requests: rank 0 samples, so only rank 0 has matchers
+        self.constraints: Optional[ConstraintMasks] = None
+        if self.group.rank == 0:
+            self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
 
     def _load_model(self) -> LlamaModel:
         weights = load_weights(self.folder, self.dtype, self.config.device)
@@ -195,10 +208,13 @@ class ModelRunner:
         """Forward and sampling of an applied step; with several ranks any error is fatal."""
         try:
             tensors = self.inputs.tensors(step)
+            masks = self.constraints and self.constraints.start(
+                step.sampled(), self.held.seqs.values()
+            )
             begin = self.clock.mark()
             logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V] on rank 0
             end = self.clock.mark()
-            result = self._sample_and_record(step, logits, start)
+            result = self._sample_and_record(step, logits, start, masks)
             self.clock.on_step(begin, end)
             return result
         except FatalWorkerError:
@@ -209,14 +225,19 @@ class ModelRunner:
             raise FatalWorkerError(f"rank {self.group.rank} failed mid-step: {exc!r}") from exc
 
     def _sample_and_record(
-        self, step: ExpandedStep, logits: Optional[torch.Tensor], start: float
+        self,
+        step: ExpandedStep,
+        logits: Optional[torch.Tensor],
+        start: float,
+        pending: Optional[PendingMasks] = None,
     ) -> StepResult:
         sampled = step.sampled()
         rows = self._sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
+        masks = self.constraints.wait(pending) if self.constraints and pending else None
         if rows and logits is not None:  # rank 0 samples
-            token_ids, logprobs = sample(logits, rows)
+            token_ids, logprobs = sample(logits, rows, masks)
         # every rank holds the sampled tokens at the end of the step
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         self.held.record_samples(sampled, token_ids)
@@ -276,8 +297,8 @@ class ModelRunner:
             if prev is not None and any(reads_history(r.params) for r in rows):
                 self._land(prev)  # penalties read the histories: step N's tokens must be in them
             if not step.seqs:
-                return _known(step, [], [], [], start, (None, None), 0.0)
-            return self._launch(step, rows, self._step_inputs(step, prev), start)
+                return known_step(step, [], [], [], start, (None, None), 0.0)
+            return self._launch(step, rows, self._step_inputs(step, prev), start, prev)
         except BaseException:
             self.held.fail()
             raise
@@ -293,7 +314,12 @@ class ModelRunner:
         return tensors
 
     def _launch(
-        self, step: ExpandedStep, rows: list[SampleRow], tensors: StepTensors, start: float
+        self,
+        step: ExpandedStep,
+        rows: list[SampleRow],
+        tensors: StepTensors,
+        start: float,
+        prev: Optional[LaunchedStep],
     ) -> LaunchedStep:
         begin = self.clock.mark()
         logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V]
@@ -301,10 +327,17 @@ class ModelRunner:
         queued_s = time.perf_counter() - start
         sampled = step.sampled()
         if not rows:
-            return _known(step, [], [], [], start, marks, queued_s)
+            return known_step(step, [], [], [], start, marks, queued_s)
         if logits is None:
             raise FatalWorkerError("pipelined step without logits (several ranks)")
+        masks: Optional[RowMasks] = None  # computed while the device runs the forward
+        if self.constraints is not None and any(s.sampling.constraint for s in sampled):
+            if prev is not None and not prev.landed:
+                self._land(prev)  # a mask needs the last token on the host (prev ran first)
+            masks = self.constraints.masks_now(sampled, list(self.held.seqs.values()))
         if all(is_plain_greedy(r.params) for r in rows):
+            if masks is not None:
+                apply_token_masks(logits, masks)
             tokens = logits.argmax(dim=1)  # [S] int64, on the device
             host, ready = copy_to_host(tokens)
             positions = self.held.reserve_samples(sampled)  # written by finish()
@@ -312,9 +345,9 @@ class ModelRunner:
                                 [None] * len(rows), marks=marks, queued_s=queued_s)  # fmt: skip
         # the host path (seeded draws, logprobs, penalties): it waits for this step's logits,
         # so the next step is not built while this one runs; its tokens land at once
-        token_ids, logprobs = sample(logits, rows)
+        token_ids, logprobs = sample(logits, rows, masks)
         self.held.record_samples(sampled, token_ids)
-        return _known(step, sampled, token_ids, logprobs, start, marks, queued_s)
+        return known_step(step, sampled, token_ids, logprobs, start, marks, queued_s)
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Land a launched step's tokens (waits for the device) and build its StepResult.
@@ -343,22 +376,6 @@ class ModelRunner:
             self.held.land_samples(launched.sampled, launched.positions, tokens)
             launched.token_ids = tokens
         return launched.token_ids
-
-
-def _known(
-    step: ExpandedStep,
-    sampled: list[HeldSeq],
-    token_ids: list[int],
-    logprobs: list[Optional[TokenLogprobs]],
-    start: float,
-    marks: tuple[Optional[Any], Optional[Any]],
-    queued_s: float,
-) -> LaunchedStep:
-    """A launched step whose tokens are already in the histories (none, or sampled on the
-    host): landed, with no placeholder to fill (`positions` empty)."""
-    host = torch.tensor(token_ids, dtype=torch.int64)
-    return LaunchedStep(step, sampled, [], start, None, host, None, logprobs,
-                        token_ids=token_ids, marks=marks, queued_s=queued_s)  # fmt: skip
 
 
 def _step_result(

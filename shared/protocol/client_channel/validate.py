@@ -29,6 +29,7 @@ from shared.protocol.client_channel.messages import (
     ResetPrefixCacheCommand,
     StatsCommand,
 )
+from shared.protocol.client_channel.structured import STRUCTURED_PARAMS, structured_kwargs
 from shared.protocol.errors import ErrorCode, short_repr
 from shared.protocol.sampling import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -47,7 +48,7 @@ _PARAM_TYPES: dict[str, tuple[str, bool]] = {
     "presence_penalty": (_NUM, False),
     "frequency_penalty": (_NUM, False),
 }
-PARAM_NAMES = (*_PARAM_TYPES, "stop", "stop_token_ids")
+PARAM_NAMES = (*_PARAM_TYPES, "stop", "stop_token_ids", *STRUCTURED_PARAMS)
 
 
 def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES) -> ClientCommand:
@@ -222,7 +223,7 @@ def parse_params(params: dict, rid: Optional[str] = None) -> tuple[SamplingParam
         if key not in PARAM_NAMES:
             msg = f"unknown parameter {short_repr(key)}"
             raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
-        if value is None or key == "stop":
+        if value is None or key == "stop" or key in STRUCTURED_PARAMS:
             continue
         if key == "stop_token_ids":
             if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
@@ -236,6 +237,7 @@ def parse_params(params: dict, rid: Optional[str] = None) -> tuple[SamplingParam
             raise ClientMessageError(ErrorCode.INVALID_PARAMS, f"{key} must be {kind}", rid)
         kwargs[key] = value
     stop = _stop_strings(params.get("stop"), rid)
+    kwargs.update(structured_kwargs(params, rid))
     try:
         sampling = SamplingParams(**kwargs)
     except ValueError as exc:
