@@ -96,8 +96,10 @@ def _accepts(kind: str, text: str) -> bool:
 def test_every_kind_gives_output_its_grammar_accepts(runner: ModelRunner, seed) -> None:
     temperature = 0.0 if seed is None else 1.0
     requests = {
-        kind: ([5 + i, 40, 41, 42], SamplingParams(max_tokens=40, temperature=temperature,
-                                                   seed=seed, constraint=c))  # fmt: skip
+        kind: (
+            [5 + i, 40, 41, 42],
+            SamplingParams(max_tokens=40, temperature=temperature, seed=seed, constraint=c),
+        )  # fmt: skip
         for i, (kind, c) in enumerate(CONSTRAINTS.items())
     }
     for kind, tokens in _run(runner, requests).items():
@@ -121,8 +123,9 @@ def test_unconstrained_neighbours_and_recompute_keep_their_tokens(runner: ModelR
 
 def test_two_plans_in_flight_and_pipelined_steps(tiny: Path, runner: ModelRunner) -> None:
     params = {
-        kind: SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.8, seed=i,
-                             constraint=c)  # fmt: skip
+        kind: SamplingParams(
+            max_tokens=30, temperature=0.0 if i % 2 else 0.8, seed=i, constraint=c
+        )  # fmt: skip
         for i, (kind, c) in enumerate(CONSTRAINTS.items())
     }
     params["plain"] = SamplingParams(max_tokens=30, temperature=0.0)

@@ -1,5 +1,6 @@
 """The structured-output keys of a `generate`'s `params` (docs/protocol.md): at most one of
-`json_schema`, `json_object`, `regex`, `grammar`, `choice`, and `logit_bias`.
+`json_schema`, `json_object`, `regex`, `grammar`, `choice`, and `logit_bias`; and the tool
+fields of a chat (`tools`, a message's `tool_calls` and `tool_call_id`).
 
 Their shapes are checked here (`invalid_params`); whether the constraint compiles is the
 frontend's admission (shared/constraints.py: `invalid_constraint`, `constraint_too_large`,
@@ -18,6 +19,7 @@ from shared.protocol.sampling import Constraint
 CONSTRAINT_PARAMS = ("json_schema", "json_object", "regex", "grammar", "choice")
 STRUCTURED_PARAMS = (*CONSTRAINT_PARAMS, "logit_bias")
 MAX_CHOICES = 1024
+MAX_TOOLS = 128
 
 
 def structured_kwargs(params: dict, rid: Optional[str]) -> dict[str, Any]:
@@ -78,3 +80,46 @@ def _logit_bias(value: Any, rid: Optional[str]) -> dict[str, float]:
 
 def _fail(message: str, rid: Optional[str]) -> None:
     raise ClientMessageError(ErrorCode.INVALID_PARAMS, message, rid)
+
+
+def tools_list(value: Any, rid: Optional[str]) -> Optional[list[dict[str, Any]]]:
+    """`generate`'s `tools`: nil, or a list of {"type": "function", "function": {"name": str,
+    "description"?: str, "parameters"?: map}} (rendered into the prompt by the chat template)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
+        raise _prompt_error(f"`tools` must be a list of 1-{MAX_TOOLS} function tools", rid)
+    for i, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        ok = isinstance(fn, dict) and tool.get("type", "function") == "function"
+        if not ok or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _prompt_error(f"tools[{i}] must be {{type: function, function: {{name}}}}", rid)
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise _prompt_error(f"tools[{i}].function.parameters must be a map", rid)
+    return value
+
+
+def tool_message_fields(item: dict, i: int, rid: Optional[str]) -> dict[str, Any]:
+    """A chat message's `tool_calls` (an assistant's) and `tool_call_id` (a tool's result)."""
+    out: dict[str, Any] = {}
+    calls = item.get("tool_calls")
+    if calls is not None:
+        ok = isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls
+        )  # fmt: skip
+        if not ok:
+            raise _prompt_error(
+                f"messages[{i}].tool_calls must be calls {{function: {{name}}}}", rid
+            )
+        out["tool_calls"] = calls
+    call_id = item.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise _prompt_error(f"messages[{i}].tool_call_id must be a string", rid)
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _prompt_error(message: str, rid: Optional[str]) -> ClientMessageError:
+    return ClientMessageError(ErrorCode.INVALID_PROMPT, message, rid)

@@ -29,7 +29,12 @@ from shared.protocol.client_channel.messages import (
     ResetPrefixCacheCommand,
     StatsCommand,
 )
-from shared.protocol.client_channel.structured import STRUCTURED_PARAMS, structured_kwargs
+from shared.protocol.client_channel.structured import (
+    STRUCTURED_PARAMS,
+    structured_kwargs,
+    tool_message_fields,
+    tools_list,
+)
 from shared.protocol.errors import ErrorCode, short_repr
 from shared.protocol.sampling import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -155,6 +160,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
     else:
         token_ids = _token_ids(wire["prompt_token_ids"], rid)
     sampling, stop = parse_params(params, rid)
+    tools = tools_list(wire.get("tools"), rid)
     return GenerateCommand(
         id=rid,
         sampling=sampling,
@@ -165,6 +171,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         stream=stream,
         priority=priority,
         add_generation_prompt=add_gen,
+        tools=tools,
     )
 
 
@@ -194,10 +201,12 @@ def _chat_messages(value: Any, rid: str) -> list[ChatMessage]:
     for i, item in enumerate(value):
         role = item.get("role") if isinstance(item, dict) else None
         content = _content_text(item.get("content")) if isinstance(item, dict) else None
+        if content is None and isinstance(item, dict) and item.get("tool_calls"):
+            content = "" if item.get("content") is None else None  # calls without text
         if not isinstance(role, str) or not role or content is None:
             msg = f"messages[{i}] must be a map with a `role` string and a `content` text"
             raise ClientMessageError(ErrorCode.INVALID_PROMPT, msg, rid)
-        out.append(ChatMessage(role, content))
+        out.append(ChatMessage(role, content, **tool_message_fields(item, i, rid)))
     return out
 
 
