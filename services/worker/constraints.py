@@ -33,7 +33,7 @@ from typing import Protocol
 
 import llguidance.torch as llg_torch
 import torch
-from llguidance import LLMatcher
+from llguidance import LLExecutor, LLMatcher
 
 from services.worker.held_batch import PENDING_TOKEN, HeldSeq
 from shared.constraints import GrammarCache, load_tokenizer
@@ -77,9 +77,22 @@ class LlgMatcher:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    @property
+    def llg(self) -> LLMatcher:
+        """The llguidance matcher (the batch fill hands it to the library's executor)."""
+        return self._m
+
+    def failed(self) -> bool:
+        return bool(self._m.is_error())
+
     def advance(self, token_id: int) -> bool:
         self._num_tokens += 1
         return bool(self._m.consume_token(token_id))
+
+    def advance_all(self, token_ids: list[int]) -> bool:
+        """Consume several tokens in one call (a sequence catching up with its history)."""
+        self._num_tokens += len(token_ids)
+        return bool(self._m.consume_tokens(token_ids))
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > self._num_tokens or not self._m.rollback(num_tokens):
@@ -122,6 +135,8 @@ class ConstraintMasks:
         self._eos = list(eos_token_ids)
         self._matchers: dict[HeldSeq, LlgMatcher] = {}  # changed only by the job
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+        # one thread: the forward's own threads have the other cores
+        self._executor = LLExecutor(num_threads=1)
         self.mask_wait_s: deque[float] = deque(maxlen=MAX_WAIT_SAMPLES)
         self.num_steps = 0
 
@@ -156,12 +171,24 @@ class ConstraintMasks:
         self._thread.shutdown(wait=True)
 
     def _job(self, rows: list[int], seqs: list[HeldSeq], held: list[HeldSeq]) -> RowMasks:
+        """On the helper thread. Little Python and one call that fills every row without the
+        GIL: the forward's thread needs the GIL back after each of its operations, and a job
+        that held it would stall the forward (measured on the tiny model: 40x slower steps)."""
         live = set(held)
         for gone in [s for s in self._matchers if s not in live]:
             del self._matchers[gone]
-        bitmask = llg_torch.allocate_token_bitmask(len(rows), self._vocab_size)
+        bitmask = torch.full((len(rows), (self._vocab_size + 31) // 32), -1, dtype=torch.int32)
+        work: list[tuple[LLMatcher, int]] = []
         for j, seq in enumerate(seqs):
-            self._synced(seq).fill_mask(bitmask, j)
+            m = self._synced(seq)
+            if m.failed():
+                eos_only(bitmask, j, self._eos)
+            else:
+                work.append((m.llg, j))
+        if work:
+            self._executor.unsafe_compute_mask_ptr(
+                work, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows)
+            )
         return RowMasks(rows, bitmask)
 
     def _synced(self, seq: HeldSeq) -> LlgMatcher:
@@ -177,6 +204,6 @@ class ConstraintMasks:
         outputs = seq.token_ids[seq.num_prompt_tokens + m.num_tokens :]
         if PENDING_TOKEN in outputs:
             raise RuntimeError(f"{seq.rid!r}: a mask was asked before its last token landed")
-        for tok in outputs:
-            m.advance(tok)
+        if outputs:
+            m.advance_all(outputs)
         return m
