@@ -10,6 +10,7 @@ frees their blocks; the scheduler's invariants hold after every call.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Optional
 
 from services.scheduler.batching import BatchingRules
 from services.scheduler.inflight import InFlightStep, InFlightSteps
@@ -17,6 +18,7 @@ from services.scheduler.live import LiveRequests
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
+from services.scheduler.speculation import SpecContractError, Speculation
 from services.scheduler.stats import Counters
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
@@ -38,7 +40,9 @@ class ResultApplier:
         rules: BatchingRules,
         counters: Counters,
         clock: Callable[[], float],
+        speculation: Optional[Speculation] = None,
     ) -> None:
+        """`speculation`: applies the accepted drafts of steps that gave draft limits."""
         self._live = live
         self._batch = batch
         self._cache = cache
@@ -48,6 +52,7 @@ class ResultApplier:
         self._padding = rules.keeps_finished_as_padding
         self._counters = counters
         self._clock = clock
+        self._speculation = speculation
 
     def update(self, result: StepResult) -> OutputBatch:
         """Called with the oldest in-flight plan's result: append sampled tokens, finish
@@ -73,19 +78,43 @@ class ResultApplier:
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
             failed = self._fail_missing(flight.sampled, now, message)
             return OutputBatch(result.step_id, finished=failed)
+        if flight.drafts or result.spec_rows:
+            return self._apply_drafted(flight, result, now)
         ends = self._steady.apply(flight, result)
         if ends is None:
             return self._apply_each(flight, result, now)
         finished: list[RequestOutput] = []
         for i in ends:  # rare: the common steady result ends nobody
             req = flight.sampled[i]
-            finished.append(self._finish_with(req, result.token_ids[i], result.logprobs, now))
+            finished.append(self._finish_with(req, [result.token_ids[i]], result.logprobs, now))
         return self._output_batch(result, flight.sampled_rids, ends, finished)
 
-    def _apply_each(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
-        """The general path: each sample checked against its request."""
+    def _apply_drafted(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
+        """A step that gave draft limits (speculation.py): the counts move, then each row's
+        accepted drafts come before its token. Columns that do not fit the limits break the
+        contract like a wrong token count."""
+        self._steady.forget_tokens()
+        try:
+            if self._speculation is None:
+                raise SpecContractError("a result with drafts from a step that gave none")
+            drafted = self._speculation.settle(flight, result)
+        except SpecContractError as exc:
+            failed = self._fail_missing(flight.sampled, now, str(exc))
+            return OutputBatch(result.step_id, finished=failed)
+        return self._apply_each(flight, result, now, drafted)
+
+    def _apply_each(
+        self,
+        flight: InFlightStep,
+        result: StepResult,
+        now: float,
+        drafted: Optional[dict[int, list[int]]] = None,
+    ) -> OutputBatch:
+        """The general path: each sample checked against its request. `drafted`: sampler row
+        -> the drafts accepted before its token (speculation)."""
         running = RUNNING
         finished: list[RequestOutput] = []
+        multi: list[RequestOutput] = []  # several tokens of requests that go on
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
         for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
             # A sample lands at len(token_ids) while the request has computed that far (with a
@@ -96,18 +125,41 @@ class ResultApplier:
                 preempted is None or preempted <= flight.version
             ):
                 tokens = req.token_ids
-                if req.status is running:
+                if req.status is running and drafted and i in drafted:
+                    self._apply_several(req, drafted[i] + [token], result, now, multi, finished)
+                elif req.status is running:
                     tokens.append(token)
                     if req.protected or req.first_token is None:
                         req.note_sampled(now)
                     if token not in req.stop_ids and len(tokens) < req.max_len:
                         continue  # the common case: it goes on, and stays in the columns
-                    finished.append(self._finish_with(req, token, result.logprobs, now))
+                    finished.append(self._finish_with(req, [token], result.logprobs, now))
                 elif req.padding:  # static batching computes finished members
                     tokens.append(token)
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
-        return self._output_batch(result, flight.sampled_rids, skipped, finished)
+        return self._output_batch(result, flight.sampled_rids, skipped, finished, multi)
+
+    def _apply_several(
+        self,
+        req: Request,
+        new_tokens: list[int],
+        result: StepResult,
+        now: float,
+        multi: list[RequestOutput],
+        finished: list[RequestOutput],
+    ) -> None:
+        """A running request's accepted drafts and its token, in order, up to the first that
+        ends it (a stop id or the length limit; the rest are dropped)."""
+        tokens = req.token_ids
+        if req.protected or req.first_token is None:
+            req.note_sampled(now)
+        for j, token in enumerate(new_tokens):
+            tokens.append(token)
+            if token in req.stop_ids or len(tokens) >= req.max_len:
+                finished.append(self._finish_with(req, new_tokens[: j + 1], result.logprobs, now))
+                return
+        multi.append(req.output(new_tokens, []))
 
     def _output_batch(
         self,
@@ -115,6 +167,7 @@ class ResultApplier:
         rids: list[str],
         skipped: list[int],
         finished: list[RequestOutput],
+        multi: Optional[list[RequestOutput]] = None,
     ) -> OutputBatch:
         """The step's outputs: the result's tokens with the `rids` of the sequences that
         sampled, minus the `skipped` entries."""
@@ -124,17 +177,19 @@ class ResultApplier:
             rids = [r for i, r in enumerate(rids) if i not in drop]
             token_ids = [t for i, t in enumerate(token_ids) if i not in drop]
         num_outputs = len(rids)
-        for out in finished:
+        multi = multi or []
+        for out in (*finished, *multi):
             num_outputs += len(out.new_token_ids)
         self._counters.num_output_tokens += num_outputs
         # the result's logprobs as they are: the server cuts them per frontend (off this path)
-        return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished)
+        return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished, multi)
 
     def _finish_with(
-        self, req: Request, token: int, logprobs: dict[str, TokenLogprobs], now: float
+        self, req: Request, new_tokens: list[int], logprobs: dict[str, TokenLogprobs], now: float
     ) -> RequestOutput:
-        """`req` sampled its last token: finish it; its final output."""
-        reason = "stop" if token in req.stop_ids else "length"
+        """`req` sampled its last token (`new_tokens[-1]`, after any accepted drafts): finish
+        it; its final output."""
+        reason = "stop" if new_tokens[-1] in req.stop_ids else "length"
         self._live.finish(req, reason, now)
         if self._caching:  # what it computed stays findable once its blocks are freed
             self._cache.register_computed(req)
@@ -143,7 +198,7 @@ class ResultApplier:
         else:
             self._batch.drop(req)
         lps = [logprobs[req.rid]] if req.rid in logprobs else []
-        return req.output([token], lps, reason)
+        return req.output(new_tokens, lps, reason)
 
     def _fail_missing(
         self, sampled: Iterable[Request], now: float, message: str

@@ -41,6 +41,8 @@ class BuiltStep:
     # registered later, off this path too: when its table next grows, or when it finishes or
     # is preempted.
     filled: list[tuple[Request, int, int]]
+    # speculation: (request, its draft limit) of each decode that may draft in this step
+    drafts: list[tuple[Request, int]]
 
 
 class StepBuilder:
@@ -64,13 +66,19 @@ class StepBuilder:
         # rid -> (request, num_tokens) for prefill chunks, in batch order after the decodes
         self._chunks: dict[str, tuple[Request, int]] = {}
         self._num_chunk_tokens = 0
+        # speculation: (decode, draft limit), the limits counted in the budget
+        self.drafts: list[tuple[Request, int]] = []
+        self._num_draft_tokens = 0
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self._chunks)
 
     @property
     def budget_left(self) -> int:
-        return self.token_budget - len(self.decodes) - self._num_chunk_tokens
+        return (
+            self.token_budget - len(self.decodes) - self._num_chunk_tokens
+            - self._num_draft_tokens
+        )  # fmt: skip
 
     @property
     def has_live(self) -> bool:
@@ -90,6 +98,12 @@ class StepBuilder:
         self._chunks[req.rid] = (req, num_tokens)
         self._num_chunk_tokens += num_tokens
 
+    def add_drafts(self, req: Request, limit: int) -> None:
+        """`req`, a decode of this step, may also compute up to `limit` drafts (speculation);
+        its table covers them already."""
+        self.drafts.append((req, limit))
+        self._num_draft_tokens += limit
+
     def drop(self, req: Request) -> None:
         """Unschedule `req` (it is being preempted); its tokens go back to the budget."""
         entry = self._chunks.pop(req.rid, None)
@@ -97,6 +111,10 @@ class StepBuilder:
             self._num_chunk_tokens -= entry[1]
         elif req in self.decodes:
             self.decodes.remove(req)
+            if self.drafts:
+                kept = [(r, k) for r, k in self.drafts if r is not req]
+                self._num_draft_tokens -= sum(k for r, k in self.drafts if r is req)
+                self.drafts = kept
 
     def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
         """Assemble the plan (only what changed in the worker's batch) and advance each
@@ -114,7 +132,7 @@ class StepBuilder:
         new_seqs: list[NewSequence] = []
         released = worker.take_released()
         reused = self._reused
-        if reused is not None and len(reused[0]) == len(self.decodes):  # none dropped since
+        if reused is not None and len(reused[0]) == len(self.decodes) and not self.drafts:
             # for the step record: the run's list itself (read-only) unless chunks follow
             rids = list(reused[0]) if self._chunks else reused[0]
             _send_blocks(reused[1], block_slots, block_ids)  # only checked ones can send blocks
@@ -145,16 +163,31 @@ class StepBuilder:
                 chunk_samplers.add(req.rid)
         if worker.num_held > len(rids):
             _waiting_counts(held, rids, count_slots, counts)
+        draft_slots, draft_limits = self._draft_columns()
+        trim_slots, trim_lens = worker.take_trims()
         plan = StepPlan(
             step_id, worker.prev_step_id, worker.num_held,
             len(self.decodes) + self._num_chunk_tokens, new_seqs, released, block_slots,
-            block_ids, count_slots, counts,
+            block_ids, count_slots, counts, draft_slots, draft_limits, trim_slots, trim_lens,
         )  # fmt: skip
         worker.prev_step_id = step_id
         steady = len(self.decodes) == worker.num_held and not self._chunks
         sampled, sampled_rids = self._samplers(worker, chunk_samplers, steady)
         return BuiltStep(plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled,
-                         sampled_rids, steady, filled)  # fmt: skip
+                         sampled_rids, steady and not self.drafts, filled,
+                         self.drafts)  # fmt: skip
+
+    def _draft_columns(self) -> tuple[list[int], list[int]]:
+        """The plan's draft columns (each decode has its slot by now); each request's draft
+        slots in flight grow by its limit."""
+        slots: list[int] = []
+        limits: list[int] = []
+        for req, k in self.drafts:
+            assert req.slot is not None  # a decode of this step: held by the worker now
+            slots.append(req.slot)
+            limits.append(k)
+            req.num_draft_slots += k
+        return slots, limits
 
     def _decode_pass(
         self,

@@ -48,7 +48,8 @@ class OutputPath:
         return self._latency.percentiles(now)
 
     def on_outputs(self, link: EngineLink, batch: OutputBatch) -> None:
-        """One step's outputs: first the tokens of requests that go on, then final outputs.
+        """One step's outputs: first the tokens of requests that go on (one each, then several:
+        speculation), then final outputs.
         Outputs for a request that now runs elsewhere (resubmitted) are dropped."""
         now = time.monotonic()
         logprobs = batch.logprobs
@@ -63,7 +64,7 @@ class OutputPath:
                 continue
             lps = logprobs.get(rid) if logprobs else None
             self._deliver(rid, state, state.on_token(token, lps, now), None, now)
-        for out in batch.finished:
+        for out in (*batch.multi, *batch.finished):  # multi: several tokens, not final
             state = get(out.rid)
             if state is not None and state.engine == engine:
                 self._deliver(out.rid, state, state.on_output(out, now), out.timings, now)
