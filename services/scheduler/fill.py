@@ -61,7 +61,7 @@ class StepFiller:
         if step.grown:  # before any lookup below, which may need their blocks
             self._cache.queue_grown(step.grown)
         if self._speculation is not None:
-            self._speculation.assign(step)
+            self._speculation.assign(step, self._decode_goes_on)
         self._schedule_running_prefills(step, prefills)
         if self._rules.admits_every_step and step.num_preemptions == 0:
             if self._config.policy == "priority":
@@ -92,9 +92,9 @@ class StepFiller:
             if req.padding:
                 padding.append(req)
                 continue
-            ahead = computed + req.num_draft_slots  # drafts in flight (speculation)
-            if (computed >= len(req.token_ids) and ahead + 1 >= req.max_len) or (
-                ahead >= len(req.block_ids) * block_size
+            # (drafts in flight are checked apart: speculation.py `assign`)
+            if (computed == len(req.token_ids) and computed + 1 >= req.max_len) or (
+                computed >= len(req.block_ids) * block_size
             ):
                 if not self._decode_goes_on(req, step):
                     continue

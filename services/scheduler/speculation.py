@@ -4,8 +4,10 @@ step filler and the result path (docs/design/speculation.md).
 The worker proposes drafts (it holds the up-to-date histories); the scheduler gives each decode
 a draft *limit*, the KV slots and the token budget for it, and applies what the worker accepted:
 
-* `assign(step, batch)` (the step filler, after the decodes): a limit `k` per decode, within
-  the budget, the free blocks (drafts never preempt) and the request's length limit
+* `assign(step, goes_on)` (the step filler, after the decodes): first the decodes with drafts
+  in flight are checked again counting them (the filler's pass over every decode does not read
+  D, so it costs nothing when speculation is off); then a limit `k` per decode, within the
+  budget, the free blocks (drafts never preempt) and the request's length limit
   (`k <= max_len - (C + D) - 2`, C its computed count, D its draft slots in flight);
 * `settle(flight, result)` (the result path, with a result of a step that had drafts): per
   drafting request `C += accepted`, `D -= k`, the blocks past `C + D` given back (the next plan
@@ -18,6 +20,7 @@ holds the KV of a confirmed token once the plans in flight have run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -85,11 +88,16 @@ class Speculation:
         self._k = num_speculative_tokens
         self._block_size = block_size
         self.counters = counters
+        self._in_flight: set[Request] = set()  # given drafts by a plan built (D may be > 0)
 
-    def assign(self, step: StepBuilder) -> None:
-        """Called by the step filler once the step's decodes are in: each gets a draft limit
-        while the budget, free blocks and its length allow (a request asking for logprobs
-        drafts nothing yet: drafts' logprobs are designed, not built)."""
+    def assign(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> None:
+        """Called by the step filler once the step's decodes are in. A decode with drafts in
+        flight is checked again by `goes_on` (the filler's check, which counts them: its
+        table must cover them, a sample in flight may end it); then each decode gets a draft
+        limit while the budget, free blocks and its length allow (a request asking for
+        logprobs drafts nothing yet: drafts' logprobs are designed, not built)."""
+        if self._in_flight:
+            self._check_in_flight(step, goes_on)
         batch = self._batch
         if len(batch) > MAX_DRAFTING_BATCH or not step.decodes:
             return
@@ -108,6 +116,17 @@ class Speculation:
                 k = min(k, len(req.block_ids) * bs - base)  # what its table covers already
             if k > 0:
                 step.add_drafts(req, k)
+                self._in_flight.add(req)
+
+    def _check_in_flight(
+        self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
+    ) -> None:
+        scheduled = set(step.decodes)
+        for req in list(self._in_flight):
+            if req.num_draft_slots == 0:
+                self._in_flight.discard(req)  # settled, finished or preempted
+            elif req in scheduled and not goes_on(req, step):
+                step.drop(req)  # it waits for the result in flight
 
     def settle(self, flight: InFlightStep, result: StepResult) -> dict[int, list[int]]:
         """Called by the result path with a result of a step that gave draft limits (before
