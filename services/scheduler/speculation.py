@@ -28,7 +28,7 @@ from services.scheduler.inflight import InFlightStep
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.step import StepBuilder
-from shared.protocol.worker_channel import StepResult
+from shared.protocol.worker_channel import DraftOutcome, StepResult
 
 RUNNING = RequestStatus.RUNNING
 # Until the adaptive rule measures acceptance and step costs (designed, not built): draft only
@@ -161,10 +161,9 @@ def _accepted_by_row(
     flight: InFlightStep, result: StepResult
 ) -> dict[Optional[int], tuple[int, list[int]]]:
     """Sampler row -> (drafts proposed, accepted drafts), checked against the step's limits."""
-    rows, proposed, accepted = result.spec_rows, result.spec_proposed, result.spec_accepted
-    if not len(rows) == len(proposed) == len(accepted) or sum(accepted) != len(
-        result.spec_token_ids
-    ):
+    outcome = result.drafts or DraftOutcome()
+    rows, proposed, accepted = outcome.rows, outcome.proposed, outcome.accepted
+    if not len(rows) == len(proposed) == len(accepted) or sum(accepted) != len(outcome.token_ids):
         raise SpecContractError("the result's speculation columns differ in length")
     limit_of = {id(req): k for req, k in flight.drafts}
     out: dict[Optional[int], tuple[int, list[int]]] = {}
@@ -177,6 +176,6 @@ def _accepted_by_row(
             raise SpecContractError(
                 f"row {row}: {n_accepted} accepted of {n_proposed} drafts, limit {limit}"
             )
-        out[row] = (n_proposed, result.spec_token_ids[start : start + n_accepted])
+        out[row] = (n_proposed, outcome.token_ids[start : start + n_accepted])
         start += n_accepted
     return out

@@ -16,7 +16,7 @@ from typing import Optional
 
 from services.scheduler.request import Request
 from services.scheduler.worker_view import WorkerView
-from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.protocol.worker_channel import NewSequence, PlanDrafts, StepPlan
 
 
 @dataclass(slots=True)
@@ -163,12 +163,11 @@ class StepBuilder:
                 chunk_samplers.add(req.rid)
         if worker.num_held > len(rids):
             _waiting_counts(held, rids, count_slots, counts)
-        draft_slots, draft_limits = self._draft_columns()
-        trim_slots, trim_lens = worker.take_trims()
+        drafts = self._plan_drafts(worker) if self.drafts or worker.trims else None
         plan = StepPlan(
             step_id, worker.prev_step_id, worker.num_held,
             len(self.decodes) + self._num_chunk_tokens, new_seqs, released, block_slots,
-            block_ids, count_slots, counts, draft_slots, draft_limits, trim_slots, trim_lens,
+            block_ids, count_slots, counts, drafts,
         )  # fmt: skip
         worker.prev_step_id = step_id
         steady = len(self.decodes) == worker.num_held and not self._chunks
@@ -177,9 +176,9 @@ class StepBuilder:
                          sampled_rids, steady and not self.drafts, filled,
                          self.drafts)  # fmt: skip
 
-    def _draft_columns(self) -> tuple[list[int], list[int]]:
-        """The plan's draft columns (each decode has its slot by now); each request's draft
-        slots in flight grow by its limit."""
+    def _plan_drafts(self, worker: WorkerView) -> PlanDrafts:
+        """The plan's speculation columns: draft limits (each decode has its slot by now; its
+        draft slots in flight grow by its limit) and the trims of tables given blocks back."""
         slots: list[int] = []
         limits: list[int] = []
         for req, k in self.drafts:
@@ -187,7 +186,8 @@ class StepBuilder:
             slots.append(req.slot)
             limits.append(k)
             req.num_draft_slots += k
-        return slots, limits
+        trim_slots, trim_lens = worker.take_trims()
+        return PlanDrafts(slots, limits, trim_slots, trim_lens)
 
     def _decode_pass(
         self,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan, check_plan
+from shared.protocol.worker_channel import NewSequence, PlanDrafts, StepPlan, check_plan
 
 # A sampled token still only on the device (pipelined steps, services/worker/pipeline.py): it
 # keeps a history's length right until the token lands. Far outside any vocabulary (not -1,
@@ -130,12 +130,13 @@ class HeldBatch:
                 f"plan {plan.step_id} is for {plan.num_seqs} sequences, this worker holds "
                 f"{len(self.seqs)}"
             )
-        if plan.trim_slots:
-            self._trim_tables(plan)
+        drafts = plan.drafts
+        if drafts is not None and drafts.trim_slots:
+            self._trim_tables(plan.step_id, drafts)
         self._append_blocks(plan)
         step = self._expand(plan, added, released)
-        if plan.draft_slots:
-            step.draft_limits = self._draft_limits(plan, step)
+        if drafts is not None and drafts.slots:
+            step.draft_limits = self._draft_limits(plan.step_id, drafts, step)
         self.last_step_id = plan.step_id
         return step
 
@@ -244,30 +245,30 @@ class HeldBatch:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise ValueError(f"rid {rid!r}: block id outside [0, {self.num_blocks})")
 
-    def _trim_tables(self, plan: StepPlan) -> None:
+    def _trim_tables(self, step_id: int, drafts: PlanDrafts) -> None:
         """Cut tables the scheduler gave blocks back from (rejected drafts): never below what
         the sequence has computed."""
-        for slot, num_blocks in zip(plan.trim_slots, plan.trim_lens, strict=True):
+        for slot, num_blocks in zip(drafts.trim_slots, drafts.trim_lens, strict=True):
             seq = self.seqs.get(slot)
             if seq is None or num_blocks > len(seq.block_ids):
-                raise ValueError(f"plan {plan.step_id} trims slot {slot} past its table")
+                raise ValueError(f"plan {step_id} trims slot {slot} past its table")
             if num_blocks * self.block_size < seq.num_computed:
-                raise ValueError(f"plan {plan.step_id} trims {seq.rid!r} below its KV")
+                raise ValueError(f"plan {step_id} trims {seq.rid!r} below its KV")
             del seq.block_ids[num_blocks:]
 
-    def _draft_limits(self, plan: StepPlan, step: ExpandedStep) -> dict[int, int]:
+    def _draft_limits(self, step_id: int, drafts: PlanDrafts, step: ExpandedStep) -> dict[int, int]:
         """b -> draft limit, each checked: the sequence decodes (one token, and samples), and
         its drafts fit its block table and max_model_len."""
         where = {seq.slot: b for b, seq in enumerate(step.seqs)}
         limits: dict[int, int] = {}
-        for slot, limit in zip(plan.draft_slots, plan.draft_limits, strict=True):
+        for slot, limit in zip(drafts.slots, drafts.limits, strict=True):
             b = where.get(slot)
             if b is None or step.num_tokens[b] != 1 or not step.sample[b]:
-                raise ValueError(f"plan {plan.step_id} gives drafts to slot {slot}, no decode")
+                raise ValueError(f"plan {step_id} gives drafts to slot {slot}, no decode")
             seq = step.seqs[b]
             end = seq.num_computed + limit
             if end > len(seq.block_ids) * self.block_size or end > self.max_model_len:
-                raise ValueError(f"plan {plan.step_id}: {seq.rid!r}'s drafts would reach "
+                raise ValueError(f"plan {step_id}: {seq.rid!r}'s drafts would reach "
                                  f"{end}, past its table or max_model_len")  # fmt: skip
             limits[b] = limit
         return limits

@@ -65,6 +65,30 @@ class NewSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanDrafts:
+    """A plan's speculation columns (docs/design/speculation.md): one optional field of the
+    plan, so a plan without them costs nothing more to build, encode or decode."""
+
+    slots: list[int] = field(default_factory=list)  # [D] decodes that may also compute...
+    limits: list[int] = field(default_factory=list)  # [D] ...up to this many drafts (>= 1)
+    trim_slots: list[int] = field(default_factory=list)  # [R] tables cut, before appends...
+    trim_lens: list[int] = field(default_factory=list)  # [R] ...to this many blocks
+
+
+@dataclass(frozen=True, slots=True)
+class DraftOutcome:
+    """A result's speculation columns: sampler row `rows[j]` (an index into the result's
+    token_ids) proposed `proposed[j]` drafts, of which the first `accepted[j]` were accepted;
+    its tokens this step are those drafts (in `token_ids`, concatenated in row order), then the
+    result's token for that row."""
+
+    rows: list[int] = field(default_factory=list)  # [J]
+    proposed: list[int] = field(default_factory=list)  # [J]
+    accepted: list[int] = field(default_factory=list)  # [J]
+    token_ids: list[int] = field(default_factory=list)  # [sum(accepted)]
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """Scheduler -> worker, one per iteration: only what changed in the worker's batch.
 
@@ -78,9 +102,9 @@ class StepPlan:
     4. every held sequence computes 1 token (a decode of its last sample) unless it is listed in
        `count_slots`, then `counts[j]` tokens (a prefill chunk; 0: it waits this step), from its
        computed count on; it samples when that reaches the end of its token history.
-    5. speculation: a decode listed in `draft_slots` also computes up to `draft_limits[j]`
-       drafts of the worker's proposer (not counted in `num_scheduled_tokens`); a table listed
-       in `trim_slots` is cut to `trim_lens[j]` blocks between steps 2 and 3.
+    5. speculation (`drafts`, `PlanDrafts`): a decode listed there also computes up to its
+       limit of drafts (not counted in `num_scheduled_tokens`); its trims cut tables between
+       steps 2 and 3.
 
     Checked by `check_plan` (structure) and by the worker (state): after step 2 it holds exactly
     `num_seqs` sequences and computes `num_scheduled_tokens` tokens; a sequence never computes
@@ -98,11 +122,7 @@ class StepPlan:
     block_ids: list[int] = field(default_factory=list)  # [A] ...this block appended
     count_slots: list[int] = field(default_factory=list)  # [C] sequences that do not...
     counts: list[int] = field(default_factory=list)  # [C] ...compute exactly 1 token
-    # speculative decoding (docs/design/speculation.md); empty when off
-    draft_slots: list[int] = field(default_factory=list)  # [D] decodes that may also...
-    draft_limits: list[int] = field(default_factory=list)  # [D] ...compute this many drafts
-    trim_slots: list[int] = field(default_factory=list)  # [R] tables cut, before step 3...
-    trim_lens: list[int] = field(default_factory=list)  # [R] ...to this many blocks
+    drafts: Optional[PlanDrafts] = None  # speculation; None (omitted on the wire) when off
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +148,7 @@ class StepResult:
     token_ids: list[int]  # [S]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     forward_s: float = 0.0  # time the worker spent on this step (prepare + forward + sample)
-    # speculative decoding (docs/design/speculation.md); empty when nothing was drafted. Row
-    # spec_rows[j] (an index into token_ids) proposed spec_proposed[j] drafts, of which the
-    # first spec_accepted[j] were accepted: its tokens this step are those drafts (in
-    # spec_token_ids, concatenated in row order), then token_ids[row].
-    spec_rows: list[int] = field(default_factory=list)  # [J]
-    spec_proposed: list[int] = field(default_factory=list)  # [J]
-    spec_accepted: list[int] = field(default_factory=list)  # [J]
-    spec_token_ids: list[int] = field(default_factory=list)  # [sum(spec_accepted)]
+    drafts: Optional[DraftOutcome] = None  # speculation; None when nothing was drafted
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,13 +177,14 @@ def check_plan(plan: StepPlan) -> None:
         raise ValueError("step plan block_slots and block_ids differ in length")
     if len(plan.count_slots) != len(plan.counts):
         raise ValueError("step plan count_slots and counts differ in length")
-    if len(plan.draft_slots) != len(plan.draft_limits) or len(plan.trim_slots) != len(
-        plan.trim_lens
-    ):
+    drafts = plan.drafts or PlanDrafts()
+    if len(drafts.slots) != len(drafts.limits) or len(drafts.trim_slots) != len(drafts.trim_lens):
         raise ValueError("step plan draft or trim columns differ in length")
-    if len(set(plan.draft_slots)) != len(plan.draft_slots) or any(n < 1 for n in plan.draft_limits):
+    if len(set(drafts.slots)) != len(drafts.slots) or any(n < 1 for n in drafts.limits):
         raise ValueError("step plan gives a slot two draft limits, or one below 1")
-    if len(set(plan.trim_slots)) != len(plan.trim_slots) or any(n < 0 for n in plan.trim_lens):
+    if len(set(drafts.trim_slots)) != len(drafts.trim_slots) or any(
+        n < 0 for n in drafts.trim_lens
+    ):
         raise ValueError("step plan trims a slot twice, or to a negative length")
     if len(set(plan.count_slots)) != len(plan.count_slots):
         raise ValueError("step plan gives a slot two token counts")
@@ -180,7 +194,7 @@ def check_plan(plan: StepPlan) -> None:
     if len(set(slots)) != len(slots) or len(set(plan.released_slots)) != len(plan.released_slots):
         raise ValueError("step plan adds or releases a slot twice")
     named = (*slots, *plan.released_slots, *plan.block_slots, *plan.count_slots,
-             *plan.draft_slots, *plan.trim_slots)  # fmt: skip
+             *drafts.slots, *drafts.trim_slots)  # fmt: skip
     if any(s < 0 for s in named):
         raise ValueError("step plan names a negative slot")
     for seq in plan.new_seqs:

@@ -7,8 +7,16 @@ from __future__ import annotations
 import pytest
 
 from services.worker.held_batch import ExpandedStep, HeldBatch
+from shared.protocol.codec import decode, encode
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan, check_plan
+from shared.protocol.worker_channel import (
+    DraftOutcome,
+    NewSequence,
+    PlanDrafts,
+    StepPlan,
+    StepResult,
+    check_plan,
+)
 
 SP = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -25,7 +33,7 @@ def _batch_with_decode() -> tuple[HeldBatch, ExpandedStep]:
 
 def test_drafts_join_the_step_and_only_the_accepted_ones_stay() -> None:
     held, _ = _batch_with_decode()
-    step = held.apply(StepPlan(2, 1, 1, 1, draft_slots=[0], draft_limits=[3]))
+    step = held.apply(StepPlan(2, 1, 1, 1, drafts=PlanDrafts([0], [3])))
     assert step.draft_limits == {0: 3} and step.num_tokens == [1]
     held.propose(step, 0, [7, 8, 10])
     seq = held.seqs[0]
@@ -41,7 +49,7 @@ def test_drafts_join_the_step_and_only_the_accepted_ones_stay() -> None:
 
 def test_a_proposal_past_its_limit_and_a_settle_past_the_drafts_are_refused() -> None:
     held, _ = _batch_with_decode()
-    step = held.apply(StepPlan(2, 1, 1, 1, draft_slots=[0], draft_limits=[2]))
+    step = held.apply(StepPlan(2, 1, 1, 1, drafts=PlanDrafts([0], [2])))
     with pytest.raises(ValueError, match="past its limit"):
         held.propose(step, 0, [7, 8, 10])
     held.propose(step, 0, [7])
@@ -52,37 +60,44 @@ def test_a_proposal_past_its_limit_and_a_settle_past_the_drafts_are_refused() ->
 def test_drafts_must_fit_the_table_and_go_to_a_decode() -> None:
     held, _ = _batch_with_decode()
     with pytest.raises(ValueError, match="past its table"):  # positions 4..8, table holds 8
-        held.apply(StepPlan(2, 1, 1, 1, draft_slots=[0], draft_limits=[4]))
+        held.apply(StepPlan(2, 1, 1, 1, drafts=PlanDrafts([0], [4])))
     assert held.needs_reset
     held, _ = _batch_with_decode()
     with pytest.raises(ValueError, match="no decode"):  # it waits this step
-        held.apply(StepPlan(2, 1, 1, 0, count_slots=[0], counts=[0], draft_slots=[0],
-                            draft_limits=[1]))  # fmt: skip
+        held.apply(StepPlan(2, 1, 1, 0, count_slots=[0], counts=[0],
+                            drafts=PlanDrafts([0], [1])))  # fmt: skip
 
 
 def test_trims_cut_tables_before_blocks_are_appended_never_below_the_kv() -> None:
     held, _ = _batch_with_decode()
-    step = held.apply(StepPlan(2, 1, 1, 1, block_slots=[0], block_ids=[3], trim_slots=[0],
-                               trim_lens=[1]))  # fmt: skip
+    step = held.apply(StepPlan(2, 1, 1, 1, block_slots=[0], block_ids=[3],
+                               drafts=PlanDrafts(trim_slots=[0], trim_lens=[1])))  # fmt: skip
     assert step.seqs[0].block_ids == [5, 3]  # cut to [5], then 3 appended
     with pytest.raises(ValueError, match="below its KV"):  # 5 tokens computed: 2 blocks
-        held.apply(StepPlan(3, 2, 1, 1, trim_slots=[0], trim_lens=[1]))
+        held.apply(StepPlan(3, 2, 1, 1, drafts=PlanDrafts(trim_slots=[0], trim_lens=[1])))
     held, _ = _batch_with_decode()
     with pytest.raises(ValueError, match="past its table"):
-        held.apply(StepPlan(2, 1, 1, 1, trim_slots=[0], trim_lens=[3]))
+        held.apply(StepPlan(2, 1, 1, 1, drafts=PlanDrafts(trim_slots=[0], trim_lens=[3])))
 
 
 @pytest.mark.parametrize(
-    "columns, why",
+    "drafts, why",
     [
-        ({"draft_slots": [0], "draft_limits": []}, "differ in length"),
-        ({"trim_slots": [0, 0], "trim_lens": [1, 1]}, "trims a slot twice"),
-        ({"draft_slots": [0], "draft_limits": [0]}, "one below 1"),
-        ({"draft_slots": [-1], "draft_limits": [1]}, "negative slot"),
+        (PlanDrafts([0], []), "differ in length"),
+        (PlanDrafts(trim_slots=[0, 0], trim_lens=[1, 1]), "trims a slot twice"),
+        (PlanDrafts([0], [0]), "one below 1"),
+        (PlanDrafts([-1], [1]), "negative slot"),
     ],
 )
-def test_check_plan_refuses_malformed_speculation_columns(
-    columns: dict[str, list[int]], why: str
-) -> None:
+def test_check_plan_refuses_malformed_speculation_columns(drafts: PlanDrafts, why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        check_plan(StepPlan(2, 1, 1, 1, **columns))  # type: ignore[arg-type]
+        check_plan(StepPlan(2, 1, 1, 1, drafts=drafts))
+
+
+def test_speculation_columns_round_trip_and_are_absent_from_plain_frames() -> None:
+    plan = StepPlan(5, 4, 2, 2, drafts=PlanDrafts([0], [3], [1], [2]))
+    assert decode(encode(plan)) == plan
+    result = StepResult(5, [1, 2], drafts=DraftOutcome([0], [3], [1], [7]))
+    assert decode(encode(result)) == result
+    assert b"drafts" not in encode(StepPlan(5, 4, 2, 2))
+    assert b"drafts" not in encode(StepResult(5, [1, 2]))

@@ -34,7 +34,7 @@ from services.scheduler import Scheduler, SchedulerConfig
 from services.worker.plan_writer import PlanWriter
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.protocol.worker_channel import PlanDrafts, StepPlan, StepResult
 
 EOS = 0
 VOCAB = 12  # small: end-of-sequence tokens come up now and then
@@ -120,9 +120,8 @@ def _drive(
             sched.check_invariants()
             if plan is None:
                 break
-            assert plan.num_scheduled_tokens + sum(plan.draft_limits) <= (
-                sched.config.max_num_batched_tokens
-            )
+            limits = plan.drafts.limits if plan.drafts else []
+            assert plan.num_scheduled_tokens + sum(limits) <= sched.config.max_num_batched_tokens
             results.append(worker.execute(plan))
             sched.after_plan()
             sched.check_invariants()
@@ -236,7 +235,7 @@ def test_accepted_drafts_come_several_per_step_and_rejected_blocks_go_back() -> 
     multi = [o for o in run.outputs["a"] if len(o.new_token_ids) == 3]
     assert len(multi) >= 3  # three tokens a step while 4 drafts fit
     assert any(step.draft_limits for step in worker.steps)
-    assert any(p.trim_slots for p in plans), "blocks reserved for rejected drafts go back"
+    assert any(p.drafts and p.drafts.trim_slots for p in plans), "rejected drafts' blocks go back"
     stats = sched.stats()
     assert stats["spec_decode_num_accepted_tokens"] == worker.num_accepted > 0
     assert stats["spec_decode_num_draft_tokens"] == worker.num_proposed > worker.num_accepted
@@ -273,10 +272,9 @@ def test_the_checking_worker_catches_a_rejected_draft_read_back() -> None:
     plan = writer.plan({"a": 3}, [writer.new_sequence("a", [1, 2, 3], 3, [0, 1], sp)])
     worker.execute(plan)  # a's prompt, sampling output 0
     a_slot = plan.new_seqs[0].slot
-    drafted = StepPlan(plan.step_id + 1, plan.step_id, 1, 1, draft_slots=[a_slot],
-                       draft_limits=[3])  # fmt: skip
+    drafted = StepPlan(plan.step_id + 1, plan.step_id, 1, 1, drafts=PlanDrafts([a_slot], [3]))
     result = worker.execute(drafted)  # positions 3..6: the decode and 3 wrong drafts
-    assert result.spec_accepted == [0]
+    assert result.drafts is not None and result.drafts.accepted == [0]
     out0, out1 = token_for("a", 0, VOCAB), token_for("a", 1, VOCAB)  # position 4 holds a
     claim = writer.new_sequence("b", [1, 2, 3, out0, out1, 5], 3, [0, 1], sp, 5)  # draft's KV
     with pytest.raises(AssertionError, match="KV holds"):

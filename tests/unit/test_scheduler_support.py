@@ -29,7 +29,7 @@ from services.worker.held_batch import ExpandedStep, HeldBatch
 from services.worker.plan_writer import PlanWriter
 from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.protocol.worker_channel import DraftOutcome, StepPlan, StepResult
 
 
 def token_for(rid: str, index: int, vocab_size: int) -> int:
@@ -158,8 +158,8 @@ class CheckingWorker:
                 tokens.append(token)
         self.held.record_samples(step.sampled(), tokens)
         # batch order: the scheduler maps by position
-        return StepResult(plan.step_id, tokens, spec_rows=spec[0], spec_proposed=spec[1],
-                          spec_accepted=spec[2], spec_token_ids=spec[3])  # fmt: skip
+        outcome = DraftOutcome(*spec) if spec[0] else None
+        return StepResult(plan.step_id, tokens, drafts=outcome)
 
     def _propose(self, step: ExpandedStep, limits: dict[int, int]) -> None:
         """Each drafting sequence's drafts join its history (the held batch's and ours)."""
