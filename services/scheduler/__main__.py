@@ -72,6 +72,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             list(ready.eos_token_ids),
             clock=time.time,
             cache_namespace=cache_namespace(ready.model_name, ready.dtype),
+            speculative=ready.proposer is not None,
         )
 
     # The ZAP handler (none without --curve-keys) admitting authorized_workers/ on the worker

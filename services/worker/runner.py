@@ -38,6 +38,7 @@ from services.worker.config import (
     ParallelConfig,
     WorkerConfig,
     check_divides,
+    max_model_len_for,
     pipelines_steps,
     resolve_dtype,
 )
@@ -66,6 +67,7 @@ from services.worker.sampler import (
     reads_history,
     sample,
 )
+from services.worker.speculate import make_speculator
 from services.worker.steps import FatalWorkerError
 from services.worker.weights import ModelArgs, load_weights, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model
@@ -99,7 +101,7 @@ class ModelRunner:
         self.args: ModelArgs = model_args(self.folder)
         a, world = self.args, self.parallel.world_size
         check_divides(world, a.num_heads, a.num_kv_heads, a.intermediate_size)
-        self.max_model_len = self._max_model_len(config, self.args)
+        self.max_model_len = max_model_len_for(config, self.args.max_position_embeddings)
         self.pipelining = pipelines_steps(config, world)  # before joining: fail fast
         self.overlap = overlap or OverlapRule(forced=config.pipeline_steps == "on")
         self.group: Group = join_group(self.parallel, config.device)
@@ -123,6 +125,7 @@ class ModelRunner:
         self.constraints: Optional[ConstraintMasks] = None
         if self.group.rank == 0:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
+        self.speculator = make_speculator(config, world, self.pipelining)
 
     def _load_model(self) -> LlamaModel:
         weights = load_weights(self.folder, self.dtype, self.config.device)
@@ -146,18 +149,6 @@ class ModelRunner:
         """Leave the tensor-parallel group (called once at process exit)."""
         self.group.close()
 
-    @staticmethod
-    def _max_model_len(config: WorkerConfig, args: ModelArgs) -> int:
-        limit = args.max_position_embeddings
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}: lower --max-model-len"
-            )
-        return config.max_model_len
-
     def ready_message(self, rank: int = 0) -> WorkerReady:
         """The handshake the scheduler sizes its block pool from; sent once after start."""
         return WorkerReady(
@@ -173,6 +164,7 @@ class ModelRunner:
             world_size=self.group.world_size,
             weight_bytes=self.model.weight_bytes(),
             kv_cache_bytes=self.kv_cache.num_bytes,
+            proposer=None if self.speculator is None else self.config.speculative,
         )
 
     def check_invariants(self, in_flight: Sequence[LaunchedStep] = ()) -> None:
@@ -207,6 +199,8 @@ class ModelRunner:
     def _run(self, step: ExpandedStep, start: float) -> StepResult:
         """Forward and sampling of an applied step; with several ranks any error is fatal."""
         try:
+            if self.speculator is not None and step.draft_limits:
+                self.speculator.propose(self.held, step)
             tensors = self.inputs.tensors(step)
             masks = self.constraints and self.constraints.start(
                 step.sampled(), self.held.seqs.values()
@@ -236,12 +230,16 @@ class ModelRunner:
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
         masks = self.constraints.wait(pending) if self.constraints and pending else None
-        if rows and logits is not None:  # rank 0 samples
+        outcome = None
+        if rows and logits is not None and step.drafts and self.speculator is not None:
+            token_ids, logprobs, outcome = self.speculator.verify(self.held, step, logits, masks)
+        elif rows and logits is not None:  # rank 0 samples
             token_ids, logprobs = sample(logits, rows, masks)
         # every rank holds the sampled tokens at the end of the step
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         self.held.record_samples(sampled, token_ids)
-        return _step_result(step.step_id, sampled, token_ids, logprobs, start)
+        result = _step_result(step.step_id, sampled, token_ids, logprobs, start)
+        return result if outcome is None else dataclasses.replace(result, drafts=outcome)
 
     def _sample_rows(self, sampled: list[HeldSeq]) -> list[SampleRow]:
         return [

@@ -32,6 +32,9 @@ class WorkerReady:
     world_size: int = 1  # ranks of its tensor-parallel group (the scheduler waits for all)
     weight_bytes: int = 0  # model weights this rank holds (its shard); 0: not reported
     kv_cache_bytes: int = 0  # this rank's KV pool (its share of the KV heads); 0: not reported
+    # speculative decoding: the worker's proposer ("ngram", "sim"); None: it does not
+    # speculate, so the scheduler gives no draft limits (docs/design/speculation.md)
+    proposer: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Checked on decode (the codec turns this into invalid_field): a WorkerReady that
