@@ -101,20 +101,23 @@ class ResultApplier:
         except SpecContractError as exc:
             failed = self._fail_missing(flight.sampled, now, str(exc))
             return OutputBatch(result.step_id, finished=failed)
-        return self._apply_each(flight, result, now, drafted)
+        finished: list[RequestOutput] = []
+        multi: list[RequestOutput] = []  # the tokens of requests that go on, as outputs
+        for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
+            preempted = req.preempted_at_version  # it lands as in `_apply_each`
+            if req.num_computed_tokens >= len(req.token_ids) and (
+                preempted is None or preempted <= flight.version
+            ):
+                if req.status is RUNNING:  # (static batching never drafts: no padding here)
+                    new_tokens = drafted.get(i, []) + [token]
+                    self._apply_several(req, new_tokens, result, now, multi, finished)
+        skipped = list(range(len(flight.sampled)))  # a small batch: no columns
+        return self._output_batch(result, flight.sampled_rids, skipped, finished, multi)
 
-    def _apply_each(
-        self,
-        flight: InFlightStep,
-        result: StepResult,
-        now: float,
-        drafted: Optional[dict[int, list[int]]] = None,
-    ) -> OutputBatch:
-        """The general path: each sample checked against its request. `drafted`: sampler row
-        -> the drafts accepted before its token (speculation)."""
+    def _apply_each(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
+        """The general path: each sample checked against its request."""
         running = RUNNING
         finished: list[RequestOutput] = []
-        multi: list[RequestOutput] = []  # several tokens of requests that go on
         skipped: list[int] = []  # result entries that are not a going-on token (rare)
         for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
             # A sample lands at len(token_ids) while the request has computed that far (with a
@@ -125,9 +128,7 @@ class ResultApplier:
                 preempted is None or preempted <= flight.version
             ):
                 tokens = req.token_ids
-                if req.status is running and drafted and i in drafted:
-                    self._apply_several(req, drafted[i] + [token], result, now, multi, finished)
-                elif req.status is running:
+                if req.status is running:
                     tokens.append(token)
                     if req.protected or req.first_token is None:
                         req.note_sampled(now)
@@ -138,7 +139,7 @@ class ResultApplier:
                     tokens.append(token)
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
-        return self._output_batch(result, flight.sampled_rids, skipped, finished, multi)
+        return self._output_batch(result, flight.sampled_rids, skipped, finished)
 
     def _apply_several(
         self,
@@ -159,7 +160,8 @@ class ResultApplier:
             if token in req.stop_ids or len(tokens) >= req.max_len:
                 finished.append(self._finish_with(req, new_tokens[: j + 1], result.logprobs, now))
                 return
-        multi.append(req.output(new_tokens, []))
+        lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []  # undrafted
+        multi.append(req.output(new_tokens, lps))
 
     def _output_batch(
         self,
