@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -15,6 +16,8 @@ from services.scheduler import Scheduler, SchedulerConfig
 from services.worker.config import WorkerConfig
 from services.worker.held_batch import HeldSeq
 from services.worker.runner import ModelRunner
+from services.worker.sim.config import SimConfig
+from services.worker.sim.runner import SimRunner
 from services.worker.speculate import NgramProposer
 from shared.protocol.engine_channel import OutputBatch, SubmitRequest
 from shared.protocol.sampling import SamplingParams
@@ -95,3 +98,47 @@ def test_text_with_ngram_speculation_equals_text_without(tiny: Path, two_in_flig
         stats["spec_decode_num_accepted_tokens"],
     )
     assert proposed > accepted > 0, (proposed, accepted)  # drafts proposed, some of each fate
+
+
+def _simulated(acceptance: Optional[float]) -> tuple[dict[str, list[int]], Scheduler]:
+    """Eight requests on the zero-cost simulated worker, async scheduling, speculation when
+    `acceptance` is set."""
+    worker = SimRunner(SimConfig(device="none", model="smollm2-135m", num_blocks=256,
+                                 spec_acceptance=acceptance))  # fmt: skip
+    ready = worker.ready_message()
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, num_speculative_tokens=3)
+    sched = Scheduler(config, ready.num_blocks, ready.block_size, ready.max_model_len,
+                      ready.eos_token_ids, speculative=ready.proposer is not None)  # fmt: skip
+    tokens: dict[str, list[int]] = {}
+    for i in range(8):
+        sampling = SamplingParams(max_tokens=60 + i, temperature=0.0)
+        assert sched.add_request(SubmitRequest(f"r{i}", [5 + i] * 20, sampling)) is None
+        tokens[f"r{i}"] = []
+    results: deque[StepResult] = deque()
+    while sched.has_work() or results:
+        while sched.can_schedule():
+            plan = sched.schedule()
+            if plan is None:
+                break
+            results.append(worker.execute(plan))
+        _collect(sched.update(results.popleft()), tokens)
+        sched.check_invariants()
+    return tokens, sched
+
+
+def test_the_simulated_worker_accepts_at_its_configured_rate() -> None:
+    plain, _ = _simulated(None)
+    spec, sched = _simulated(0.7)
+    assert spec == plain  # its tokens depend on (request, index) alone
+    stats = sched.stats()
+    drafts, accepted = (
+        stats["spec_decode_num_draft_tokens"],
+        stats["spec_decode_num_accepted_tokens"],
+    )
+    # each position is accepted with 0.7 while all before it were: the expected accepted share
+    # of 3 drafts is (0.7 + 0.49 + 0.343) / 3 = 0.511; the draws are deterministic
+    assert drafts > 300 and 0.45 < accepted / drafts < 0.57, (drafts, accepted)
+    assert (
+        stats["spec_decode_num_accepted_tokens_pos_0"]
+        > stats["spec_decode_num_accepted_tokens_pos_2"]
+    )
