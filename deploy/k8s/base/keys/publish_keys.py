@@ -96,8 +96,9 @@ def _in_cluster_url() -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("keys_dir", type=Path, help="the folder `conveyor keys generate` made")
-    parser.add_argument("--service-account", type=Path, required=True,
-                        help="the pod's service account folder (token, ca.crt, namespace)")  # fmt: skip
+    parser.add_argument(
+        "--service-account", type=Path, required=True, help="its token, ca.crt and namespace"
+    )
     parser.add_argument("--curve-secret", default="conveyor-curve")
     parser.add_argument("--api-key-secret", default="conveyor-api-key")
     args = parser.parse_args(argv)
