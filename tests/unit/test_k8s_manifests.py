@@ -153,7 +153,7 @@ REFUSED = [
 @pytest.mark.parametrize("extra, reason", REFUSED, ids=[r[1][:20] for r in REFUSED])
 def test_the_renderer_refuses_what_it_cannot_render(
     tmp_path: Path, extra: str, reason: str
-) -> None:  # noqa: E501
+) -> None:
     base = OVERLAYS_DIR.parent
     (tmp_path / "kustomization.yaml").write_text(
         f"resources:\n  - {base / 'base'}\n  - {base / 'engine' / 'statefulset'}\n{extra}"
@@ -219,9 +219,8 @@ def test_every_variable_is_one_its_service_reads_and_parses(overlay: str) -> Non
         assert running, f"{overlay}: nothing runs {module}"
         parser = parsers[module]()
         known = _service_variables(parser) | READ_OUTSIDE_FLAGS.get(module, set())
-        roots = {
-            flag.owner for a in parser._actions if (flag := flag_spec(a)) and len(flag.path) == 1
-        }  # noqa: E501
+        flags = [f for f in map(flag_spec, parser._actions) if f is not None]
+        roots = {f.owner for f in flags if len(f.path) == 1}  # the service's own configs
         for pod, container in running:
             env = _env(overlay, pod, container)
             unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known)
@@ -252,6 +251,7 @@ def test_the_frontends_list_every_engine_in_order(overlay: str) -> None:
 # ---- exposure: who may connect where (NetworkPolicies) -------------------------------------
 
 ANYONE = "anyone"  # a peer outside the pods (no `from`, an ipBlock, another namespace)
+LOOPBACK = "tcp://127.0.0.1:"
 
 
 def _allowed(overlay: str, dst: Pod, port: int) -> set[str]:
@@ -296,26 +296,27 @@ def test_only_frontends_reach_a_scheduler_and_only_engine_pods_the_ranks(overlay
         assert ANYONE not in _allowed(overlay, pod, 1), f"{pod.name}: no policy covers it"
     for pod, container in _running(overlay, "services.scheduler"):
         env = _env(overlay, pod, container)
-        assert _component(
-            overlay, _allowed(overlay, pod, _port(env["CONVEYOR_SCHEDULER_ADDR"]))
-        ) <= {"frontend", "engine"}  # noqa: E501
+        admitted = _allowed(overlay, pod, _port(env["CONVEYOR_SCHEDULER_ADDR"]))
+        assert _component(overlay, admitted) <= {"frontend", "engine"}, pod.name
         worker_addr = env["CONVEYOR_WORKER_ADDR"]
-        ranks_elsewhere = any(p is not pod for p, _ in _running(overlay, "services.worker")
-                              if _env(overlay, p, _)["CONVEYOR_WORKER_ADDR"] != "tcp://127.0.0.1:5558"  # noqa: E501
-                              )  # fmt: skip
-        assert worker_addr.startswith("tcp://127.0.0.1:") or ranks_elsewhere, worker_addr
+        ranks = [(p, _env(overlay, p, c)) for p, c in _running(overlay, "services.worker")]
+        remote_ranks = [
+            p
+            for p, e in ranks
+            if p is not pod and not e["CONVEYOR_WORKER_ADDR"].startswith(LOOPBACK)
+        ]
+        assert worker_addr.startswith(LOOPBACK) or remote_ranks, worker_addr
         assert _component(overlay, _allowed(overlay, pod, _port(worker_addr))) <= {"engine"}
     for pod, container in _running(overlay, "services.worker"):
         dist = _env(overlay, pod, container).get("CONVEYOR_DIST_INIT")
         if dist is not None:
             assert _component(overlay, _allowed(overlay, pod, _port(dist))) <= {"engine"}
     open_ports = {
-        (c, port)
+        (p.labels["app.kubernetes.io/component"], port)
         for p in _pods(overlay)
-        for c in [p.labels["app.kubernetes.io/component"]]
         for port in (5557, 8000, 5556, 5558, 29500)
         if ANYONE in _allowed(overlay, p, port)
-    }  # noqa: E501
+    }
     assert open_ports == {("frontend", 5557), ("gateway", 8000)}
 
 
