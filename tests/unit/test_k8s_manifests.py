@@ -17,6 +17,7 @@ import argparse
 import copy
 import hashlib
 import re
+import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -53,10 +54,9 @@ def _pods(overlay: str) -> list[Pod]:
 
 
 @cache
-def _secrets(tmp_root: str = "") -> dict[str, dict[str, bytes]]:
-    """What the keys Job publishes: conveyor-keys' own file names (deploy/k8s/base/keys)."""
-    import tempfile
-
+def _secrets() -> dict[str, dict[str, bytes]]:
+    """The Secrets the keys Job makes: `conveyor keys generate`'s files (deploy/k8s/base/keys),
+    an API key."""
     with tempfile.TemporaryDirectory() as tmp:
         generate_keys(Path(tmp) / "keys")
         curve = {p.name: p.read_bytes() for p in (Path(tmp) / "keys").iterdir() if p.is_file()}
