@@ -11,8 +11,8 @@ Every startup, readiness and liveness probe passes; a request with the client ke
 the conveyor-curve Secret is served through the `frontend` Service and `health` shows every
 engine ready (data parallelism: both DNS names reached; tensor parallelism: the scheduler
 admits only once all 3 ranks joined); a request without keys is refused; the gateway serves
-/v1/completions with the key from conveyor-api-key and refuses one without. Rough runtime:
-15-25 s per overlay.
+/v1/completions with the key from conveyor-api-key and refuses one without. Runtime:
+~14 s per overlay, ~30 s for the file (e2e-stacks group), on the shared 2-core machine.
 """
 
 from __future__ import annotations
