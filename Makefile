@@ -10,7 +10,7 @@ COMPOSE := $(TOOLS)/compose/bin/docker-compose
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real soak peer-bench
+.PHONY: demo test test-unit test-kernels test-e2e bench lint model up clean venv gpu-wheels fuzz faults-real soak peer-bench k8s-check
 
 venv: $(STAMP)
 
@@ -82,6 +82,10 @@ peer-bench: model
 # (ignored; copy it to the GPU machine with the tree). Needs a package registry: run it here.
 gpu-wheels: model
 	$(BIN)/python bench/gpu/e2e_pack.py download --dest .gpu
+
+# deploy/k8s offline: render every overlay and validate every object (docs/deploy.md).
+k8s-check: $(STAMP)
+	$(BIN)/python -m deploy.k8s.tools.check
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
