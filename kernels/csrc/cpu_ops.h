@@ -110,5 +110,9 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
             const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// qlinear.cpp <-> kernels.quant.quant_linear_ref
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                   const c10::optional<at::Tensor>& m, int64_t n, int64_t bits);
+int64_t qlinear_tile();
 
 }  // namespace conveyor
