@@ -76,7 +76,10 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """The weights stacked along N (fused q/k/v or gate/up); all of one format."""
     fmts = {p.fmt for p in parts}
     if len(fmts) != 1:
-        raise ValueError(f"cannot fuse weights of formats {sorted(fmts)}")
+        raise ValueError(
+            f"cannot fuse weights of formats {sorted(fmts)} into one projection "
+            "(use --quantization with one format for all of them, e.g. q8_0)"
+        )
     ms = [p.m for p in parts]
     m = None if ms[0] is None else torch.cat(ms)  # type: ignore[arg-type]
     return QuantWeight(parts[0].fmt, torch.cat([p.codes for p in parts]),
@@ -89,7 +92,7 @@ def from_gguf_blocks(fmt: str, raw: np.ndarray, shape: tuple[int, int]) -> Quant
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     n, k = shape
     block_bytes = _LAYOUT[fmt][0]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).view(n, k // GROUP, -1)
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")).view(n, k // GROUP, -1)
     if blocks.shape[-1] != block_bytes:
         raise ValueError(f"{fmt} blocks are {block_bytes} bytes, got {blocks.shape[-1]}")
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()

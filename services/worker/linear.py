@@ -33,7 +33,9 @@ class Linear(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def num_bytes(self) -> int: ...
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds (the model counts its weight bytes from these, shared ones once)."""
+        ...
 
 
 class DenseLinear:
@@ -46,8 +48,8 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def num_bytes(self) -> int:
-        return _bytes(self.weight) + (0 if self.bias is None else _bytes(self.bias))
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight] + ([] if self.bias is None else [self.bias])
 
 
 class BlockLinear:
@@ -64,17 +66,18 @@ class BlockLinear:
         y = quant_linear(self._ext, x, self.packed)
         return y if self.bias is None else y.add_(self.bias)
 
-    def num_bytes(self) -> int:
-        return self.packed.num_bytes() + (0 if self.bias is None else _bytes(self.bias))
+    def tensors(self) -> list[torch.Tensor]:
+        p = self.packed
+        return [p.qs, p.d] + [t for t in (p.m, self.bias) if t is not None]
 
 
 class Embedding:
     """Token id -> row of the embedding, from a dense tensor or from blocks (dequantized per
     looked-up row, in the compute dtype)."""
 
-    def __init__(self, weight: Weight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Weight, dtype: Optional[torch.dtype]) -> None:
         self.weight = weight
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else torch.float32
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, Hd]
         w = self.weight
@@ -85,20 +88,47 @@ class Embedding:
             rows = rows + w.m[ids][..., None]
         return rows.view(ids.shape[0], -1).to(self.dtype)
 
-    def num_bytes(self) -> int:
+    def tensors(self) -> list[torch.Tensor]:
         w = self.weight
         if isinstance(w, torch.Tensor):
-            return _bytes(w)
-        return _bytes(w.codes) + _bytes(w.d) + (0 if w.m is None else _bytes(w.m))
+            return [w]
+        return [w.codes, w.d] + ([] if w.m is None else [w.m])
+
+
+class WeightsPolicy(Protocol):
+    """What each weight of the checkpoint becomes; asked once per weight at start."""
+
+    name: str
+
+    def linear(self, weight: Weight, bias: Optional[torch.Tensor] = None) -> Linear: ...
+
+    def embedding(self, weight: Weight) -> Embedding: ...
+
+    def lm_head(self, embedding: Embedding) -> Linear:
+        """The LM head of a model with tied embeddings."""
+        ...
+
+    def vector(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's weight, in the compute dtype."""
+        ...
+
+
+def held_bytes(parts: list[Union[Linear, Embedding]]) -> int:
+    """Bytes of every tensor the parts hold, a tensor shared by two parts counted once."""
+    unique = {t.data_ptr(): _bytes(t) for p in parts for t in p.tensors()}
+    return sum(unique.values())
 
 
 class DenseWeights:
-    """`--quantization none`: every weight a tensor in the compute dtype (as read)."""
+    """`--quantization none`: every weight a tensor in the compute dtype (None: as read)."""
 
     name = "none"
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: Optional[torch.dtype]) -> None:
         self.dtype = dtype
+
+    def vector(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.dtype is None else weight.to(self.dtype)
 
     def linear(self, weight: Weight, bias: Optional[torch.Tensor] = None) -> Linear:
         return DenseLinear(self._dense(weight), bias)
@@ -112,8 +142,8 @@ class DenseWeights:
 
     def _dense(self, weight: Weight) -> torch.Tensor:
         if isinstance(weight, QuantWeight):
-            return weight.dequantize().to(self.dtype)
-        return weight.to(self.dtype)
+            return weight.dequantize().to(self.dtype or torch.float32)
+        return self.vector(weight)
 
 
 class BlockWeights(DenseWeights):
@@ -155,3 +185,22 @@ class BlockWeights(DenseWeights):
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def make_policy(quantization: str, dtype: torch.dtype, ext: Optional[ModuleType]) -> WeightsPolicy:
+    """The policy for a resolved quantization (config.resolve_quantization); the block
+    formats need the C++ extension (ValueError without it)."""
+    if quantization == "none":
+        return DenseWeights(dtype)
+    if ext is None:
+        raise ValueError(
+            f"quantization={quantization} needs the C++ CPU extension, which did not build "
+            "(see the cpu_ext_unavailable log line), or use --quantization none"
+        )
+    if quantization == "gguf":
+        return BlockWeights(ext, dtype)
+    if quantization == "int8":
+        from services.worker.int8_linear import Int8Weights
+
+        return Int8Weights(dtype)
+    return BlockWeights(ext, dtype, quantization)
