@@ -19,6 +19,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace conveyor {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -37,12 +41,47 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (inputs are f
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// IEEE half (a KV cache stored as float16): its own type, so that to_f can tell it from bf16.
+struct Half {
+  uint16_t bits;
+};
+
+inline float half_to_float(uint16_t h) {  // exact (every half is a float)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 template <typename T>
 inline float to_f(T v);
 template <>
 inline float to_f<float>(float v) { return v; }
 template <>
 inline float to_f<uint16_t>(uint16_t v) { return bf16_to_float(v); }
+template <>
+inline float to_f<Half>(Half v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v.bits);  // every CPU of this project with AVX has F16C
+#else
+  return half_to_float(v.bits);
+#endif
+}
 
 template <typename T>
 inline T from_f(float v);

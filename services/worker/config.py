@@ -21,7 +21,7 @@ PIPELINE_MODES = ("auto", "on", "off")
 QUANTIZATIONS = ("auto", "none", "q4_0", "q4_1", "q8_0", "int8")
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
 # KV cache storage (services/worker/kv_cache.py); attention computes in fp32 on the CPU.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small on a 24 GiB host
 
 
@@ -46,8 +46,8 @@ class WorkerConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata={"choices": KV_CACHE_DTYPES, "help": "KV cache storage: auto = the compute "
-                  "dtype; bfloat16/float16 halve it; fp8_e4m3/int8 quarter it (with a scale per "
-                  "token and KV head); attention computes in fp32 on the CPU"},
+                  "dtype; bfloat16/float16 halve an fp32 cache (twice the blocks in the same "
+                  "memory); attention still computes in fp32 on the CPU"},
     )  # fmt: skip
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
@@ -150,6 +150,11 @@ def resolve_dtype(config: WorkerConfig) -> Optional[str]:
             raise ValueError(f"CONVEYOR_AUTO_DTYPE must be float32 or bfloat16, got {forced!r}")
         return forced
     return None
+
+
+def resolve_kv_cache_dtype(config: WorkerConfig, compute_dtype: str) -> str:
+    """The KV cache's storage dtype: `kv_cache_dtype`, or the compute dtype for auto."""
+    return compute_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
 
 
 def resolve_quantization(config: WorkerConfig, has_gguf_blocks: bool) -> str:

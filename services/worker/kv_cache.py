@@ -78,12 +78,17 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype  # storage; attention converts to its compute dtype as it reads
         shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
         self._pool = torch.zeros(shape, dtype=dtype, device=device)
         # [(k [N, bs, Hkv, D], v [N, bs, Hkv, D])] per layer, views into one allocation
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._pool[i, 0], self._pool[i, 1]) for i in range(args.num_layers)
         ]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def num_bytes(self) -> int:

@@ -75,8 +75,10 @@ class TorchOps:
             qg = qg.permute(0, 2, 3, 1, 4).reshape(bg, hkv, group_size * lq, d)
             # whole blocks are gathered as rows of a 2-D view: a few large row copies (3x faster
             # than index_select over the 4-D cache on this CPU), not one copy per token
+            # a compact cache (bf16/fp16 storage) is widened to q's dtype after the gather
             kg = _gather_blocks(k_cache, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
             vg = _gather_blocks(v_cache, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
+            kg, vg = kg.to(q.dtype), vg.to(q.dtype)
             mask = g.mask.expand(bg, group_size, lq, ctx).reshape(bg, 1, group_size * lq, ctx)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             og = og.view(bg, hkv, group_size, lq, d).permute(0, 3, 1, 2, 4).reshape(bg * lq, h, d)

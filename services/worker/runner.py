@@ -39,6 +39,7 @@ from services.worker.config import (
     check_divides,
     pipelines_steps,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     resolve_quantization,
 )
 from services.worker.dtype_probe import resolve_auto_dtype
@@ -105,9 +106,10 @@ class ModelRunner:
         # this rank's KV pool holds its share of the KV heads
         local = dataclasses.replace(a, num_heads=a.num_heads // world,
                                     num_kv_heads=a.num_kv_heads // world)  # fmt: skip
-        num_blocks = num_blocks_for(local, config, self.dtype, self.max_model_len)
+        kv_dtype = TORCH_DTYPES[resolve_kv_cache_dtype(config, self.dtype_name)]
+        num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len)
         self.model = self._load_model()
-        self.kv_cache = KVCache(local, num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
@@ -177,6 +179,8 @@ class ModelRunner:
             world_size=self.group.world_size,
             weight_bytes=self.model.weight_bytes(),
             kv_cache_bytes=self.kv_cache.num_bytes,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache.dtype_name,
         )
 
     def check_invariants(self, in_flight: Sequence[LaunchedStep] = ()) -> None:
