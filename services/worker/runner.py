@@ -47,7 +47,6 @@ from services.worker.gguf_weights import OverlayWeights, gguf_block_tensors
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
-from services.worker.linear import make_policy
 from services.worker.model import LlamaModel, StepTensors
 from services.worker.ops_cpu import cache_base, try_load_cpu_ext
 from services.worker.parallel import Group, agree_dtype, join_group
@@ -60,6 +59,7 @@ from services.worker.pipeline import (
     device_rows,
     wait_for_tokens,
 )
+from services.worker.quantization import make_policy
 from services.worker.sampler import SampleRow, is_plain_greedy, reads_history, sample
 from services.worker.steps import FatalWorkerError
 from services.worker.weights import ModelArgs, load_weights, model_args
