@@ -30,9 +30,9 @@ def sized(setting: str, batches: list[int], context: int) -> ModelRunner:
     """The setting's runner with a KV pool just large enough for the largest batch."""
     config = setting_config(setting, 2048)
     probe = ModelRunner(config.__class__(**{**_fields(config), "kv_cache_memory": 16 << 20}))
-    per_token = 2 * 30 * 3 * 64 * probe.kv_cache.dtype.itemsize
+    per_token = probe.kv_cache.num_bytes / (probe.kv_cache.num_blocks * probe.kv_cache.block_size)
     del probe
-    need = (max(batches) + 1) * (context + 32) * per_token
+    need = int((max(batches) + 1) * (context + 32) * per_token)
     return ModelRunner(config.__class__(**{**_fields(config), "kv_cache_memory": need}))
 
 

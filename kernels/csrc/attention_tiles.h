@@ -31,7 +31,8 @@ struct Item {
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, group;
   int64_t q_stride_t, q_stride_h;    // q is [T, H, D] with unit stride on D
-  int64_t kv_stride_n, kv_stride_t;  // cache [N, bs, Hkv, D], contiguous
+  int64_t kv_stride_n, kv_stride_t;  // cache [N, bs, Hkv, row], contiguous
+  int64_t kv_stride_h;               // row: D elements, or D codes + a 4-byte scale
   int64_t table_stride;
   float scale;
 };
@@ -120,7 +121,8 @@ void pv_all(float* acc, const float* p, const float* vt, const float* alpha, int
 }
 
 // Keys [key0, key0 + keys) of one KV head, read through the block table and converted to fp32
-// from the cache's storage type KV (float, bf16 or fp16: a compact cache halves these bytes):
+// from the cache's storage type KV (float, bf16 or fp16: a compact cache halves these bytes;
+// int8 or fp8 codes times the scale stored after each row's codes: a quarter):
 // kt [D][kKeyTile] transposed (for QK), vt [kKeyTile][D] (for PV); key columns of kt past
 // `keys` up to the next multiple of kVec are zero, so QK reads only finite numbers.
 template <typename KV, int D>
@@ -129,12 +131,13 @@ void load_tile(const KV* k_cache, const KV* v_cache, const int32_t* block_table,
   for (int j = 0; j < keys; ++j) {
     const int64_t pos = key0 + j;
     const int64_t at = block_table[pos / g.block_size] * g.kv_stride_n +
-                       (pos % g.block_size) * g.kv_stride_t + kv_head * D;
+                       (pos % g.block_size) * g.kv_stride_t + kv_head * g.kv_stride_h;
     const KV* kr = k_cache + at;
     const KV* vr = v_cache + at;
-    for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = to_f(kr[d]);
+    const float ks = row_scale(kr, D), vs = row_scale(vr, D);
+    for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = to_f(kr[d]) * ks;
 #pragma omp simd
-    for (int d = 0; d < D; ++d) vt[j * D + d] = to_f(vr[d]);
+    for (int d = 0; d < D; ++d) vt[j * D + d] = to_f(vr[d]) * vs;
   }
   const int padded = (keys + kVec - 1) / kVec * kVec;
   for (int d = 0; d < D; ++d) {

@@ -127,39 +127,42 @@ namespace {
 void check_cache(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU");
   const auto s = t.scalar_type();
-  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, name,
-                    " must be float32, bfloat16 or float16");
+  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf || s == at::kChar ||
+                        s == at::kByte,
+                    name, " must be float32, bfloat16, float16, int8 or uint8 (fp8 e4m3 codes)");
 }
 
-// One head size: q's dtype (float / bf16) x the cache's storage (float / bf16 / fp16).
+template <int D, typename T>
+void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& qsl, const at::Tensor& seq_lens, const at::Tensor& tables,
+                    const Geometry& g, at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      paged_attention_impl<T, float, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    case at::kBFloat16:
+      paged_attention_impl<T, uint16_t, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    case at::kHalf:
+      paged_attention_impl<T, Half, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    case at::kChar:
+      paged_attention_impl<T, Int8Code, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    default:  // uint8: fp8 e4m3 codes (check_cache allows nothing else)
+      paged_attention_impl<T, Fp8Code, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+  }
+}
+
+// One head size: q's dtype (float / bf16) x the cache's storage.
 template <int D>
 void dispatch_dtypes(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& qsl, const at::Tensor& seq_lens, const at::Tensor& tables,
                      const Geometry& g, at::Tensor& out) {
-  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
-  switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      if (q_bf16) {
-        paged_attention_impl<uint16_t, float, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
-      } else {
-        paged_attention_impl<float, float, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
-      }
-      break;
-    case at::kBFloat16:
-      if (q_bf16) {
-        paged_attention_impl<uint16_t, uint16_t, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g,
-                                                    out);
-      } else {
-        paged_attention_impl<float, uint16_t, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g,
-                                                 out);
-      }
-      break;
-    default:  // float16 (check_cache allows nothing else)
-      if (q_bf16) {
-        paged_attention_impl<uint16_t, Half, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
-      } else {
-        paged_attention_impl<float, Half, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
-      }
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch_cache<D, uint16_t>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+  } else {
+    dispatch_cache<D, float>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
   }
 }
 
@@ -182,7 +185,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "metadata must be contiguous");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
                     "k_cache and v_cache must be [N, bs, Hkv, D] of one shape");
-  TORCH_CHECK_VALUE(k_cache.size(3) == q.size(2), "k_cache's head_dim must equal q's");
+  const bool scaled = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(k_cache.size(3) == q.size(2) + (scaled ? kRowScaleBytes : 0),
+                    "k_cache's rows must be q's head_dim (+ 4 scale bytes for 8-bit codes)");
   TORCH_CHECK_VALUE(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of Hkv");
   TORCH_CHECK_VALUE(seq_lens.dim() == 1 && query_start_loc.dim() == 1 &&
                         query_start_loc.size(0) == seq_lens.size(0) + 1,
@@ -199,6 +204,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   g.q_stride_h = q.stride(1);
   g.kv_stride_n = k_cache.stride(0);
   g.kv_stride_t = k_cache.stride(1);
+  g.kv_stride_h = k_cache.stride(2);
   g.table_stride = block_tables.stride(0);
   g.scale = static_cast<float>(scale);
   at::Tensor out = at::empty({q.size(0), g.num_heads, g.head_dim}, q.options());

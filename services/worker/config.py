@@ -21,7 +21,7 @@ PIPELINE_MODES = ("auto", "on", "off")
 QUANTIZATIONS = ("auto", "none", "q4_0", "q4_1", "q8_0", "int8")
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
 # KV cache storage (services/worker/kv_cache.py); attention computes in fp32 on the CPU.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small on a 24 GiB host
 
 
@@ -47,7 +47,8 @@ class WorkerConfig:
         default="auto",
         metadata={"choices": KV_CACHE_DTYPES, "help": "KV cache storage: auto = the compute "
                   "dtype; bfloat16/float16 halve an fp32 cache (twice the blocks in the same "
-                  "memory); attention still computes in fp32 on the CPU"},
+                  "memory); int8/fp8_e4m3 store 8-bit codes with a scale per token and KV head "
+                  "(3.8x the blocks); attention computes in fp32 on the CPU"},
     )  # fmt: skip
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})

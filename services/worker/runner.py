@@ -106,7 +106,7 @@ class ModelRunner:
         # this rank's KV pool holds its share of the KV heads
         local = dataclasses.replace(a, num_heads=a.num_heads // world,
                                     num_kv_heads=a.num_kv_heads // world)  # fmt: skip
-        kv_dtype = TORCH_DTYPES[resolve_kv_cache_dtype(config, self.dtype_name)]
+        kv_dtype = resolve_kv_cache_dtype(config, self.dtype_name)
         num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len)
         self.model = self._load_model()
         self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)

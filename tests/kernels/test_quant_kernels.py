@@ -129,3 +129,52 @@ def test_attention_reads_a_compact_cache_exactly(
     want = paged_attention_ref(batch.q, k.float(), v.float(), *meta, 0.125)
     assert got.dtype == torch.float32
     assert max_violation(got, want) <= 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_attention_reads_8bit_rows_as_the_torch_path_writes_them(
+    ext: ModuleType, gen: torch.Generator, kind: str
+) -> None:
+    """TorchOps.write_kv quantizes each row with its scale; the C++ kernel widens code * scale:
+    it equals the reference on the dequantized cache (fp32 tolerance), and that cache is within
+    the format's rounding of the original keys and values."""
+    from kernels.kv_quant import dequantize_rows, quantize_rows
+
+    batch = make_paged_batch([1, 13, 1, 5], [37, 40, 300, 32], num_kv_heads=3, group=3,
+                             head_dim=64, block_size=16, dtype=torch.float32,
+                             generator=gen)  # fmt: skip
+    k, v = quantize_rows(batch.k_cache, kind), quantize_rows(batch.v_cache, kind)
+    assert k.shape[-1] == 68
+    kd, vd = dequantize_rows(k, kind), dequantize_rows(v, kind)
+    step = 2.0**-7 if kind == "int8" else 2.0**-3  # of the row's absmax, at most
+    row_max = batch.k_cache.abs().amax(-1, keepdim=True)
+    assert ((kd - batch.k_cache).abs() <= step * row_max).all()
+    meta = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    got = cpu_paged_attention(ext, batch.q, k, v, *meta, 0.125)
+    want = paged_attention_ref(batch.q, kd, vd, *meta, 0.125)
+    assert max_violation(got, want) <= 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_triton_writes_and_reads_8bit_rows_as_the_torch_path(
+    gen: torch.Generator, kind: str
+) -> None:
+    """Under the interpreter: the Triton write_kv stores the very codes and scales the torch
+    write path stores, and the Triton attention over them equals the reference."""
+    from kernels.kv_quant import quantize_rows
+    from kernels.paged_attention import paged_attention
+    from kernels.write_kv import write_kv, write_kv_ref
+
+    batch = make_paged_batch([1, 5, 1], [20, 3, 40], num_kv_heads=3, group=3, head_dim=64,
+                             block_size=16, dtype=torch.float32, generator=gen)  # fmt: skip
+    k, v = quantize_rows(batch.k_cache, kind), quantize_rows(batch.v_cache, kind)
+    key, value = torch.randn(2, 7, 3, 64, generator=gen)
+    slots = torch.tensor([0, 5, 17, 33, 40, 41, 60])
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    write_kv(key, value, k1, v1, slots)
+    write_kv_ref(key, value, k2, v2, slots)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    meta = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    got = paged_attention(batch.q, k1, v1, *meta, 0.125)
+    want = paged_attention_ref(batch.q, k1, v1, *meta, 0.125)
+    assert max_violation(got, want) <= 0
