@@ -155,3 +155,16 @@ def test_the_dtype_probe_retakes_busy_figures_and_measures_near_ties_longer(
     assert decide_cpu_dtype(args, tmp_path, load_fn=lambda: 0.0).source == "cache"
     assert near_threshold({"float32": 10.0, "bfloat16": 15.5})
     assert not near_threshold({"float32": 10.0, "bfloat16": 17.0})
+
+
+def test_the_simulated_worker_prices_quantized_weights_by_their_bytes() -> None:
+    from services.worker.sim.config import SimConfig
+    from services.worker.sim.runner import SimRunner
+
+    step = {}
+    for dtype in ("bfloat16", "q8_0", "q4_1"):
+        runner = SimRunner(SimConfig(device="h200", model="llama-3-8b", weight_dtype=dtype))
+        step[dtype] = runner.model.step_weight_bytes
+        assert runner.ready_message().dtype == dtype
+    assert step["q4_1"] == pytest.approx(step["bfloat16"] * 0.625 / 2, rel=1e-6)
+    assert step["q4_1"] < step["q8_0"] < step["bfloat16"]
