@@ -26,13 +26,14 @@ from services.worker.dtype_probe import linear_shapes
 from services.worker.runner import ModelRunner
 
 
-def sized(setting: str, batches: list[int], context: int) -> ModelRunner:
+def sized(setting: str, batches: list[int], context: int, prefill: int) -> ModelRunner:
     """The setting's runner with a KV pool just large enough for the largest batch."""
-    config = setting_config(setting, 2048)
-    probe = ModelRunner(config.__class__(**{**_fields(config), "kv_cache_memory": 16 << 20}))
+    config = setting_config(setting, max(context + 32, prefill))
+    probe_bytes = 64 << 20  # holds one sequence of max_model_len in any KV dtype
+    probe = ModelRunner(config.__class__(**{**_fields(config), "kv_cache_memory": probe_bytes}))
     per_token = probe.kv_cache.num_bytes / (probe.kv_cache.num_blocks * probe.kv_cache.block_size)
     del probe
-    need = int((max(batches) + 1) * (context + 32) * per_token)
+    need = max(int((max(batches) + 1) * (context + 32) * per_token), probe_bytes)
     return ModelRunner(config.__class__(**{**_fields(config), "kv_cache_memory": need}))
 
 
@@ -76,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     settings = args.settings.split(",")
     batches = [int(b) for b in args.batches.split(",")]
-    runners = {s: sized(s, batches, args.context) for s in settings}
+    runners = {s: sized(s, batches, args.context, args.prefill) for s in settings}
     from transformers import LlamaForCausalLM
 
     folder = next(iter(runners.values())).folder
