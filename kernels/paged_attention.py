@@ -18,6 +18,8 @@ Kernel layout (one program = a block of query tokens x all query heads of one KV
   running max and sum, and a second kernel merges them. One split writes the output directly.
 KV tiles of TILE_N tokens are independent of the cache block size: each tile's tokens are
 gathered through the block table. Softmax is online (running max and sum) in fp32, in base 2.
+An 8-bit cache (kernels/kv_quant.py: rows of head_dim codes, then the row's fp32 scale) is read
+as codes widened by a lookup (fp8 e4m3) or a cast (int8), times the row's scale.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_out, needs_fp32_compute, next_pow2
+from kernels.kv_quant import dequantize_rows, fp8_e4m3_table, scaled_kind
 from kernels.paged_attention_shape import check_args, launch_shape, num_warps
 
 _LOG2E = 1.4426950408889634
@@ -46,6 +49,9 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D], dtype of q
     """Plain-torch reference: gather each sequence's K/V, masked softmax in fp32."""
+    kind = scaled_kind(k_cache)
+    if kind:  # 8-bit rows: the reference reads the widened cache
+        k_cache, v_cache = dequantize_rows(k_cache, kind), dequantize_rows(v_cache, kind)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -70,12 +76,23 @@ def paged_attention_ref(
 
 
 @triton.jit
+def _widen(codes, row_ptrs, ok, lut_ptr, HEAD_DIM: tl.constexpr, KV_CODES: tl.constexpr):
+    # 8-bit codes -> fp32 times each row's scale (the fp32 after its HEAD_DIM codes)
+    if KV_CODES == 2:
+        values = tl.load(lut_ptr + codes.to(tl.int32))  # fp8 e4m3 byte -> its value
+    else:
+        values = codes.to(tl.float32)
+    scale = tl.load((row_ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    return values, scale
+
+
+@triton.jit
 def _attend_tiles(
     q, q_pos, kv_end, tile_lo, tile_hi, table_row, k_base, v_base,
-    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, lut_ptr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_CODES: tl.constexpr,
 ):  # fmt: skip
     # Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over key tiles [tile_lo, tile_hi) of one
     # sequence and KV head; keys after a row's position q_pos (or at/after kv_end) are hidden.
@@ -104,7 +121,14 @@ def _attend_tiles(
             mask=kv_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        if UPCAST:
+        if KV_CODES != 0:  # 8-bit rows: widen, then scale per key (k's columns, v's rows)
+            rows = block * stride_kb + slot * stride_ks  # [TILE_N]
+            k, k_scale = _widen(k, k_base + rows, kv_ok, lut_ptr, HEAD_DIM, KV_CODES)
+            v, v_scale = _widen(v, v_base + block * stride_vb + slot * stride_vs, kv_ok,
+                                lut_ptr, HEAD_DIM, KV_CODES)  # fmt: skip
+            k = (k * k_scale[None, :]).to(q.dtype)
+            v = (v * v_scale[:, None]).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
@@ -161,7 +185,7 @@ def _store_result(
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, lut_ptr,
     num_seqs, scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -171,7 +195,7 @@ def _unified_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CODES: tl.constexpr,
 ):  # fmt: skip
     # (Helpers kept few: the interpreter re-patches triton.language on every call of a jitted
     # helper, and these run once per program.)
@@ -211,8 +235,8 @@ def _unified_attention_kernel(
         q, context_len + tok, kv_end, tile_lo, tile_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
-        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, DOT_PRECISION,
+        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, lut_ptr,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, DOT_PRECISION, KV_CODES,
     )  # fmt: skip
     _store_result(
         out_ptr, part_out_ptr, part_ml_ptr, acc, m_i, l_i, q_rows, head, row_ok, split,
@@ -322,10 +346,13 @@ def _launch_attention(
     num_seqs = seq_lens.shape[0]
     block_q = block_m // group
     upcast = needs_fp32_compute(q)
+    kind = scaled_kind(k_cache)
+    codes = {"": 0, "int8": 1, "fp8_e4m3": 2}[kind]
+    lut = fp8_e4m3_table(q.device) if kind == "fp8_e4m3" else seq_lens  # unused unless fp8
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_ml,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, lut,
         num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -335,7 +362,7 @@ def _launch_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         TILE_N=tile_n, SEQS_PAD=max(16, next_pow2(num_seqs)), NUM_SPLITS=num_splits,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", KV_CODES=codes,
         num_warps=num_warps(block_m, head_dim),
     )  # fmt: skip
 

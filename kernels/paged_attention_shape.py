@@ -16,6 +16,7 @@ from kernels._checks import (
     check_tensor,
     next_pow2,
 )
+from kernels.kv_quant import CODE_DTYPES, SCALE_BYTES, scaled_kind
 
 
 def check_args(
@@ -30,12 +31,17 @@ def check_args(
     launch: a kernel would read out of bounds instead)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     dev = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev)
-    check_same_dtype(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    cache_dtypes = FLOAT_DTYPES + tuple(CODE_DTYPES.values())
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, device=dev)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=cache_dtypes, device=dev)
+    if scaled_kind(k_cache):  # 8-bit rows: head_dim codes + the row's scale
+        check_same_dtype(("k_cache", "v_cache"), (k_cache, v_cache))
+        check_dim("k_cache", k_cache, 3, q.shape[2] + SCALE_BYTES, "q's head_dim + 4")
+    else:
+        check_same_dtype(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+        check_dim("k_cache", k_cache, 3, q.shape[2], "q's head_dim")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    check_dim("k_cache", k_cache, 3, q.shape[2], "q's head_dim")
     num_kv_heads = k_cache.shape[2]
     if num_kv_heads == 0 or q.shape[1] % num_kv_heads != 0:
         raise ValueError(

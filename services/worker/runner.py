@@ -39,13 +39,16 @@ from services.worker.config import (
     check_divides,
     pipelines_steps,
     resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_quantization,
 )
 from services.worker.dtype_probe import resolve_auto_dtype
+from services.worker.gguf_weights import OverlayWeights, gguf_block_tensors
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.model import LlamaModel, StepTensors
-from services.worker.ops_cpu import cache_base
+from services.worker.ops_cpu import cache_base, try_load_cpu_ext
 from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.pipeline import (
     DeviceClock,
@@ -56,10 +59,11 @@ from services.worker.pipeline import (
     device_rows,
     wait_for_tokens,
 )
+from services.worker.quantization import make_policy
 from services.worker.sampler import SampleRow, is_plain_greedy, reads_history, sample
 from services.worker.steps import FatalWorkerError
 from services.worker.weights import ModelArgs, load_weights, model_args
-from shared.model_files import eos_token_ids, model_name, prepare_model
+from shared.model_files import eos_token_ids, model_name, prepare_model, source_gguf
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,6 +92,8 @@ class ModelRunner:
         self.parallel = parallel or ParallelConfig()
         self.folder: Path = prepare_model(config.model)
         self.args: ModelArgs = model_args(self.folder)
+        self.gguf = source_gguf(self.folder)
+        self.quantization = resolve_quantization(config, self.gguf is not None)
         a, world = self.args, self.parallel.world_size
         check_divides(world, a.num_heads, a.num_kv_heads, a.intermediate_size)
         self.max_model_len = self._max_model_len(config, self.args)
@@ -100,9 +106,10 @@ class ModelRunner:
         # this rank's KV pool holds its share of the KV heads
         local = dataclasses.replace(a, num_heads=a.num_heads // world,
                                     num_kv_heads=a.num_kv_heads // world)  # fmt: skip
-        num_blocks = num_blocks_for(local, config, self.dtype, self.max_model_len)
+        kv_dtype = resolve_kv_cache_dtype(config, self.dtype_name)
+        num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len)
         self.model = self._load_model()
-        self.kv_cache = KVCache(local, num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
@@ -112,12 +119,19 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(self.folder)
 
     def _load_model(self) -> LlamaModel:
-        weights = load_weights(self.folder, self.dtype, self.config.device)
+        weights: Any = load_weights(self.folder, self.dtype, self.config.device)
+        if self.quantization != "none" and self.gguf is not None:  # the file's own blocks
+            a = self.args
+            weights = OverlayWeights(weights, gguf_block_tensors(self.gguf, a.num_heads,
+                                                                 a.num_kv_heads))  # fmt: skip
         ops = make_ops(self.config, self.args, self.dtype, self.log)
+        ext = try_load_cpu_ext(self.log) if self.quantization != "none" else None
+        policy = make_policy(self.quantization, self.dtype, ext)
         self.log.info("worker_ops", ops=ops.name, threads=torch.get_num_threads(),
-                      rank=self.group.rank, world_size=self.group.world_size)  # fmt: skip
+                      rank=self.group.rank, world_size=self.group.world_size,
+                      quantization=self.quantization)  # fmt: skip
         return LlamaModel(
-            self.args, weights, ops, self.max_model_len, self.config.device, self.group
+            self.args, weights, ops, self.max_model_len, self.config.device, self.group, policy
         )
 
     def _own_dtype(self) -> Optional[str]:
@@ -125,6 +139,11 @@ class ModelRunner:
         runs the `auto` probe."""
         if self.group.rank != 0:
             return None
+        if self.quantization != "none" and resolve_dtype(self.config) is None:
+            # the block and int8 kernels multiply in fp32 whatever the activations' dtype
+            self.log.info("dtype_auto", dtype="float32", source="quantization",
+                          quantization=self.quantization)  # fmt: skip
+            return "float32"
         return resolve_dtype(self.config) or resolve_auto_dtype(
             self.args, cache_base() / "dtype", self.log
         )
@@ -160,6 +179,8 @@ class ModelRunner:
             world_size=self.group.world_size,
             weight_bytes=self.model.weight_bytes(),
             kv_cache_bytes=self.kv_cache.num_bytes,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache.dtype_name,
         )
 
     def check_invariants(self, in_flight: Sequence[LaunchedStep] = ()) -> None:

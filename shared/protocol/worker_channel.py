@@ -32,6 +32,8 @@ class WorkerReady:
     world_size: int = 1  # ranks of its tensor-parallel group (the scheduler waits for all)
     weight_bytes: int = 0  # model weights this rank holds (its shard); 0: not reported
     kv_cache_bytes: int = 0  # this rank's KV pool (its share of the KV heads); 0: not reported
+    quantization: str = "none"  # what the weights are: "none", "gguf", "q4_1", "int8", ...
+    kv_cache_dtype: str = ""  # the KV pool's storage dtype ("": the compute dtype)
 
     def __post_init__(self) -> None:
         # Checked on decode (the codec turns this into invalid_field): a WorkerReady that

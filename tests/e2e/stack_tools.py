@@ -22,8 +22,12 @@ from tests.bounds import SLOW_HOST_MARGIN_S
 ROOT = Path(__file__).resolve().parents[2]
 
 # Small enough to allocate fast, large enough for 64 concurrent short requests (each block
-# holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
-ENGINE_WORKER = WorkerConfig(dtype="float32", kv_cache_memory=384 << 20, max_model_len=2048)
+# holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens). The exact-greedy tests compare
+# tokens with fp32 transformers on the dequantized weights: fp32 and `--quantization none`
+# pinned (the quantized default has its own agreement tests: test_quant_quality.py).
+ENGINE_WORKER = WorkerConfig(
+    dtype="float32", quantization="none", kv_cache_memory=384 << 20, max_model_len=2048
+)
 
 
 READY_TIMEOUT_S = 180.0  # a cold start loads torch (and the model) in every process

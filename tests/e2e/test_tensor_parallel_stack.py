@@ -45,7 +45,9 @@ PROMPTS = [
 ]
 MAX_TOKENS = 32
 LOGPROB_TOL = 1e-4
-TP_WORKER = WorkerConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024)
+TP_WORKER = WorkerConfig(
+    dtype="float32", quantization="none", kv_cache_memory=64 << 20, max_model_len=1024
+)
 READY_TIMEOUT_S = 600.0  # three model loads on a busy 2-core machine; normally ~20-40 s
 WAIT_S = 180.0
 

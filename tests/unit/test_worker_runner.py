@@ -309,11 +309,11 @@ def test_dtype_probe_measures_then_caches(tiny: Path, tmp_path: Path) -> None:
     from services.worker.weights import model_args
 
     args = model_args(tiny)
-    first = decide_cpu_dtype(args, tmp_path)
+    first = decide_cpu_dtype(args, tmp_path, load_fn=lambda: 0.0)
     assert first.source == "probe"
     assert all(rate > 0 for rate in first.gflops.values())
     assert first.dtype == choose(first.gflops)
-    again = decide_cpu_dtype(args, tmp_path)
+    again = decide_cpu_dtype(args, tmp_path, load_fn=lambda: 0.0)
     assert (again.source, again.gflops, again.dtype) == ("cache", first.gflops, first.dtype)
     assert choose({"float32": 10.0, "bfloat16": 14.9}) == "float32"
     assert choose({"float32": 10.0, "bfloat16": 15.0}) == "bfloat16"
