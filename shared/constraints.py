@@ -6,9 +6,9 @@ matchers (services/worker/constraints.py). Both go through `GrammarCache`, a bou
 compiled matchers keyed by the constraint: a repeated schema costs one dictionary look-up and a
 copy of the pristine matcher (llguidance shares the compiled grammar between copies).
 
-Why llguidance (docs/structured_outputs.md has the figures): it compiles a schema in well under
-a millisecond where xgrammar takes tens (hundreds for the largest of our set), and its worst
-per-token mask is lower; it rolls back k tokens (speculative decoding); it needs no other
+Why llguidance (the figures: docs/lab/2026-12-structured-outputs.md): it compiles a schema in
+well under a millisecond where xgrammar takes tens (hundreds for the largest of our set), and
+its worst per-token mask is lower; it rolls back k tokens (speculative decoding); it needs no other
 package. It releases the GIL while it compiles and computes masks.
 
 Limits (documented in docs/protocol.md): the spec's text is at most MAX_CONSTRAINT_BYTES; the
