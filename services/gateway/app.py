@@ -204,7 +204,9 @@ class Gateway:
             return Response(status_code=CLIENT_GONE_STATUS)
         if failed is not None:
             return self._failure(meta, failed)
-        body = full_body(meta, states, plan.calls, plan.num_logprobs is not None)
+        body = full_body(
+            meta, states, plan.calls, plan.num_logprobs is not None, plan.tool_mode is not None
+        )
         self.log.info(
             "request_done",
             rid=meta.id,

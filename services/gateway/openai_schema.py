@@ -4,7 +4,8 @@ pydantic checks types and ranges (FastAPI turns its errors into 400s, see errors
 then checks what depends on the gateway's settings or on several fields at once and returns
 either an `EngineCallPlan` or an `ApiError` (a value, not an exception, so callers branch on it).
 Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send `user` or
-`store` still work; fields we cannot honour (echo, suffix, logit_bias, tools...) are refused.
+`store` still work; fields we cannot honour (echo, suffix) are refused. Structured outputs and
+tools: structured.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.errors import ApiError, invalid_param
+from services.gateway.structured import (
+    StructuredFields,
+    ToolChoice,
+    ToolDef,
+    ToolMode,
+    structured_kwargs,
+)
 from shared.protocol.client_channel import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from shared.protocol.sampling import (
     INT64_MAX,
@@ -31,6 +39,7 @@ CHAT_ROLES: dict[str, str] = {
     "developer": "system",  # OpenAI's newer name for the system role
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",  # a tool's result (the chat template renders it)
 }
 
 
@@ -50,7 +59,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(StructuredFields):
     """The parameters both endpoints share. None means: the engine's default."""
 
     model: Optional[str] = None
@@ -72,7 +81,6 @@ class _SamplingFields(_Body):
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
-    logit_bias: Optional[dict[str, float]] = None
     best_of: Optional[Int64] = None
 
 
@@ -88,10 +96,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool's result: the call it answers
 
 
 class ChatRequest(_SamplingFields):
@@ -99,8 +120,9 @@ class ChatRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Optional[list[dict[str, Any]]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +142,7 @@ class EngineCallPlan:
     stream: bool
     include_usage: bool
     num_logprobs: Optional[int]  # None: the response carries no logprobs
+    tool_mode: Optional[ToolMode] = None  # a chat with tools: its reply is read for calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +164,10 @@ def plan_completion(req: CompletionRequest, limits: GatewayLimits) -> EngineCall
     prompts, problem = _split_prompts(req.prompt) if problem is None else ([], problem)
     if problem is None and len(prompts) * req.n > limits.max_choices:
         problem = _too_many_choices(len(prompts), req.n, limits)
-    if problem is not None:
-        return problem
-    base = _sampling_kwargs(req, req.max_tokens, limits)
+    structured = structured_kwargs(req) if problem is None else problem
+    if isinstance(structured, ApiError):
+        return structured
+    base = {**_sampling_kwargs(req, req.max_tokens, limits), **structured[0]}
     if req.logprobs is not None:
         base["logprobs"] = req.logprobs
     calls: list[EngineCall] = []
@@ -158,19 +182,20 @@ def plan_completion(req: CompletionRequest, limits: GatewayLimits) -> EngineCall
 def plan_chat(req: ChatRequest, limits: GatewayLimits) -> EngineCallPlan | ApiError:
     """Called once per POST /v1/chat/completions after pydantic validation."""
     problem = _common_problem(req, limits)
-    if problem is None and req.tools:
-        problem = invalid_param("tools", "tool calling is not supported")
-    if problem is None and req.response_format not in (None, {"type": "text"}):
-        problem = invalid_param("response_format", "only response_format type 'text' is supported")
     if problem is None and req.top_logprobs is not None and not req.logprobs:
         problem = invalid_param("top_logprobs", "top_logprobs needs logprobs set to true")
     if problem is None and req.n > limits.max_choices:
         problem = _too_many_choices(1, req.n, limits)
     messages, problem = _chat_messages(req.messages) if problem is None else ([], problem)
-    if problem is not None:
-        return problem
+    structured = (
+        structured_kwargs(req, req.tools, req.tool_choice, req.parallel_tool_calls)
+        if problem is None
+        else problem
+    )
+    if isinstance(structured, ApiError):
+        return structured
     max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
-    base = _sampling_kwargs(req, max_tokens, limits)
+    base = {**_sampling_kwargs(req, max_tokens, limits), **structured[0]}
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if num_logprobs is not None:
         base["logprobs"] = num_logprobs
@@ -182,7 +207,7 @@ def plan_chat(req: ChatRequest, limits: GatewayLimits) -> EngineCallPlan | ApiEr
         )
         for j in range(req.n)
     ]
-    return EngineCallPlan(calls, req.stream, _include_usage(req), num_logprobs)
+    return EngineCallPlan(calls, req.stream, _include_usage(req), num_logprobs, structured[1])
 
 
 def _common_problem(req: _SamplingFields, limits: GatewayLimits) -> Optional[ApiError]:
@@ -196,8 +221,6 @@ def _common_problem(req: _SamplingFields, limits: GatewayLimits) -> Optional[Api
         )
     if req.stream_options is not None and not req.stream:
         return invalid_param("stream_options", "stream_options is only allowed with stream=true")
-    if req.logit_bias:
-        return invalid_param("logit_bias", "logit_bias is not supported")
     if req.best_of is not None and req.best_of != req.n:
         return invalid_param("best_of", "best_of other than n is not supported")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -229,9 +252,10 @@ def _split_prompts(
     return prompts, None
 
 
-def _chat_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, str]], Optional[ApiError]]:
-    """Chat messages -> the client protocol's {"role", "content"} maps (text parts joined)."""
-    out: list[dict[str, str]] = []
+def _chat_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], Optional[ApiError]]:
+    """Chat messages -> the client protocol's {"role", "content"} maps (text parts joined;
+    an assistant's `tool_calls` and a tool result's `tool_call_id` kept)."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = CHAT_ROLES.get(m.role)
         if role is None:
@@ -241,7 +265,12 @@ def _chat_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, str]], O
             content = "".join(part.text for part in m.content)
         else:
             content = m.content or ""
-        out.append({"role": role, "content": content})
+        item: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            item["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        out.append(item)
     return out, None
 
 

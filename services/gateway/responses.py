@@ -13,6 +13,7 @@ import orjson
 
 from services.gateway.events import ChoiceEnd, TextDelta, TokenLogprob
 from services.gateway.openai_schema import EngineCall
+from services.gateway.tools import CallOut, read_whole
 
 Kind = Literal["completion", "chat"]
 
@@ -114,15 +115,23 @@ def full_body(
     states: list[ChoiceState],
     calls: list[EngineCall],
     with_logprobs: bool,
+    read_tools: bool = False,
 ) -> dict[str, Any]:
-    """The non-streaming response once every choice ended."""
+    """The non-streaming response once every choice ended (`read_tools`: a chat with tools,
+    whose replies are read for calls: tools.py)."""
     choices = []
     for index, st in enumerate(states):
         text = "".join(st.text_parts)
         finish = st.end.finish_reason if st.end else None
         if meta.kind == "chat":
             lp = chat_logprobs(st.logprobs) if with_logprobs else None
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if read_tools:
+                content, tool_calls = read_whole(text)
+                if tool_calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.as_openai() for c in tool_calls]}  # fmt: skip
+                    finish = "tool_calls"
             choices.append(
                 {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
             )
@@ -168,14 +177,40 @@ def delta_chunk(
     return _chunk(meta, choice, include_usage)
 
 
-def finish_chunk(meta: ResponseMeta, end: ChoiceEnd, include_usage: bool) -> dict[str, Any]:
-    """The last chunk of one choice: no new text, its finish_reason."""
+def tool_call_chunks(
+    meta: ResponseMeta, index: int, call: CallOut, include_usage: bool
+) -> list[dict[str, Any]]:
+    """A complete call as OpenAI streams one: its id, type and name (arguments ""), then its
+    arguments."""
+    head = {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+    args = {"index": call.index, "function": {"arguments": call.arguments}}
+    return [
+        _chunk(
+            meta,
+            {
+                "index": index,
+                "delta": {"tool_calls": [part]},
+                "logprobs": None,
+                "finish_reason": None,
+            },
+            include_usage,
+        )  # fmt: skip
+        for part in (head, args)
+    ]
+
+
+def finish_chunk(
+    meta: ResponseMeta, end: ChoiceEnd, include_usage: bool, made_calls: bool = False
+) -> dict[str, Any]:
+    """The last chunk of one choice: no new text, its finish_reason ("tool_calls" when it
+    made calls)."""
     if meta.kind == "chat":
         choice = {
             "index": end.index,
             "delta": {},
             "logprobs": None,
-            "finish_reason": end.finish_reason,
+            "finish_reason": "tool_calls" if made_calls else end.finish_reason,
         }
     else:
         choice = {

@@ -1,9 +1,11 @@
 """Server-sent events for streamed completions, and a response that always cleans up.
 
 The event sequence per HTTP request (OpenAI's): for chat, one role chunk per choice; then text
-chunks as they come; one finish chunk per choice; with `stream_options.include_usage`, a last
-chunk with no choices and the usage; then `data: [DONE]`. An engine failure after the 200 went
-out becomes one `data: {"error": {...}}` event (the openai package raises it as an APIError).
+chunks as they come (a chat with tools: read for calls by tools.py, each complete call as two
+`tool_calls` delta chunks: id and name, then its arguments); one finish chunk per choice;
+with `stream_options.include_usage`, a last chunk with no choices and the usage; then
+`data: [DONE]`. An engine failure after the 200 went out becomes one `data: {"error": {...}}`
+event (the openai package raises it as an APIError).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.events import ChoiceEnd
+from services.gateway.events import ChoiceEnd, TextDelta
 from services.gateway.fanout import ChoiceRuns
 from services.gateway.openai_schema import EngineCallPlan
 from services.gateway.responses import (
@@ -26,9 +28,11 @@ from services.gateway.responses import (
     finish_chunk,
     role_chunk,
     sse,
+    tool_call_chunks,
     usage,
     usage_chunk,
 )
+from services.gateway.tools import ToolCallReader
 
 
 async def sse_body(
@@ -42,17 +46,19 @@ async def sse_body(
     with_logprobs = plan.num_logprobs is not None
     include_usage = plan.include_usage
     states = [ChoiceState() for _ in plan.calls]
+    readers = [ToolCallReader() if plan.tool_mode else None for _ in plan.calls]
     if meta.kind == "chat":
         for index in range(len(plan.calls)):
             yield sse(role_chunk(meta, index, include_usage))
     ends: list[ChoiceEnd] = []
     async for event in runs.events():
         if not isinstance(event, ChoiceEnd):
-            # Empty text with no logprobs carries nothing (text held back for a stop string).
-            if event.text or (with_logprobs and event.logprobs):
-                yield sse(
-                    delta_chunk(meta, event, states[event.index], with_logprobs, include_usage)
-                )
+            reader = readers[event.index]
+            pieces = [event] if reader is None else _pieces(event, reader.feed(event.text))
+            for piece in pieces:
+                for chunk in _piece_chunks(meta, piece, event.index, states, with_logprobs,
+                                           include_usage):  # fmt: skip
+                    yield sse(chunk)
         elif event.error is not None:
             on_error(event.error.code)
             log.info("request_failed", rid=meta.id, status=event.error.status,
@@ -62,12 +68,48 @@ async def sse_body(
             return
         else:
             ends.append(event)
-            yield sse(finish_chunk(meta, event, include_usage))
+            reader = readers[event.index]
+            if reader is not None:
+                for piece in _pieces(event, reader.finish()):
+                    for chunk in _piece_chunks(meta, piece, event.index, states, False,
+                                               include_usage):  # fmt: skip
+                        yield sse(chunk)
+            made_calls = reader is not None and bool(reader.calls)
+            yield sse(finish_chunk(meta, event, include_usage, made_calls))
     totals = usage(plan.calls, ends)
     log.info("request_done", rid=meta.id, usage=totals)
     if include_usage:
         yield sse(usage_chunk(meta, totals))
     yield SSE_DONE
+
+
+def _pieces(event: TextDelta | ChoiceEnd, found: list[Any]) -> list[Any]:
+    """A reader's pieces as deltas (content keeps the event's logprobs, on its first piece)."""
+    out: list[Any] = []
+    for piece in found:
+        if isinstance(piece, str):
+            first = not any(isinstance(p, TextDelta) for p in out)
+            logprobs = event.logprobs if first and isinstance(event, TextDelta) else []
+            out.append(TextDelta(event.index, piece, [], logprobs))
+        else:
+            out.append(piece)
+    return out
+
+
+def _piece_chunks(
+    meta: ResponseMeta,
+    piece: Any,
+    index: int,
+    states: list[ChoiceState],
+    with_logprobs: bool,
+    include_usage: bool,
+) -> list[dict[str, Any]]:
+    if not isinstance(piece, TextDelta):
+        return tool_call_chunks(meta, index, piece, include_usage)
+    # Empty text with no logprobs carries nothing (text held back for a stop string).
+    if piece.text or (with_logprobs and piece.logprobs):
+        return [delta_chunk(meta, piece, states[index], with_logprobs, include_usage)]
+    return []
 
 
 class ClosingStreamingResponse(StreamingResponse):

@@ -252,6 +252,7 @@ class Scheduler:
                 self._waiting.add(req)
                 continue
             req.reset_for_recompute()  # its table's pool is gone with the worker's KV
+            req.forget_preemption()  # noted against the old core's versions
             if req.num_worker_retries >= max_retries:
                 self.live.finish(req, "error", now)
                 outputs.append(req.output([], [], "error", code, message))

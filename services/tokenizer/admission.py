@@ -29,7 +29,7 @@ def prompt_ids(
     """The request's prompt as token ids, or why it cannot run on this model."""
     if cmd.messages is not None:
         try:
-            ids = codec.encode_chat(cmd.messages, cmd.add_generation_prompt)
+            ids = codec.encode_chat(cmd.messages, cmd.add_generation_prompt, cmd.tools)
         except ChatTemplateError as exc:
             return Rejection(ErrorCode.INVALID_PROMPT, str(exc))
     elif cmd.prompt is not None:

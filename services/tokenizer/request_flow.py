@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 from services.tokenizer.admission import Rejection, over_connection_cap, prompt_ids
 from services.tokenizer.client_link import ClientLink
 from services.tokenizer.config import FrontendConfig
+from services.tokenizer.constraint_check import ConstraintCheck
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.engine_link import EngineLink
 from services.tokenizer.engines import Engines
@@ -62,6 +63,7 @@ class RequestFlow:
         self._clients = clients
         self._drain = drain  # read only: has SIGTERM asked to stop?
         self._log = log
+        self._constraints = ConstraintCheck(codec)  # structured outputs, compiled at admission
         self._next_seq = 0  # the next rid's number
         self._num_requests_total = 0
         self._num_resubmitted_total = 0
@@ -127,7 +129,10 @@ class RequestFlow:
             cap = self._config.max_requests_per_connection
             if (over := over_connection_cap(self._table.num_on(ident), cap)) is not None:
                 return over
-        return prompt_ids(cmd, self._codec, engine)
+        ids = prompt_ids(cmd, self._codec, engine)
+        if isinstance(ids, Rejection):
+            return ids
+        return self._constraints.problem(cmd.sampling, engine) or ids
 
     def _new_request(
         self,

@@ -7,9 +7,11 @@ Loaded once at start from the folder `shared.model_files.prepare_model` returns
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from llguidance import LLTokenizer
 from tokenizers import Tokenizer
 
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
@@ -31,13 +33,27 @@ class TextCodec:
         """A raw prompt, tokenized as Hugging Face does by default (`tokenizer(text)`)."""
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Render the chat template, then tokenize without adding special tokens: the template
-        writes them itself (as `apply_chat_template(..., tokenize=True)` does)."""
+    def encode_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Optional[list[dict[str, Any]]] = None,
+    ) -> list[int]:
+        """Render the chat template (with `tools`, chat_template.py), then tokenize without
+        adding special tokens: the template writes them itself (as `apply_chat_template(...,
+        tokenize=True)` does)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template: send `prompt` instead")
-        text = self._template.render(messages, add_generation_prompt)
+        text = self._template.render(messages, add_generation_prompt, tools)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def grammar_tokenizer(self, vocab_size: int, eos_token_ids: Sequence[int]) -> LLTokenizer:
+        """This vocabulary for llguidance (structured outputs), `vocab_size` wide (~0.3 s).
+        End-of-sequence ids this tokenizer does not have are left out (a simulated engine may
+        name a larger model's): llguidance refuses them, and admission only checks compiles."""
+        own_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = [t for t in eos_token_ids if t < own_size]
+        return LLTokenizer(self._tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos or None)
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids; special tokens (end of sequence, ...) give no text."""

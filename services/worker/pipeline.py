@@ -67,6 +67,22 @@ class LaunchedStep:
         return self.ready is None or bool(self.ready.query())
 
 
+def known_step(
+    step: ExpandedStep,
+    sampled: list[HeldSeq],
+    token_ids: list[int],
+    logprobs: list[Optional[TokenLogprobs]],
+    start: float,
+    marks: tuple[Optional[Any], Optional[Any]],
+    queued_s: float,
+) -> LaunchedStep:
+    """A launched step whose tokens are already in the histories (none, or sampled on the
+    host): landed, with no placeholder to fill (`positions` empty)."""
+    host = torch.tensor(token_ids, dtype=torch.int64)
+    return LaunchedStep(step, sampled, [], start, None, host, None, logprobs,
+                        token_ids=token_ids, marks=marks, queued_s=queued_s)  # fmt: skip
+
+
 def copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[Any]]:
     """Queue tokens [S] for the host: on CUDA a non-blocking copy into pinned memory and an
     event after it (no sync here); on the CPU the tensor itself."""

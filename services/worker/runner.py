@@ -5,7 +5,8 @@ Step: the runner owns it and walks it one way, each piece of state with one owne
 
     plan -> HeldBatch.apply (the sequences: histories, block tables, computed counts)
          -> InputBatch.tensors (the step's flat tensors on the device)
-         -> LlamaModel.forward (writes K/V into the KVCache, returns logits)
+         -> LlamaModel.forward (writes K/V into the KVCache, returns logits), while the
+            grammar masks of constrained sequences are computed beside it (constraints.py)
          -> sample -> HeldBatch.record_samples -> StepResult
 
 A failed step tells the held batch (`fail`: only a reset plan is accepted next).
@@ -32,23 +33,21 @@ from typing import Any, Optional
 import structlog
 import torch
 
-from services.worker.backend import make_ops, set_threads
+from services.worker.backend import set_threads
 from services.worker.config import (
     ParallelConfig,
     WorkerConfig,
     check_divides,
     pipelines_steps,
-    resolve_dtype,
     resolve_kv_cache_dtype,
     resolve_quantization,
 )
-from services.worker.dtype_probe import resolve_auto_dtype
-from services.worker.gguf_weights import OverlayWeights, gguf_block_tensors
+from services.worker.constraints import ConstraintMasks, PendingMasks, RowMasks
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
+from services.worker.loading import load_model, max_model_len, own_dtype
 from services.worker.model import LlamaModel, StepTensors
-from services.worker.ops_cpu import cache_base, try_load_cpu_ext
 from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.pipeline import (
     DeviceClock,
@@ -57,12 +56,18 @@ from services.worker.pipeline import (
     check_pending,
     copy_to_host,
     device_rows,
+    known_step,
     wait_for_tokens,
 )
-from services.worker.quantization import make_policy
-from services.worker.sampler import SampleRow, is_plain_greedy, reads_history, sample
+from services.worker.sampler import (
+    SampleRow,
+    apply_token_masks,
+    is_plain_greedy,
+    reads_history,
+    sample,
+)
 from services.worker.steps import FatalWorkerError
-from services.worker.weights import ModelArgs, load_weights, model_args
+from services.worker.weights import ModelArgs, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model, source_gguf
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 
@@ -96,19 +101,23 @@ class ModelRunner:
         self.quantization = resolve_quantization(config, self.gguf is not None)
         a, world = self.args, self.parallel.world_size
         check_divides(world, a.num_heads, a.num_kv_heads, a.intermediate_size)
-        self.max_model_len = self._max_model_len(config, self.args)
+        self.max_model_len = max_model_len(config, self.args)
         self.pipelining = pipelines_steps(config, world)  # before joining: fail fast
         self.overlap = overlap or OverlapRule(forced=config.pipeline_steps == "on")
         self.group: Group = join_group(self.parallel, config.device)
         set_threads(config, self.group.num_local_ranks)
-        self.dtype_name = agree_dtype(self.group, self._own_dtype(), tuple(TORCH_DTYPES))
+        rank_dtype = own_dtype(config, a, self.quantization, self.group.rank, self.log)
+        self.dtype_name = agree_dtype(self.group, rank_dtype, tuple(TORCH_DTYPES))
         self.dtype = TORCH_DTYPES[self.dtype_name]
         # this rank's KV pool holds its share of the KV heads
         local = dataclasses.replace(a, num_heads=a.num_heads // world,
                                     num_kv_heads=a.num_kv_heads // world)  # fmt: skip
         kv_dtype = resolve_kv_cache_dtype(config, self.dtype_name)
         num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len)
-        self.model = self._load_model()
+        self.model: LlamaModel = load_model(
+            config, a, self.folder, self.gguf, self.quantization, self.dtype, self.group,
+            self.max_model_len, self.log,
+        )  # fmt: skip
         self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
@@ -117,52 +126,14 @@ class ModelRunner:
         self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
-
-    def _load_model(self) -> LlamaModel:
-        weights: Any = load_weights(self.folder, self.dtype, self.config.device)
-        if self.quantization != "none" and self.gguf is not None:  # the file's own blocks
-            a = self.args
-            weights = OverlayWeights(weights, gguf_block_tensors(self.gguf, a.num_heads,
-                                                                 a.num_kv_heads))  # fmt: skip
-        ops = make_ops(self.config, self.args, self.dtype, self.log)
-        ext = try_load_cpu_ext(self.log) if self.quantization != "none" else None
-        policy = make_policy(self.quantization, self.dtype, ext)
-        self.log.info("worker_ops", ops=ops.name, threads=torch.get_num_threads(),
-                      rank=self.group.rank, world_size=self.group.world_size,
-                      quantization=self.quantization)  # fmt: skip
-        return LlamaModel(
-            self.args, weights, ops, self.max_model_len, self.config.device, self.group, policy
-        )
-
-    def _own_dtype(self) -> Optional[str]:
-        """The dtype this rank would pick; only rank 0's counts (agree_dtype), so only rank 0
-        runs the `auto` probe."""
-        if self.group.rank != 0:
-            return None
-        if self.quantization != "none" and resolve_dtype(self.config) is None:
-            # the block and int8 kernels multiply in fp32 whatever the activations' dtype
-            self.log.info("dtype_auto", dtype="float32", source="quantization",
-                          quantization=self.quantization)  # fmt: skip
-            return "float32"
-        return resolve_dtype(self.config) or resolve_auto_dtype(
-            self.args, cache_base() / "dtype", self.log
-        )
+        # grammar masks for constrained requests: rank 0 samples, so only rank 0 has matchers
+        self.constraints: Optional[ConstraintMasks] = None
+        if self.group.rank == 0:
+            self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
         self.group.close()
-
-    @staticmethod
-    def _max_model_len(config: WorkerConfig, args: ModelArgs) -> int:
-        limit = args.max_position_embeddings
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}: lower --max-model-len"
-            )
-        return config.max_model_len
 
     def ready_message(self, rank: int = 0) -> WorkerReady:
         """The handshake the scheduler sizes its block pool from; sent once after start."""
@@ -216,10 +187,13 @@ class ModelRunner:
         """Forward and sampling of an applied step; with several ranks any error is fatal."""
         try:
             tensors = self.inputs.tensors(step)
+            masks = self.constraints and self.constraints.start(
+                step.sampled(), self.held.seqs.values()
+            )
             begin = self.clock.mark()
             logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V] on rank 0
             end = self.clock.mark()
-            result = self._sample_and_record(step, logits, start)
+            result = self._sample_and_record(step, logits, start, masks)
             self.clock.on_step(begin, end)
             return result
         except FatalWorkerError:
@@ -230,14 +204,19 @@ class ModelRunner:
             raise FatalWorkerError(f"rank {self.group.rank} failed mid-step: {exc!r}") from exc
 
     def _sample_and_record(
-        self, step: ExpandedStep, logits: Optional[torch.Tensor], start: float
+        self,
+        step: ExpandedStep,
+        logits: Optional[torch.Tensor],
+        start: float,
+        pending: Optional[PendingMasks] = None,
     ) -> StepResult:
         sampled = step.sampled()
         rows = self._sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
+        masks = self.constraints.wait(pending) if self.constraints and pending else None
         if rows and logits is not None:  # rank 0 samples
-            token_ids, logprobs = sample(logits, rows)
+            token_ids, logprobs = sample(logits, rows, masks)
         # every rank holds the sampled tokens at the end of the step
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         self.held.record_samples(sampled, token_ids)
@@ -297,8 +276,8 @@ class ModelRunner:
             if prev is not None and any(reads_history(r.params) for r in rows):
                 self._land(prev)  # penalties read the histories: step N's tokens must be in them
             if not step.seqs:
-                return _known(step, [], [], [], start, (None, None), 0.0)
-            return self._launch(step, rows, self._step_inputs(step, prev), start)
+                return known_step(step, [], [], [], start, (None, None), 0.0)
+            return self._launch(step, rows, self._step_inputs(step, prev), start, prev)
         except BaseException:
             self.held.fail()
             raise
@@ -314,7 +293,12 @@ class ModelRunner:
         return tensors
 
     def _launch(
-        self, step: ExpandedStep, rows: list[SampleRow], tensors: StepTensors, start: float
+        self,
+        step: ExpandedStep,
+        rows: list[SampleRow],
+        tensors: StepTensors,
+        start: float,
+        prev: Optional[LaunchedStep],
     ) -> LaunchedStep:
         begin = self.clock.mark()
         logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V]
@@ -322,10 +306,17 @@ class ModelRunner:
         queued_s = time.perf_counter() - start
         sampled = step.sampled()
         if not rows:
-            return _known(step, [], [], [], start, marks, queued_s)
+            return known_step(step, [], [], [], start, marks, queued_s)
         if logits is None:
             raise FatalWorkerError("pipelined step without logits (several ranks)")
+        masks: Optional[RowMasks] = None  # computed while the device runs the forward
+        if self.constraints is not None and any(s.sampling.constraint for s in sampled):
+            if prev is not None and not prev.landed:
+                self._land(prev)  # a mask needs the last token on the host (prev ran first)
+            masks = self.constraints.masks_now(sampled, list(self.held.seqs.values()))
         if all(is_plain_greedy(r.params) for r in rows):
+            if masks is not None:
+                apply_token_masks(logits, masks)
             tokens = logits.argmax(dim=1)  # [S] int64, on the device
             host, ready = copy_to_host(tokens)
             positions = self.held.reserve_samples(sampled)  # written by finish()
@@ -333,9 +324,9 @@ class ModelRunner:
                                 [None] * len(rows), marks=marks, queued_s=queued_s)  # fmt: skip
         # the host path (seeded draws, logprobs, penalties): it waits for this step's logits,
         # so the next step is not built while this one runs; its tokens land at once
-        token_ids, logprobs = sample(logits, rows)
+        token_ids, logprobs = sample(logits, rows, masks)
         self.held.record_samples(sampled, token_ids)
-        return _known(step, sampled, token_ids, logprobs, start, marks, queued_s)
+        return known_step(step, sampled, token_ids, logprobs, start, marks, queued_s)
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Land a launched step's tokens (waits for the device) and build its StepResult.
@@ -364,22 +355,6 @@ class ModelRunner:
             self.held.land_samples(launched.sampled, launched.positions, tokens)
             launched.token_ids = tokens
         return launched.token_ids
-
-
-def _known(
-    step: ExpandedStep,
-    sampled: list[HeldSeq],
-    token_ids: list[int],
-    logprobs: list[Optional[TokenLogprobs]],
-    start: float,
-    marks: tuple[Optional[Any], Optional[Any]],
-    queued_s: float,
-) -> LaunchedStep:
-    """A launched step whose tokens are already in the histories (none, or sampled on the
-    host): landed, with no placeholder to fill (`positions` empty)."""
-    host = torch.tensor(token_ids, dtype=torch.int64)
-    return LaunchedStep(step, sampled, [], start, None, host, None, logprobs,
-                        token_ids=token_ids, marks=marks, queued_s=queued_s)  # fmt: skip
 
 
 def _step_result(

@@ -1,8 +1,9 @@
 """Turn a step's logits into tokens: penalties, greedy or seeded random draws, logprobs.
 
-Order: repetition/presence/frequency penalties -> (greedy: argmax) | temperature -> top-k ->
-min-p -> top-p -> draw. Every operation is row-wise, so a row's result does not depend on what
-else shares the batch.
+Order: grammar masks (constrained rows: disallowed tokens to -inf, services/worker/
+constraints.py) -> logit bias -> repetition/presence/frequency penalties -> (greedy: argmax) |
+temperature -> top-k -> min-p -> top-p -> draw. Every operation is row-wise, so a row's result
+does not depend on what else shares the batch.
 
 Reproducibility: the draw for a request's n-th output token is one uniform number u(seed, n) from
 a counter-based generator (SplitMix64 of the seed, mixed with n), turned into a token by inverse
@@ -16,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
+from services.worker.constraints import RowMasks
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import TokenLogprobs
 
@@ -46,6 +49,33 @@ class SampleRow:
     output_index: int  # n: outputs generated before this one
     token_ids: list[int]  # prompt + outputs so far (penalties)
     num_prompt_tokens: int
+
+
+def apply_token_masks(logits: torch.Tensor, masks: RowMasks) -> None:
+    """In place on logits [S, V]: tokens a row's grammar does not allow become -inf. The
+    bitmask (int32 [R, ceil(V / 32)], bit t % 32 of word t // 32) is unpacked on the host with
+    numpy on the CPU, on the device elsewhere (only the small bitmask is copied there)."""
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu":
+        bits = np.unpackbits(masks.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :vocab]).bool()  # [R, V]
+    else:
+        words = masks.bitmask.to(logits.device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words.unsqueeze(2) >> shifts) & 1).view(len(masks.rows), -1)[:, :vocab].bool()
+    rows = torch.tensor(masks.rows, dtype=torch.int64, device=logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place on float logits [S, V]: OpenAI's logit_bias, added before anything else reads
+    them (ids past the vocabulary were refused at admission)."""
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            pairs = row.params.logit_bias_ids()
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=logits.device)
+            vals = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, vals)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -127,6 +157,7 @@ def is_plain_greedy(params: SamplingParams) -> bool:
     return (
         params.greedy
         and params.logprobs is None
+        and not params.logit_bias
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
@@ -134,14 +165,18 @@ def is_plain_greedy(params: SamplingParams) -> bool:
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRow]
+    logits: torch.Tensor, rows: list[SampleRow], masks: Optional[RowMasks] = None
 ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
-    """logits [S, V] in the model's dtype (float32 ones are modified in place) -> one token per
-    row, and logprobs where the row's params ask for them (from the processed distribution).
-    When every row is plain greedy the argmax runs on the logits as they are (no float copy)."""
+    """logits [S, V] in the model's dtype (modified in place) -> one token per row, and
+    logprobs where the row's params ask for them (from the processed distribution). `masks`:
+    the grammar masks of the constrained rows. When every row is plain greedy the argmax runs
+    on the logits as they are (no float copy)."""
+    if masks is not None:
+        apply_token_masks(logits, masks)
     if all(is_plain_greedy(r.params) for r in rows):
         return logits.argmax(dim=1).tolist(), [None] * len(rows)
     logits = logits.float()
+    apply_logit_bias(logits, rows)
     apply_penalties(logits, rows)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     processed = logits

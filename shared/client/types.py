@@ -123,15 +123,19 @@ def request_fields(
     priority: int,
     params: dict[str, Any],
 ) -> dict[str, Any]:
-    """The fields of a `generate` map (nil params are left out: the engine's defaults apply)."""
-    return {
+    """The fields of a `generate` map (nil params are left out: the engine's defaults apply).
+    `tools` given among the keyword parameters is the map's own `tools` field (a chat's)."""
+    fields = {
         "prompt": prompt,
         "messages": messages,
         "prompt_token_ids": prompt_token_ids,
         "stream": stream,
         "priority": priority,
-        "params": {k: v for k, v in params.items() if v is not None},
+        "params": {k: v for k, v in params.items() if v is not None and k != "tools"},
     }
+    if params.get("tools") is not None:
+        fields["tools"] = params["tools"]
+    return fields
 
 
 def generate_frame(

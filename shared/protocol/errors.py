@@ -18,6 +18,9 @@ class ErrorCode:
     INVALID_PARAMS = "invalid_params"  # sampling parameter out of range
     INVALID_TOKEN_ID = "invalid_token_id"  # prompt token id outside the vocabulary
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt (+ max_tokens) exceeds max_model_len
+    INVALID_CONSTRAINT = "invalid_constraint"  # a schema/grammar/regex that does not compile
+    CONSTRAINT_TOO_LARGE = "constraint_too_large"  # over the documented size limits
+    CONSTRAINT_TOO_SLOW = "constraint_too_slow"  # its compile ran past the time-out
     DUPLICATE_ID = "duplicate_id"  # id already in flight on this connection
     # engine state
     NOT_READY = "not_ready"  # no worker handshake yet (or worker lost)

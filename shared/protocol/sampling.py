@@ -7,6 +7,10 @@ Defaults follow OpenAI's where it has one (max_tokens 16, temperature 1, top_p 1
 Every number must be finite and every integer must fit a signed 64-bit integer (what msgpack,
 torch and other languages' clients hold). A temperature below GREEDY_TEMPERATURE_FLOOR is
 greedy: dividing logits by 1e-300 underflows to a division by zero in float32.
+
+Structured outputs: `constraint` restricts every sampled token to those a grammar allows
+(shared/constraints.py compiles it; the frontend at admission, the worker again for its
+matchers); `logit_bias` adds a number to chosen logits before anything else (OpenAI's).
 """
 
 from __future__ import annotations
@@ -19,6 +23,27 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 GREEDY_TEMPERATURE_FLOOR = 1e-5  # temperatures below it (0 included) mean greedy
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_CONSTRAINT_BYTES = 64 << 10  # the spec's text; larger: constraint_too_large
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match. `spec` by kind: json_schema: the schema as JSON text;
+    json_object: "" (any JSON object); regex: the pattern (the whole output matches it);
+    grammar: a Lark grammar (llguidance's dialect; GBNF is converted); choice: a JSON list of
+    the strings allowed. JSON comes out compact (no free whitespace) unless the schema's
+    "x-guidance" options say otherwise."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
+        if not isinstance(self.spec, str):
+            raise ValueError("a constraint's spec must be a string")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +60,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: no logprobs; k >= 0: chosen token's + top-k
+    constraint: Optional[Constraint] = None  # None: any token may be sampled
+    # token id (decimal text, as OpenAI's JSON keys) -> bias in [-100, 100], added to the logit
+    logit_bias: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = sampling_problems(self)
@@ -44,6 +72,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_FLOOR
+
+    def logit_bias_ids(self) -> list[tuple[int, float]]:
+        """`logit_bias` as (token id, bias) pairs (keys were checked to be decimal ids)."""
+        return [(int(k), float(v)) for k, v in self.logit_bias.items()]
 
 
 def sampling_problems(p: SamplingParams) -> list[str]:
@@ -75,7 +107,26 @@ def sampling_problems(p: SamplingParams) -> list[str]:
         not isinstance(p.logprobs, int) or not 0 <= p.logprobs <= MAX_TOP_LOGPROBS
     ):
         out.append(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    out.extend(_structured_problems(p))
     return out
+
+
+def _structured_problems(p: SamplingParams) -> list[str]:
+    out: list[str] = []
+    if p.constraint is not None and p.ignore_eos:
+        out.append(
+            "ignore_eos cannot be combined with a constraint (it ends where the grammar does)"
+        )
+    bias = p.logit_bias
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        out.append(f"logit_bias maps at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases")
+    elif not all(_is_token_key(k) and _is_num(v) and -100 <= v <= 100 for k, v in bias.items()):
+        out.append("logit_bias maps token ids (decimal strings) to numbers in [-100, 100]")
+    return out
+
+
+def _is_token_key(key: object) -> bool:
+    return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18
 
 
 def _is_num(v: object) -> bool:

@@ -249,6 +249,31 @@ def zmq_cases() -> list[ZmqCase]:
             "t24",
         ),
         ZmqCase("abort without id", _pk({"type": "abort", "v": 1}), "invalid_field"),
+        *constraint_cases(p),
+    ]
+
+
+def constraint_cases(p: dict[str, Any]) -> list[ZmqCase]:
+    """Structured-output parameters that cannot be used (docs/protocol.md, constraints)."""
+    deep = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    big = "start: " + " | ".join(f'"w{n}"' for n in range(12_000))  # > 64 KiB of grammar
+    cases = [
+        ("unsupported schema keyword", {"json_schema": deep}, "invalid_constraint"),
+        ("schema with a bad $ref", {"json_schema": {"$ref": "#/nope"}}, "invalid_constraint"),
+        ("regex that does not compile", {"regex": "[a-z"}, "invalid_constraint"),
+        ("grammar naming an unknown rule", {"grammar": "start: foo"}, "invalid_constraint"),
+        ("grammar of 100 kB", {"grammar": big}, "constraint_too_large"),
+        ("schema as a list", {"json_schema": [1, 2]}, "invalid_params"),
+        ("schema nested 1,000 deep", {"json_schema": {"a": _nested(1000)}}, "invalid_params"),
+        ("two constraints", {"regex": "a", "choice": ["a"]}, "invalid_params"),
+        ("empty choice", {"choice": []}, "invalid_params"),
+        ("constraint with ignore_eos", {"regex": "a", "ignore_eos": True}, "invalid_params"),
+        ("logit_bias of 101", {"logit_bias": {"5": 101}}, "invalid_params"),
+        ("logit_bias beyond the vocabulary", {"logit_bias": {"999999999": 1}}, "invalid_params"),
+    ]
+    return [
+        ZmqCase(name, _pk(_gen(f"c{n}", params={**p, **params})), code, f"c{n}")
+        for n, (name, params, code) in enumerate(cases)
     ]
 
 
@@ -318,6 +343,19 @@ def http_cases() -> list[HttpCase]:
         HttpCase("max_tokens beyond max_model_len", _js(max_tokens=10**6), 400, "prompt_too_long"),
         HttpCase("prompt over the frontend's frame limit", _js(prompt="x" * (2 << 20)), 413,
                  "frame_too_large"),
+        HttpCase("json_schema with an unsupported keyword",
+                 _js(response_format={"type": "json_schema", "json_schema": {
+                     "name": "x", "schema": {"type": "array", "contains": {"type": "integer"}}}}),
+                 400, "invalid_constraint"),
+        HttpCase("guided_regex that does not compile", _js(guided_regex="(a"), 400,
+                 "invalid_constraint"),
+        HttpCase("guided_grammar of 100 kB",
+                 _js(guided_grammar="start: " + " | ".join(f'"w{n}"' for n in range(12_000))),
+                 400, "constraint_too_large"),
+        HttpCase("two constraints", _js(guided_regex="a", guided_choice=["a"]), 400, bad_param),
+        HttpCase("tool_choice without tools",
+                 json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                             "tool_choice": "required"}).encode(), 400, bad_param, chat),
     ]  # fmt: skip
 
 

@@ -163,7 +163,8 @@ def test_default_max_tokens_from_settings() -> None:
         ({"prompt": "x", "stop": 5}, "stop"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": "a"}}, "logit_bias.5"),
+        ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": ""}, "prompt"),
@@ -179,19 +180,31 @@ def test_bad_completion_parameters(body: dict[str, Any], param: str) -> None:
     assert err.message
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools"),
+         "tools[0].function"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_object"}}, "response_format"),
+          "response_format": {"type": "xml"}}, "response_format.type"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+         "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+          "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
     ],
 )  # fmt: skip
 def test_bad_chat_parameters(body: dict[str, Any], param: str) -> None:

@@ -7,7 +7,7 @@ Frozen slotted dataclasses; built only by `validate.decode_client_message`, read
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from shared.protocol.codec import DecodeError
 from shared.protocol.sampling import SamplingParams
@@ -32,6 +32,9 @@ class ClientMessageError(DecodeError):
 class ChatMessage:
     role: str
     content: str
+    # an assistant's calls, OpenAI's shape ({"id", "type", "function": {"name", "arguments"}})
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None  # a "tool" message: the call it answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,7 @@ class GenerateCommand:
     stream: bool = False
     priority: int = 0
     add_generation_prompt: bool = True
+    tools: Optional[list[dict[str, Any]]] = None  # OpenAI's {"type": "function", "function"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,12 @@ from shared.protocol.client_channel.messages import (
     ResetPrefixCacheCommand,
     StatsCommand,
 )
+from shared.protocol.client_channel.structured import (
+    STRUCTURED_PARAMS,
+    structured_kwargs,
+    tool_message_fields,
+    tools_list,
+)
 from shared.protocol.errors import ErrorCode, short_repr
 from shared.protocol.sampling import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -47,7 +53,7 @@ _PARAM_TYPES: dict[str, tuple[str, bool]] = {
     "presence_penalty": (_NUM, False),
     "frequency_penalty": (_NUM, False),
 }
-PARAM_NAMES = (*_PARAM_TYPES, "stop", "stop_token_ids")
+PARAM_NAMES = (*_PARAM_TYPES, "stop", "stop_token_ids", *STRUCTURED_PARAMS)
 
 
 def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES) -> ClientCommand:
@@ -154,6 +160,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
     else:
         token_ids = _token_ids(wire["prompt_token_ids"], rid)
     sampling, stop = parse_params(params, rid)
+    tools = tools_list(wire.get("tools"), rid)
     return GenerateCommand(
         id=rid,
         sampling=sampling,
@@ -164,6 +171,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         stream=stream,
         priority=priority,
         add_generation_prompt=add_gen,
+        tools=tools,
     )
 
 
@@ -193,10 +201,12 @@ def _chat_messages(value: Any, rid: str) -> list[ChatMessage]:
     for i, item in enumerate(value):
         role = item.get("role") if isinstance(item, dict) else None
         content = _content_text(item.get("content")) if isinstance(item, dict) else None
+        if content is None and isinstance(item, dict) and item.get("tool_calls"):
+            content = "" if item.get("content") is None else None  # calls without text
         if not isinstance(role, str) or not role or content is None:
             msg = f"messages[{i}] must be a map with a `role` string and a `content` text"
             raise ClientMessageError(ErrorCode.INVALID_PROMPT, msg, rid)
-        out.append(ChatMessage(role, content))
+        out.append(ChatMessage(role, content, **tool_message_fields(item, i, rid)))
     return out
 
 
@@ -222,7 +232,7 @@ def parse_params(params: dict, rid: Optional[str] = None) -> tuple[SamplingParam
         if key not in PARAM_NAMES:
             msg = f"unknown parameter {short_repr(key)}"
             raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
-        if value is None or key == "stop":
+        if value is None or key == "stop" or key in STRUCTURED_PARAMS:
             continue
         if key == "stop_token_ids":
             if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
@@ -236,6 +246,7 @@ def parse_params(params: dict, rid: Optional[str] = None) -> tuple[SamplingParam
             raise ClientMessageError(ErrorCode.INVALID_PARAMS, f"{key} must be {kind}", rid)
         kwargs[key] = value
     stop = _stop_strings(params.get("stop"), rid)
+    kwargs.update(structured_kwargs(params, rid))
     try:
         sampling = SamplingParams(**kwargs)
     except ValueError as exc:
