@@ -76,8 +76,12 @@ def test_decode_first_admits_at_most_max_prefill_chunks_per_iteration() -> None:
 
 def test_prefill_first_decodes_when_no_prompt_can_be_admitted() -> None:
     """All slots taken: the waiting prompt cannot run, so the decodes go on (no stall)."""
-    sched, worker, clock = make(max_num_seqs=2, max_num_batched_tokens=BUDGET,
-                                step_composition="prefill-first", async_scheduling=False)
+    sched, worker, clock = make(
+        max_num_seqs=2,
+        max_num_batched_tokens=BUDGET,
+        step_composition="prefill-first",
+        async_scheduling=False,
+    )
     for rid in ("a", "b", "c"):
         assert sched.add_request(submit(rid, 4, 6, ignore_eos=True)) is None
     run = drive(sched, worker, clock)
