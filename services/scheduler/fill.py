@@ -56,13 +56,14 @@ class StepFiller:
         """The step: the first kind of forward the composition offers that schedules anything
         (the last one tried, empty, when none does). `spare_protected` False lets just-resumed
         requests be preempted too (schedule()'s second pass, when nothing live could run)."""
-        num_preemptions = 0
-        for forward in self._composition.forwards():
-            step = self._fill_forward(now, spare_protected, forward)
-            step.num_preemptions += num_preemptions
+        forwards = self._composition.forwards()
+        step = self._fill_forward(now, spare_protected, forwards[0])
+        for forward in forwards[1:]:  # none under `mixed`
             if len(step):
                 break
             num_preemptions = step.num_preemptions
+            step = self._fill_forward(now, spare_protected, forward)
+            step.num_preemptions += num_preemptions
         return step
 
     def _fill_forward(self, now: float, spare_protected: bool, forward: Forward) -> StepBuilder:
