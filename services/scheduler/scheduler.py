@@ -11,6 +11,8 @@ The parts, built by `_assemble` with their dependencies passed in (map: docs/des
   cache (prefix_cache.py): the queues, the batch and the KV blocks;
 * `in_flight` (inflight.py): the one record of plans in flight, which the loop reads too;
 * the step filler (fill.py): what one step computes; `schedule()` is its recipe;
+* `composition` (composition.py): the step composition, the policy the filler asks which work
+  goes into the next forward (mixed, prefill-first, decode-first);
 * the result applier (results.py): `update()`;
 * `steady` (steady.py): the steady-decode fast path, the one seam the filler, `schedule()` and
   the result path call;
@@ -30,6 +32,7 @@ from typing import Optional
 from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.composition import composition_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.faults import Bisection
 from services.scheduler.fill import StepFiller
@@ -97,9 +100,13 @@ class Scheduler:
             self._batch, self.block_size, enabled=not rules.keeps_finished_as_padding
         )
         cache, waiting, batch, steady = self.prefix_cache, self._waiting, self._batch, self.steady
-        self._filler = StepFiller(
-            config, rules, waiting, batch, self.pool, cache, steady, self._max_len
+        self.composition = composition_for(
+            config.step_composition, config.max_num_batched_tokens, config.max_prefill_chunks
         )
+        self._filler = StepFiller(
+            config, rules, waiting, batch, self.pool, cache, steady, self.composition,
+            self._max_len,
+        )  # fmt: skip
         self._results = ResultApplier(
             self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock
         )
@@ -177,6 +184,7 @@ class Scheduler:
         self._step_id += 1
         built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
         steady = self.steady.after_build(step, built)
+        self.composition.built(len(step.decodes), step.num_chunks)
         self.counters.num_preemptions += step.num_preemptions
         for seq in built.plan.new_seqs:
             req = self.live.get(seq.rid)
@@ -306,6 +314,7 @@ class Scheduler:
         self._waiting.check_invariants()
         self._batch.check_invariants(self.config.max_num_seqs, self.block_size)
         self.steady.check_invariants()
+        self.composition.check_invariants()
         self.faults.check_invariants()
         self.live.check_invariants(self._waiting, self._batch, self.faults.is_held,
                                    self.faults.num_held)  # fmt: skip
