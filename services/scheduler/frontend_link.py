@@ -198,12 +198,13 @@ class FrontendLink:
     def drop_all(self, reason: str) -> None:
         """Every live request is aborted here without a final output (the frontends resume
         them elsewhere: the engine stops)."""
-        sched = self._host.sched
-        for rid in list(self.owners):
+        sched, rids = self._host.sched, list(self.owners)
+        for rid in rids:
             self.owners.pop(rid)
             if sched is not None:
                 sched.abort_request(rid, reason)
-        self.log.info("requests_dropped", reason=reason)
+        if rids:
+            self.log.info("requests_dropped", reason=reason, num_dropped=len(rids))
 
     def check_silence(self, now: float) -> None:
         """Housekeeping: frontends silent for `frontend_timeout_s` are gone."""

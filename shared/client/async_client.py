@@ -31,6 +31,7 @@ from shared.client.core import (
     STREAM_KINDS,
     ClientCore,
 )
+from shared.client.resume import RETRY_S
 from shared.client.sync_client import DEFAULT_ADDRESS
 from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
@@ -65,6 +66,7 @@ class AsyncClient:
         self._reader: Optional[asyncio.Task] = None
         self._watcher: Optional[asyncio.Task] = None
         self._num_sockets = 0  # connections made so far (each later one: its own identity)
+        self._retrier: Optional[asyncio.Task] = None  # sends resumed requests again (_resume)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._wakeups: dict[str, asyncio.Event] = {}  # id -> set when a reply for it arrives
         self._last_rx = 0.0
@@ -229,7 +231,7 @@ class AsyncClient:
         self._watcher = asyncio.create_task(self._watch(sock, monitor))
 
     def _close_socket(self) -> None:
-        for task in (self._reader, self._watcher):
+        for task in (self._reader, self._watcher, self._retrier):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
         if self._sock is not None:
@@ -244,6 +246,18 @@ class AsyncClient:
                 return  # socket closed under us: close() or a resumption is running
             self._last_rx = time.monotonic()
             self._wake(self._core.receive(frame))
+
+    async def _send_retries(self) -> None:
+        """After a resumption: resumed requests the new frontend was not ready for go again
+        (ClientCore.retry_frames), until none is left to send."""
+        core = self._core
+        deadline = time.monotonic() + core.resume_timeout + 1.0
+        while not self._closed and time.monotonic() < deadline:
+            await asyncio.sleep(RETRY_S / 2)
+            sock = self._sock
+            for _rid, frame in core.retry_frames():
+                if sock is not None:
+                    await sock.send(frame)
 
     def _wake(self, rid: Optional[str]) -> None:
         wakeup = self._wakeups.get(rid) if rid is not None else None
@@ -283,6 +297,8 @@ class AsyncClient:
                     self._wake(rid)
                 for rid in core.open_ids():
                     self._wake(rid)  # those that failed (resumed too often) see their error
+                if self._retrier is None or self._retrier.done():
+                    self._retrier = asyncio.create_task(self._send_retries())
                 return
             if time.monotonic() >= deadline:
                 for rid in core.open_ids():

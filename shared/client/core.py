@@ -13,6 +13,7 @@ Not thread-safe: one owner, like the socket it serves.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -172,10 +173,16 @@ class ClientCore:
         to send on it (streams with `resume`); those resumed too often get an `error` reply
         (`engine_unreachable`) in their box. Aborts sent before are moot there."""
         self._abandoned.clear()
-        frames, exhausted = self.open_requests.resume_frames()
+        frames, exhausted = self.open_requests.resume_frames(time.monotonic(), self.resume_timeout)
         for rid in exhausted:
             self.fail(rid, f"the frontend was lost {DEFAULT_MAX_RESUMES + 1} times")
         return frames
+
+    def retry_frames(self) -> list[tuple[str, bytes]]:
+        """(id, frame) of the resumed requests to send again now: the new frontend answered
+        `not_ready` (it had not heard its engines yet); `open_requests.retrying()` says
+        whether any waits."""
+        return self.open_requests.due_frames(time.monotonic())
 
     def fail(self, rid: str, message: str) -> None:
         """`rid` ends with `engine_unreachable` (its frontend is gone and none took it)."""
@@ -216,8 +223,9 @@ class ClientCore:
         box = self._boxes.get(rid)
         if box is None:
             return None
+        if not self.open_requests.on_reply(rid, msg, time.monotonic()):
+            return None  # a resumed request the new frontend is not ready for: sent again
         box.append(msg)
-        self.open_requests.on_reply(rid, msg)
         return rid
 
     def take(self, rid: str, kinds: tuple[str, ...]) -> Optional[dict[str, Any]]:

@@ -21,6 +21,7 @@ from shared.client.types import generate_frame
 from shared.protocol.sampling import GREEDY_TEMPERATURE_FLOOR
 
 DEFAULT_MAX_RESUMES = 3  # resumptions of one request after a lost frontend, then an error
+RETRY_S = 0.5  # a resumed request the new frontend is not ready for is sent again after this
 
 
 @dataclass
@@ -31,6 +32,10 @@ class OpenGenerate:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_resumes: int = 0
+    # after a resumption, until this (monotonic) time a `not_ready` answer means "not yet" (a
+    # restarted frontend has not heard its engines yet): sent again at `retry_at`
+    retry_until: float = 0.0
+    retry_at: Optional[float] = None
 
 
 class OpenRequests:
@@ -60,11 +65,16 @@ class OpenRequests:
         else:
             self._generates[rid] = OpenGenerate(fields)
 
-    def on_reply(self, rid: str, msg: dict[str, Any]) -> None:
+    def on_reply(self, rid: str, msg: dict[str, Any], now: float) -> bool:
         """Every reply of an open id: chunks add to what a resumption carries; a terminal
-        reply ends it here."""
+        reply ends it here. False when the reply is not for the caller: a resumed request
+        that the new frontend is not ready for yet, to send again (`due_frames`)."""
         open_gen = self._generates.get(rid)
         kind = msg.get("type")
+        if open_gen is not None and kind == "error" and msg.get("code") == "not_ready":
+            if now < open_gen.retry_until:
+                open_gen.retry_at = now + RETRY_S
+                return False
         if kind == "aborted":
             self._aborts.pop(rid, None)
         elif open_gen is not None and kind == "chunk":
@@ -73,15 +83,38 @@ class OpenRequests:
             open_gen.text += text if isinstance(text, str) else ""
         elif kind in ("done", "error") or rid in self._queries:
             self.closed(rid)
+        return True
+
+    def due_frames(self, now: float) -> list[tuple[str, bytes]]:
+        """(id, frame) of the resumed requests to send again now (see `on_reply`)."""
+        due = []
+        for rid, gen in self._generates.items():
+            if gen.retry_at is not None and gen.retry_at <= now:
+                gen.retry_at = None
+                due.append((rid, self._frame(rid, gen)))
+        return due
+
+    def retrying(self) -> bool:
+        """Whether a resumed request waits to be sent again."""
+        return any(gen.retry_at is not None for gen in self._generates.values())
+
+    def _frame(self, rid: str, gen: OpenGenerate) -> bytes:
+        fields = dict(gen.fields)
+        if gen.token_ids:
+            fields["resume"] = {"token_ids": gen.token_ids, "text": gen.text}
+        return generate_frame(rid, fields, self._max_frame_bytes)
 
     def closed(self, rid: str) -> None:
         """It ended, or was given up: a new connection does not send it again."""
         self._generates.pop(rid, None)
         self._queries.pop(rid, None)
 
-    def resume_frames(self) -> tuple[list[tuple[str, bytes]], list[str]]:
+    def resume_frames(
+        self, now: float, window_s: float
+    ) -> tuple[list[tuple[str, bytes]], list[str]]:
         """For a new connection: (id, frame) to send for each open request, and the ids that
-        resumed too often already (the caller fails them)."""
+        resumed too often already (the caller fails them). For `window_s` from `now` a
+        `not_ready` answer to one of them sends it again later."""
         frames: list[tuple[str, bytes]] = list(self._queries.items())
         exhausted = []
         for rid, gen in list(self._generates.items()):
@@ -90,10 +123,8 @@ class OpenRequests:
                 exhausted.append(rid)
                 self.closed(rid)
                 continue
-            fields = dict(gen.fields)
-            if gen.token_ids:
-                fields["resume"] = {"token_ids": gen.token_ids, "text": gen.text}
-            frames.append((rid, generate_frame(rid, fields, self._max_frame_bytes)))
+            gen.retry_until, gen.retry_at = now + window_s, None
+            frames.append((rid, self._frame(rid, gen)))
         frames += list(self._aborts.items())
         return frames, exhausted
 

@@ -27,6 +27,7 @@ from shared.client.core import (
     STREAM_KINDS,
     ClientCore,
 )
+from shared.client.resume import RETRY_S
 from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 from shared.protocol.errors import ErrorCode
@@ -224,6 +225,10 @@ class Client:
             wait = last_rx + self.timeout - time.monotonic()
             if wait <= 0:
                 raise self._core.silence_error()
+            if self._core.open_requests.retrying():  # resumed ones to send again
+                wait = min(wait, RETRY_S / 2)
+                for _rid, frame in self._core.retry_frames():
+                    self._sock.send(frame)
             events = dict(self._poller.poll(int(wait * 1000) + 1))
             if self._monitor in events and self._dropped() and self._core.open_ids():
                 self._resume()

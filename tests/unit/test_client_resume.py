@@ -6,11 +6,13 @@ sampled request without a seed gets one. The frames decode as the frontend decod
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 
 from shared.client.core import STREAM_KINDS, ClientCore
-from shared.client.resume import DEFAULT_MAX_RESUMES, pin_seed
+from shared.client.resume import DEFAULT_MAX_RESUMES, RETRY_S, pin_seed
 from shared.client.types import EngineError
 from shared.protocol import client_channel as cc
 
@@ -70,3 +72,18 @@ def test_a_sampled_request_gets_a_seed_so_its_resumption_draws_alike() -> None:
     core = ClientCore("tcp://a:1", 5, 5)
     _rid, frame = core.generate("r", "hi", None, None, True, 0, {})
     assert isinstance(msgpack.unpackb(frame)["params"]["seed"], int)
+
+
+def test_a_resumed_request_the_new_frontend_is_not_ready_for_goes_again() -> None:
+    """A restarted frontend answers `not_ready` until it heard its engines: within the resume
+    window that answer is not the caller's; the request is sent again a moment later."""
+    core = ClientCore("tcp://a:1", 5, 5)
+    _sent(core, "s")
+    core.receive(_chunk("s", "He", [7]))
+    (frame,) = [f for _rid, f in core.resume_frames()]
+    assert core.receive(cc.error_reply("not_ready", "waiting", "s")) is None  # held back
+    assert core.take("s", STREAM_KINDS) is not None  # the chunk; not the refusal
+    assert core.take("s", STREAM_KINDS) is None and core.open_requests.retrying()
+    time.sleep(RETRY_S + 0.05)
+    assert core.retry_frames() == [("s", frame)]
+    assert not core.open_requests.retrying()
