@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from bench.soak import rss_mib
 from shared.client import AsyncClient, Client, EngineError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,16 +130,6 @@ def _http_ok(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
 
 
 def prompts(n: int) -> list[str]:
