@@ -3,10 +3,11 @@
 `mixed` is the session engine's (test_engine_reference.py); here one engine per other
 composition, both started at once (one model load's time), with a small token budget and chunk
 so the four prompts, sent together while a long request decodes, are prefilled in chunks beside
-other requests' decodes: a prompt forward between decode forwards (decode-first, at most `max_prefill_chunks` chunks), or
-prefill-only forwards holding the decodes back (prefill-first). The engines' step logs must
-show that shape. Exact, except at a near-tie of the reference's own logits
-(tests/greedy_reference.py). Rough runtime: 30-60 s on the shared 2-core machine.
+other requests' decodes: a prompt forward between decode forwards (decode-first, at most
+`max_prefill_chunks` chunks), or prefill-only forwards holding the decodes back
+(prefill-first). The engines' step logs must show that shape. Exact, except at a near-tie of
+the reference's own logits (tests/greedy_reference.py). Rough runtime: 30-60 s on the shared
+2-core machine.
 """
 
 from __future__ import annotations
