@@ -38,7 +38,7 @@ def _attention(group: int, head_dim: int, block_m: int, tile_n: int, splits: int
                upcast: bool, kv_codes: int = 0) -> dict[str, Any]:  # fmt: skip
     return dict(KV_CODES=kv_codes,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, BLOCK_M=block_m,
-        BLOCK_Q=block_m // group, TILE_N=tile_n, SEQS_PAD=64, NUM_SPLITS=splits,
+        BLOCK_Q=block_m // group, TILE_N=tile_n, NUM_SPLITS=splits,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
     )  # fmt: skip
 

@@ -55,9 +55,20 @@ class WorkerConfig:
     kv_cache_memory: Optional[int] = field(
         default=None, metadata={"help": "bytes for K and V of every layer"}
     )
-    kv_cache_fraction: Optional[float] = field(
-        default=None, metadata={"help": "else this share of the device's free memory"}
-    )
+    gpu_memory_utilization: Optional[float] = field(
+        default=None,
+        metadata={"help": "else the share of the device's memory this worker may use in all: "
+                  "on CUDA of the GPU's total, the KV pool getting what the weights, a profiling "
+                  "forward of --profile-num-tokens and memory outside torch leave; on CPU of the "
+                  "memory available once the weights are loaded (none, and no --kv-cache-memory: "
+                  "1 GiB)"},
+    )  # fmt: skip
+    profile_num_tokens: int = field(
+        default=8192,
+        metadata={"help": "tokens of the profiling forward that measures peak activation memory "
+                  "under --gpu-memory-utilization on CUDA (at least the scheduler's "
+                  "--max-num-batched-tokens)"},
+    )  # fmt: skip
     max_model_len: Optional[int] = field(
         default=None, metadata={"help": "longest sequence (none: the model's max positions)"}
     )
@@ -108,10 +119,15 @@ class WorkerConfig:
             raise ValueError(
                 f"kv_cache_memory must be a byte count > 0, got {self.kv_cache_memory!r}"
             )
-        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
-            raise ValueError("give kv_cache_memory or kv_cache_fraction, not both")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if self.kv_cache_memory is not None and util is not None:
+            raise ValueError("give kv_cache_memory or gpu_memory_utilization, not both")
+        if not _pos_int(self.profile_num_tokens):
+            raise ValueError(
+                f"profile_num_tokens must be an integer > 0, got {self.profile_num_tokens!r}"
+            )
         if self.max_model_len is not None and not _pos_int(self.max_model_len):
             raise ValueError(f"max_model_len must be an integer > 0, got {self.max_model_len!r}")
         if self.num_threads is not None and not _pos_int(self.num_threads):

@@ -18,7 +18,7 @@ from typing import Union
 import torch
 
 from kernels.kv_quant import CODE_DTYPES, SCALE_BYTES
-from services.worker.config import DEFAULT_KV_CACHE_MEMORY, WorkerConfig
+from services.worker.config import WorkerConfig
 from services.worker.weights import ModelArgs
 
 FLOAT_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,15 +39,6 @@ def bytes_per_block(args: ModelArgs, block_size: int, kv_dtype: str) -> int:
     return 2 * args.num_layers * block_size * args.num_kv_heads * row * elem
 
 
-def kv_budget_bytes(config: WorkerConfig) -> int:
-    """The configured budget: explicit bytes, a fraction of free memory, or the 1 GiB default."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if config.kv_cache_fraction is not None:
-        return int(config.kv_cache_fraction * free_memory_bytes(config.device))
-    return DEFAULT_KV_CACHE_MEMORY
-
-
 def free_memory_bytes(device: str) -> int:
     """Free memory of the device (CUDA: mem_get_info; CPU: MemAvailable of /proc/meminfo)."""
     if device.startswith("cuda"):
@@ -58,10 +49,11 @@ def free_memory_bytes(device: str) -> int:
     raise ValueError("cannot read MemAvailable from /proc/meminfo; set kv_cache_memory")
 
 
-def num_blocks_for(args: ModelArgs, config: WorkerConfig, dtype: str, max_model_len: int) -> int:
-    """Blocks that fit the budget; ValueError (with the numbers) when one max-length
-    sequence would not fit."""
-    budget = kv_budget_bytes(config)
+def num_blocks_for(
+    args: ModelArgs, config: WorkerConfig, dtype: str, max_model_len: int, budget: int
+) -> int:
+    """Blocks that fit `budget` bytes (services/worker/kv_sizing.py); ValueError (with the
+    numbers) when one max-length sequence would not fit."""
     per_block = bytes_per_block(args, config.block_size, dtype)
     num_blocks = budget // per_block
     needed = -(-max_model_len // config.block_size)
@@ -70,7 +62,8 @@ def num_blocks_for(args: ModelArgs, config: WorkerConfig, dtype: str, max_model_
             f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
             f"{config.block_size} tokens ({per_block} bytes each), but one sequence of "
             f"max_model_len={max_model_len} needs {needed} blocks ({needed * per_block} bytes): "
-            f"raise --kv-cache-memory to at least {needed * per_block} or lower --max-model-len"
+            f"raise --kv-cache-memory to at least {needed * per_block} (or "
+            f"--gpu-memory-utilization) or lower --max-model-len"
         )
     return int(num_blocks)
 

@@ -58,6 +58,18 @@ def rotary_cache(args: ModelArgs, max_len: int, device: str) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, (H + 2 Hkv) D] -> views q [T, H, D], k and v [T, Hkv, D]: the strides the kernels
+    see (and compile for: services/worker/warmup.py builds its inputs the same way)."""
+    t, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(t, num_kv_heads, head_dim)
+    return q, k, v
+
+
 class LlamaModel:
     """Weights (this rank's shard) plus the forward pass; holds no per-request state."""
 
@@ -149,15 +161,12 @@ class LlamaModel:
         a, ops, group = self.args, self.ops, self.group
         t = step.input_ids.shape[0]
         h_q, h_kv = self.num_heads, self.num_kv_heads
-        q_size, kv_size = h_q * a.head_dim, h_kv * a.head_dim
+        q_size = h_q * a.head_dim
         x = self._embed(step.input_ids)  # [T, Hd]
         residual: Optional[torch.Tensor] = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers, strict=True):
             h, residual = ops.rms_norm(x, layer.input_norm, a.rms_norm_eps, residual)
-            qkv = layer.qkv(h)  # [T, (H + 2 Hkv) D]
-            q = qkv[:, :q_size].view(t, h_q, a.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, h_kv, a.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, h_kv, a.head_dim)
+            q, k, v = split_qkv(layer.qkv(h), h_q, h_kv, a.head_dim)
             ops.rotary(q, k, step.positions, self.cos_sin)
             ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             attn = ops.paged_attention(

@@ -46,6 +46,7 @@ from services.worker.constraints import ConstraintMasks, PendingMasks, RowMasks
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
+from services.worker.kv_sizing import kv_budget_bytes
 from services.worker.loading import load_model, max_model_len, own_dtype
 from services.worker.model import LlamaModel, StepTensors
 from services.worker.parallel import Group, agree_dtype, join_group
@@ -67,6 +68,7 @@ from services.worker.sampler import (
     sample,
 )
 from services.worker.steps import FatalWorkerError
+from services.worker.warmup import CompileWatch, warm_up
 from services.worker.weights import ModelArgs, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model, source_gguf
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
@@ -113,12 +115,15 @@ class ModelRunner:
         local = dataclasses.replace(a, num_heads=a.num_heads // world,
                                     num_kv_heads=a.num_kv_heads // world)  # fmt: skip
         kv_dtype = resolve_kv_cache_dtype(config, self.dtype_name)
-        num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len)
         self.model: LlamaModel = load_model(
             config, a, self.folder, self.gguf, self.quantization, self.dtype, self.group,
             self.max_model_len, self.log,
         )  # fmt: skip
+        # sized once the weights are in memory (and, on CUDA, after a profiling forward)
+        budget = kv_budget_bytes(config, self.model, local, kv_dtype, self.max_model_len, self.log)
+        num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len, budget)
         self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
+        self.compiles: Optional[CompileWatch] = self._compile_kernels()
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
@@ -130,6 +135,19 @@ class ModelRunner:
         self.constraints: Optional[ConstraintMasks] = None
         if self.group.rank == 0:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
+
+    def _compile_kernels(self) -> Optional[CompileWatch]:
+        """On CUDA: every Triton variant compiled before the first step (warmup.py), and a
+        watch that logs any compile after it."""
+        if not self.config.device.startswith("cuda"):
+            return None
+        watch = CompileWatch(self.log)
+        warmed = warm_up(self.model, self.kv_cache.layers, self.config.block_size, self.dtype,
+                         self.max_model_len)  # fmt: skip
+        if warmed:
+            self.log.info("kernels_compiled", **warmed, num_compiled=watch.num_compiled)
+        watch.serving()
+        return watch
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
