@@ -4,6 +4,8 @@ SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64, block 16). Per case, b
 `--repeat` calls of: the C++ extension (kernels/csrc/paged_attention.cpp), the worker's torch
 path (TorchOps.paged_attention: block gather + SDPA with a mask) and, for the fresh prefill,
 torch's causal SDPA over contiguous q/k/v with no paging at all (the fastest torch can do).
+Then decode at 2,048 cached tokens (B=1 and B=32) through the C++ kernel with the cache stored
+in each `--kv-cache-dtype` (fp32 q and output): the fp32 cache's time over each compact one's.
 Run it alone on the machine and quote ratios from one run:
 
     PYTHONPATH=. .venv/bin/python bench/cpu_attention_bench.py --repeat 10
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from bench.kernel_inputs import make_paged_batch
 from kernels.cpu_ext import cpu_paged_attention, load_cpu_ops
+from kernels.kv_quant import CODE_DTYPES, quantize_rows
 from services.worker.ops import TorchOps
 from services.worker.ops_cpu import ext_cache_dir
 
@@ -56,6 +59,38 @@ def causal_sdpa(batch, scale: float) -> Callable[[], object]:
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+LONG_CONTEXT = 2048
+
+
+def stored(cache: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """An fp32 cache [N, bs, Hkv, D] as the KV pool of `kv_dtype` holds it."""
+    if kv_dtype in CODE_DTYPES:
+        return quantize_rows(cache, kv_dtype)
+    return cache.to(getattr(torch, kv_dtype))
+
+
+def compact_kv_table(ext, scale: float, repeat: int, gen: torch.Generator) -> None:
+    print(
+        f"\n| decode, {LONG_CONTEXT} cached | " + " | ".join(KV_DTYPES) + " (ms) | fp32 / compact |"
+    )
+    print("|---|" + "---:|" * (len(KV_DTYPES) + 1))
+    for batch_size in (1, 32):
+        batch = make_paged_batch(
+            [1] * batch_size, [LONG_CONTEXT] * batch_size, num_kv_heads=KV_HEADS,
+            group=HEADS // KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
+            dtype=torch.float32, generator=gen,
+        )  # fmt: skip
+        q, k, v, *meta = batch.attention_args()
+        ms = {}
+        for kv in KV_DTYPES:
+            args = (q, stored(k, kv), stored(v, kv), *meta)
+            ms[kv] = best_ms(lambda a=args: cpu_paged_attention(ext, *a, scale), repeat)
+        ratios = ", ".join(f"{ms['float32'] / ms[kv]:.2f}" for kv in KV_DTYPES[1:])
+        cells = " | ".join(f"{ms[kv]:.3f}" for kv in KV_DTYPES)
+        print(f"| B={batch_size} | {cells} | {ratios} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -84,6 +119,8 @@ def main() -> None:
             fresh = len(q_lens) == 1 and ctx_lens[0] == 0
             sdpa = f"{best_ms(causal_sdpa(batch, scale), args.repeat):.3f}" if fresh else "-"
             print(f"| {name} | {ours:.3f} | {ref:.3f} | {sdpa} | {ref / ours:.2f} |")
+        if dtype == torch.float32:
+            compact_kv_table(ext, scale, args.repeat, gen)
 
 
 if __name__ == "__main__":

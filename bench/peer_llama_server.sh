@@ -4,7 +4,13 @@
 #
 #   bench/peer_llama_server.sh build            # build llama-server once (run under flock -s)
 #   bench/peer_llama_server.sh run [--out DIR]  # the burst through every engine (flock -x)
-#       [--engines llama-server,conveyor,hf-static,roofline] [--num-prompts 64] [--scale 1]
+#       [--engines llama-server,conveyor,conveyor-fp32,hf-static,roofline] [--num-prompts 64]
+#       [--scale 1] [--scenario burst|single]
+#
+# `conveyor` runs `conveyor up` with its defaults (the GGUF's own Q4_1 blocks); `conveyor-fp32`
+# the dequantized weights in fp32 (`--quantization none --dtype float32`). `--scenario single`:
+# one stream instead of the burst, 8 requests one after the other, 32-token prompts, 128 output
+# tokens each (decode tok/s = 1 / TPOT).
 #
 # `make peer-bench` does both with the right locks. The build comes from the llama.cpp source
 # vendored in the llama-cpp-python sdist (one pinned version), cached in .cache/peers/ (ignored);
@@ -31,7 +37,8 @@ SCALE=${SCALE:-1}
 BATCH_SIZE=32
 THREADS=2
 OUT=${OUT:-}
-ENGINES="llama-server,conveyor,hf-static,roofline"
+ENGINES="llama-server,conveyor,conveyor-fp32,hf-static,roofline"
+SCENARIO=${SCENARIO:-burst}
 
 log() { echo "[peer-bench $(date -u +%H:%M:%S)] $*" >&2; }
 
@@ -143,8 +150,13 @@ trap stop_server EXIT
 # scenario sends: same seed, lengths, one warm-up request, EOS ignored, greedy).
 burst() {
     local port=$1 name=$2
+    local workload=(--workload mixed --num-prompts "$NUM_PROMPTS" --scale "$SCALE")
+    if [[ $SCENARIO == single ]]; then
+        workload=(--workload random --num-prompts 8 --input-len 32 --output-len 128
+            --range-ratio 0 --max-concurrency 1)
+    fi
     "$PY" -m conveyor bench --backend openai --base-url "http://127.0.0.1:$port" --model smollm2 \
-        --workload mixed --num-prompts "$NUM_PROMPTS" --scale "$SCALE" --seed 0 \
+        "${workload[@]}" --seed 0 \
         --ignore-eos --temperature 0 --num-warmups 1 --no-plots --no-progress \
         --out "$OUT/$name" | tee "$OUT/$name.txt"
 }
@@ -166,17 +178,18 @@ run_llama_server() {
     stop_server
 }
 
-run_conveyor() {
-    local port
+run_conveyor() {  # $1: the name in the results; the rest: flags after the defaults
+    local name=$1 port
+    shift
     port=$(free_port)
     local cmd=("$PY" -m conveyor up --http-port "$port"
-        --frontend-addr "tcp://127.0.0.1:$(free_port)" --log-dir "$OUT/logs/conveyor" --quiet)
-    log "conveyor: ${cmd[*]} (defaults otherwise: dtype auto, max_num_seqs 32)"
-    echo "${cmd[*]}" >"$OUT/conveyor.cmd"
-    "${cmd[@]}" >"$OUT/conveyor.log" 2>&1 &
+        --frontend-addr "tcp://127.0.0.1:$(free_port)" --log-dir "$OUT/logs/$name" --quiet "$@")
+    log "$name: ${cmd[*]} (defaults otherwise: quantization auto, dtype auto, max_num_seqs 32)"
+    echo "${cmd[*]}" >"$OUT/$name.cmd"
+    "${cmd[@]}" >"$OUT/$name.log" 2>&1 &
     SERVER_PID=$!
     wait_http "http://127.0.0.1:$port/health" "$SERVER_PID" 600
-    burst "$port" conveyor
+    burst "$port" "$name"
     stop_server
 }
 
@@ -207,7 +220,8 @@ run_all() {
     # (`set -e` does not act inside a function called from an `if`).
     local engine failed=()
     for engine in ${ENGINES//,/ }; do
-        if ! OUT=$OUT NUM_PROMPTS=$NUM_PROMPTS SCALE=$SCALE bash "$SELF" engine "$engine"; then
+        if ! OUT=$OUT NUM_PROMPTS=$NUM_PROMPTS SCALE=$SCALE SCENARIO=$SCENARIO \
+            bash "$SELF" engine "$engine"; then
             log "engine $engine FAILED (see $OUT/$engine.log / $engine.txt)"
             failed+=("$engine")
         fi
@@ -222,7 +236,8 @@ run_all() {
 run_engine() {
     case $1 in
         llama-server) run_llama_server ;;
-        conveyor) run_conveyor ;;
+        conveyor) run_conveyor conveyor ;;
+        conveyor-fp32) run_conveyor conveyor-fp32 --quantization none --dtype float32 ;;
         hf-static) run_hf_static ;;
         roofline) run_roofline ;;
         *) log "unknown engine $1"; exit 2 ;;
@@ -230,8 +245,8 @@ run_engine() {
 }
 
 usage() {
-    echo "usage: $0 build | run [--out DIR] [--engines llama-server,conveyor,hf-static,roofline]" \
-        "[--num-prompts 64] [--scale 1]" >&2
+    echo "usage: $0 build | run [--out DIR] [--engines llama-server,conveyor,conveyor-fp32," \
+        "hf-static,roofline] [--num-prompts 64] [--scale 1] [--scenario burst|single]" >&2
     exit 2
 }
 
@@ -248,6 +263,7 @@ main() {
             --engines) ENGINES=$2; shift 2 ;;
             --num-prompts) NUM_PROMPTS=$2; shift 2 ;;  # a smoke run: e.g. 4 prompts, scale 0.1
             --scale) SCALE=$2; shift 2 ;;
+            --scenario) SCENARIO=$2; shift 2 ;;
             *) usage ;;
         esac
     done

@@ -25,7 +25,7 @@ _FLOOR_LINE = re.compile(r"roofline \(faster dtype, (\w+)\): (\d+(?:\.\d+)?) out
 def read_engines(folder: Path) -> dict[str, dict[str, Any]]:
     """One entry per engine present: output tok/s, TTFT p50 (s), tokens, and what it was."""
     engines: dict[str, dict[str, Any]] = {}
-    for name in ("conveyor", "llama-server"):
+    for name in ("conveyor", "conveyor-fp32", "llama-server"):
         path = folder / name / "result.json"
         if not path.is_file():
             continue
@@ -35,6 +35,7 @@ def read_engines(folder: Path) -> dict[str, dict[str, Any]]:
             "output_tok_s": float(run["output_throughput"]),
             "ttft_p50_s": float(run["median_ttft_ms"]) / 1e3,
             "ttft_is_lower_bound": False,
+            "decode_tok_s": 1e3 / float(run["median_tpot_ms"]) if run["median_tpot_ms"] else None,
             "output_tokens": int(run["total_output_tokens"]),
             "prompt_tokens": int(run["total_input_tokens"]),
             "completed": int(run["completed"]),
@@ -49,6 +50,7 @@ def read_engines(folder: Path) -> dict[str, dict[str, Any]]:
             "output_tok_s": float(run["output_throughput"]),
             "ttft_p50_s": float(run["ttft_p50_lower_bound_s"]),
             "ttft_is_lower_bound": True,
+            "decode_tok_s": None,
             "output_tokens": int(run["output_tokens"]),
             "prompt_tokens": int(run["prompt_tokens"]),
             "completed": int(run["num_requests"]),
@@ -90,6 +92,7 @@ def build_rows(
                 "output_tok_s": e["output_tok_s"],
                 "ttft_p50_s": e["ttft_p50_s"],
                 "ttft_is_lower_bound": e["ttft_is_lower_bound"],
+                "decode_tok_s": e["decode_tok_s"],
                 "of_floor": _ratio(e["output_tok_s"], floor and floor["output_tok_s"]),
                 # > 1: Conveyor is that many times faster (tok/s) / that many times quicker (TTFT)
                 "conveyor_tok_s_ratio": _ratio(ours_tok_s, e["output_tok_s"]),
@@ -103,6 +106,7 @@ def build_rows(
                 "output_tok_s": floor["output_tok_s"],
                 "ttft_p50_s": None,
                 "ttft_is_lower_bound": False,
+                "decode_tok_s": None,
                 "of_floor": 1.0,
                 "conveyor_tok_s_ratio": _ratio(ours_tok_s, floor["output_tok_s"]),
                 "conveyor_ttft_ratio": None,
@@ -116,16 +120,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [
-        "| engine | output tok/s | TTFT p50 (s) | of the floor | Conveyor ÷ it (tok/s) "
-        "| its TTFT ÷ Conveyor's |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| engine | output tok/s | decode tok/s (1 / TPOT p50) | TTFT p50 (s) | of the floor "
+        "| Conveyor ÷ it (tok/s) | its TTFT ÷ Conveyor's |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ttft = num(r["ttft_p50_s"], ".1f")
         if r["ttft_is_lower_bound"]:
             ttft = f"≥ {ttft}"
         lines.append(
-            f"| {r['engine']} | {num(r['output_tok_s'], '.1f')} | {ttft} "
+            f"| {r['engine']} | {num(r['output_tok_s'], '.1f')} | {num(r['decode_tok_s'], '.1f')} "
+            f"| {ttft} "
             f"| {num(r['of_floor'], '.0%')} | {num(r['conveyor_tok_s_ratio'], '.2f')} "
             f"| {num(r['conveyor_ttft_ratio'], '.2f')} |"
         )

@@ -72,22 +72,29 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
+_LOADED: dict[Path, ModuleType] = {}  # build folder -> the module imported from it
+
+
 def load_cpu_ops(cache_dir: Path, verbose: bool = False) -> ModuleType:
-    """Build (first time on this machine) and import the extension from `cache_dir/<key>`.
-    Raises (RuntimeError, OSError, ...) when it cannot be built; callers decide what to do."""
+    """Build (first time on this machine) and import the extension from `cache_dir/<key>`,
+    once per process (a second call returns the same module). Raises (RuntimeError, OSError,
+    ...) when it cannot be built; callers decide what to do."""
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
     key = build_key()
     folder = cache_dir / key
+    if folder in _LOADED:
+        return _LOADED[folder]
     folder.mkdir(parents=True, exist_ok=True)
-    return load(
+    _LOADED[folder] = load(
         name=f"conveyor_cpu_ops_{key}",
         sources=[str(path) for path in sources()],
         extra_cflags=list(CFLAGS),
         build_directory=str(folder),
         verbose=verbose,
     )
+    return _LOADED[folder]
 
 
 def _ninja_on_path() -> None:

@@ -10,7 +10,7 @@ causally.
 Kernel layout (one program = a block of query tokens x all query heads of one KV head):
 * grid axis 0 walks query blocks of BLOCK_Q tokens. Sequence b's blocks are numbered from
   `query_start_loc[b] // BLOCK_Q + b`, an upper bound that needs no host sync; a program finds
-  its sequence by counting how many sequences start at or before its block number.
+  its sequence by a binary search of those first block numbers (log2(B) loads, not B).
 * grid axis 1 is the KV head. The program's rows are (token, query head) pairs of that KV
   head's group (grouped-query attention), so each K/V tile is loaded once for the whole group
   and a decode token still fills the rows of a matrix-unit tile.
@@ -18,6 +18,13 @@ Kernel layout (one program = a block of query tokens x all query heads of one KV
   running max and sum, and a second kernel merges them. One split writes the output directly.
 KV tiles of TILE_N tokens are independent of the cache block size: each tile's tokens are
 gathered through the block table. Softmax is online (running max and sum) in fp32, in base 2.
+An 8-bit cache (kernels/kv_quant.py: rows of head_dim codes, then the row's fp32 scale) is read
+as codes widened by a lookup (fp8 e4m3) or a cast (int8), times the row's scale.
+
+Compiled variants (docs/design/kernel_variants.md): the integers that change every step
+(`num_seqs`, the block table's row stride) are not specialized by Triton, and the compile-time
+parameters come from the buckets of kernels/paged_attention_shape.py, so a model, dtype and KV
+dtype compile a small fixed set of variants, all of them at the worker's start-up.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import triton
 import triton.language as tl
 
 from kernels._checks import check_out, needs_fp32_compute, next_pow2
-from kernels.paged_attention_shape import check_args, launch_shape, num_warps
+from kernels.kv_quant import dequantize_rows, fp8_e4m3_table, scaled_kind
+from kernels.launch import Launch
+from kernels.paged_attention_shape import Target, check_args, launch_shape, num_warps
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(-inf - this) is 0, never NaN.
@@ -46,6 +55,9 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D], dtype of q
     """Plain-torch reference: gather each sequence's K/V, masked softmax in fp32."""
+    kind = scaled_kind(k_cache)
+    if kind:  # 8-bit rows: the reference reads the widened cache
+        k_cache, v_cache = dequantize_rows(k_cache, kind), dequantize_rows(v_cache, kind)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -70,12 +82,23 @@ def paged_attention_ref(
 
 
 @triton.jit
+def _widen(codes, row_ptrs, ok, lut_ptr, HEAD_DIM: tl.constexpr, KV_CODES: tl.constexpr):
+    # 8-bit codes -> fp32 times each row's scale (the fp32 after its HEAD_DIM codes)
+    if KV_CODES == 2:
+        values = tl.load(lut_ptr + codes.to(tl.int32))  # fp8 e4m3 byte -> its value
+    else:
+        values = codes.to(tl.float32)
+    scale = tl.load((row_ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    return values, scale
+
+
+@triton.jit
 def _attend_tiles(
     q, q_pos, kv_end, tile_lo, tile_hi, table_row, k_base, v_base,
-    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
+    stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, lut_ptr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_CODES: tl.constexpr,
 ):  # fmt: skip
     # Online softmax of q [BLOCK_M, HEAD_DIM_PAD] over key tiles [tile_lo, tile_hi) of one
     # sequence and KV head; keys after a row's position q_pos (or at/after kv_end) are hidden.
@@ -104,7 +127,14 @@ def _attend_tiles(
             mask=kv_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        if UPCAST:
+        if KV_CODES != 0:  # 8-bit rows: widen, then scale per key (k's columns, v's rows)
+            rows = block * stride_kb + slot * stride_ks  # [TILE_N]
+            k, k_scale = _widen(k, k_base + rows, kv_ok, lut_ptr, HEAD_DIM, KV_CODES)
+            v, v_scale = _widen(v, v_base + block * stride_vb + slot * stride_vs, kv_ok,
+                                lut_ptr, HEAD_DIM, KV_CODES)  # fmt: skip
+            k = (k * k_scale[None, :]).to(q.dtype)
+            v = (v * v_scale[:, None]).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
@@ -121,17 +151,20 @@ def _attend_tiles(
 
 
 @triton.jit
-def _sequence_of_block(
-    query_start_loc_ptr, num_seqs, q_block_id,
-    BLOCK_Q: tl.constexpr, SEQS_PAD: tl.constexpr,
-):  # fmt: skip
-    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b; the block's sequence
-    # is the last one whose first block is <= q_block_id (-1: none, a spare block of the grid).
-    offs_seq = tl.arange(0, SEQS_PAD)
-    seq_ok = offs_seq < num_seqs
-    seq_starts = tl.load(query_start_loc_ptr + offs_seq, mask=seq_ok, other=0)
-    first_blocks = tl.where(seq_ok, seq_starts // BLOCK_Q + offs_seq, 2147483647)
-    return tl.sum((first_blocks <= q_block_id).to(tl.int32), axis=0) - 1
+def _sequence_of_block(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
+    # Sequence b's first query block is query_start_loc[b] // BLOCK_Q + b, strictly increasing
+    # in b and 0 for b = 0: the block's sequence is the last b whose first block is <=
+    # q_block_id, found by halving [lo, lo + n) (lo always qualifies). A fixed 20 halvings
+    # (batches up to 2^20 sequences; once n is 1 they re-read lo): a data-dependent while loop
+    # makes the fp32 variant keep 8 bytes on the stack at sm_90.
+    lo = q_block_id * 0
+    n = num_seqs
+    for _ in range(0, 20):
+        half = n // 2
+        mid = lo + half
+        lo = tl.where(tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_id, mid, lo)
+        n -= half
+    return lo
 
 
 @triton.jit
@@ -158,10 +191,10 @@ def _store_result(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, lut_ptr,
     num_seqs, scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -170,17 +203,15 @@ def _unified_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr, SEQS_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CODES: tl.constexpr,
 ):  # fmt: skip
     # (Helpers kept few: the interpreter re-patches triton.language on every call of a jitted
     # helper, and these run once per program.)
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _sequence_of_block(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q, SEQS_PAD)
-    if seq < 0:
-        return
+    seq = _sequence_of_block(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     first_q = (q_block_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
@@ -211,8 +242,8 @@ def _unified_attention_kernel(
         q, context_len + tok, kv_end, tile_lo, tile_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
         k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
-        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, DOT_PRECISION,
+        stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, lut_ptr,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, TILE_N, UPCAST, DOT_PRECISION, KV_CODES,
     )  # fmt: skip
     _store_result(
         out_ptr, part_out_ptr, part_ml_ptr, acc, m_i, l_i, q_rows, head, row_ok, split,
@@ -268,24 +299,77 @@ def paged_attention(
     host sync); every load is masked to the positions they describe.
     """
     check_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
-    shape = launch_shape(
-        q, num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_m, tile_n, num_splits
-    )
     if out is None:
         out = torch.empty_like(q)
     check_out("out", out, q, tuple(q.shape))
-    if q.shape[0] == 0 or num_seqs == 0:
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    part_out, part_ml = _partials(q, shape[2])
-    _launch_attention(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-        part_out, part_ml, *shape,
-    )  # fmt: skip
-    if shape[2] > 1:
-        _merge_splits(part_out, part_ml, out, shape[2])
+    target = Target.of(q.device, upcast=needs_fp32_compute(q))
+    for launch in attention_launches(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, target,
+        num_splits=num_splits, tile_n=tile_n, block_m=block_m,
+    ):  # fmt: skip
+        launch.run()
     return out
+
+
+def attention_launches(
+    q: torch.Tensor,  # [T, H, D], T >= 1
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B], B >= 1
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    target: Target,
+    *,
+    num_splits: Optional[int] = None,
+    tile_n: Optional[int] = None,
+    block_m: Optional[int] = None,
+) -> list[Launch]:
+    """The kernel launches of one paged_attention call (arguments already checked), built
+    without running them: paged_attention runs them; tests read their compile keys for a GPU
+    (kernels/launch.py) from tensors on the meta device."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    max_kv = block_tables.shape[1] * block_size
+    block_m, tile_n, splits = launch_shape(
+        q, num_seqs, num_kv_heads, max_kv, block_m, tile_n, num_splits, target
+    )
+    group = num_heads // num_kv_heads
+    block_q = block_m // group
+    upcast = target.upcast
+    kind = scaled_kind(k_cache)
+    lut = fp8_e4m3_table(q.device) if kind == "fp8_e4m3" else seq_lens  # unused unless fp8
+    part_out, part_ml = _partials(q, splits)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+    attend = Launch(_unified_attention_kernel, grid, (
+        q, k_cache, v_cache, out, part_out, part_ml,
+        query_start_loc, seq_lens, block_tables, lut,
+        num_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+    ), dict(
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+        NUM_SPLITS=splits, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        KV_CODES={"": 0, "int8": 1, "fp8_e4m3": 2}[kind],
+        num_warps=num_warps(block_m, head_dim),
+    ))  # fmt: skip
+    if splits == 1:
+        return [attend]
+    merge = Launch(_merge_splits_kernel, (num_tokens, num_heads), (
+        part_out, part_ml, out, out.stride(0), out.stride(1),
+    ), dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
+        NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
+    ))  # fmt: skip
+    return [attend, merge]
 
 
 def _partials(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,56 +382,3 @@ def _partials(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Ten
     part_out = torch.empty((*size, next_pow2(head_dim)), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((*size, 2), dtype=torch.float32, device=q.device)
     return part_out, part_ml
-
-
-def _launch_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    part_out: torch.Tensor,
-    part_ml: torch.Tensor,
-    block_m: int,
-    tile_n: int,
-    num_splits: int,
-) -> None:
-    """The attention kernel over the grid (query blocks, KV heads, splits)."""
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
-    block_q = block_m // group
-    upcast = needs_fp32_compute(q)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_ml,
-        query_start_loc, seq_lens, block_tables,
-        num_seqs, scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=tile_n, SEQS_PAD=max(16, next_pow2(num_seqs)), NUM_SPLITS=num_splits,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-        num_warps=num_warps(block_m, head_dim),
-    )  # fmt: skip
-
-
-def _merge_splits(
-    part_out: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, num_splits: int
-) -> None:
-    """The splits' partial results merged into out [T, H, D], one program per (token, head)."""
-    num_tokens, num_heads, head_dim = out.shape
-    _merge_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_ml, out,
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
-        NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-    )  # fmt: skip

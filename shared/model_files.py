@@ -157,6 +157,17 @@ def load_gguf_weights(gguf_path: Path) -> dict[str, np.ndarray]:
     return _gguf_weights(reader, _hf_config(meta, has_output))
 
 
+def source_gguf(folder: Path) -> Optional[Path]:
+    """The GGUF a converted folder was made from (its completion marker names it), or None for
+    a folder that is not a conversion or whose GGUF is gone. The worker reads quantized blocks
+    from it to serve them natively (`--quantization auto`)."""
+    marker = Path(folder) / COMPLETE_MARKER
+    if not marker.is_file():
+        return None
+    path = Path(marker.read_text().strip())
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def load_folder_weights(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor of an HF folder's *.safetensors files, as numpy arrays."""
     from safetensors.numpy import load_file
@@ -246,18 +257,20 @@ def _gguf_weights(reader, config: dict) -> dict[str, np.ndarray]:
 
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = hf_tensor_name(t.name)
         # numpy shape is GGUF's dims reversed: [rows (out features), cols (in features)]
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            w = _unpermute_rotary(w, config["num_attention_heads"])
+            w = unpermute_rotary(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            w = _unpermute_rotary(w, config["num_key_value_heads"])
+            w = unpermute_rotary(w, config["num_key_value_heads"])
         out[name] = w
     return out
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face Llama name of a GGUF tensor ("blk.3.ffn_up.weight" ->
+    "model.layers.3.mlp.up_proj.weight"); ValueError for a tensor with no counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
@@ -266,8 +279,9 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
 
 
-def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved rotary row order back to HF's rotate-half order."""
+def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved rotary row order back to HF's rotate-half order. Rows only
+    move, so it applies as well to rows of quantized blocks (the worker's native GGUF path)."""
     rows = w.shape[0]
     tail = w.shape[1:]
     w = w.reshape(num_heads, rows // num_heads // 2, 2, *tail).swapaxes(1, 2)

@@ -36,7 +36,9 @@ def cache_namespace(model_name: str, dtype: str, extra: str = "") -> bytes:
     """What, besides tokens, decides a block's KV: blocks of different namespaces never match.
     It stands in for the parent key of a prefix's first block, so it reaches every key.
 
-    Called once when the worker handshake says which model and dtype the KV cache holds.
+    Called once when the worker handshake says which model and dtype the KV cache holds; the
+    scheduler passes the weights' quantization and the KV storage dtype as `extra` (the same
+    tokens give other K/V under another number format).
     """
     text = f"model={model_name}\x1fdtype={dtype}\x1fextra={extra}"
     return hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()

@@ -122,7 +122,10 @@ def _run_sections(report: dict[str, Any], deadline: Deadline, dry: bool) -> None
             if deadline.expired():
                 report["stopped_early"] = "soft time limit (checks)"
                 return
-            report["checks"].append({"name": name, **_guarded(check)})
+            started = time.monotonic()
+            result = _guarded(check)
+            report["checks"].append({"name": name, **result,
+                                     "seconds": round(time.monotonic() - started, 3)})  # fmt: skip
             print(f"check {name}: {report['checks'][-1]}", flush=True)
     report["copy"] = gpu_timing.copy_bandwidth(device, dry)
     sections: list[tuple[str, Callable[..., list[dict[str, Any]]]]] = [

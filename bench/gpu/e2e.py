@@ -33,6 +33,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -227,21 +228,27 @@ def stage_list(plan: Plan, work: Path, out: Path, site: Path) -> dict[str, Stage
     return stages
 
 
-def run_all(runner: Runner, stages: dict[str, Stage], plan: Plan) -> None:
-    """The order: install; models beside gpu_check; correctness; each model served; the
-    transformers reference (those last ones side by side when the plan says so)."""
+def run_all(
+    runner: Runner, stages: dict[str, Stage], plan: Plan, stage_done: Callable[[], None]
+) -> None:
+    """The order (bench/gpu/e2e_plan.py): install; models beside gpu_check; each model served;
+    the transformers reference; correctness; the pipelining comparison last (all of those side
+    by side when the plan says so). `stage_done` is called as each step ends (partial report)."""
     runner.run(stages["install"])
+    stage_done()
     if stages["install"].record["ok"] and not plan.dry_run:  # later stages import from there
         site = stages["install"].argv[stages["install"].argv.index("--target") + 1]
         runner.env["PYTHONPATH"] = os.pathsep.join([site, runner.env["PYTHONPATH"]])
     runner.run(stages["models"], stages["gpu_check"])
+    stage_done()
     gateway = _read(stages["install"].json_path).get("gateway", False)
-    later = [stages["correctness"]]
+    later = []
     for kind in plan.serving:
         if not gateway:  # fastapi/uvicorn did not import: serve over ZeroMQ alone
             stages[f"serve_{kind}"].argv.append("--no-gateway")
         later.append(stages[f"serve_{kind}"])
     later.append(stages["hf_static"])  # after the stacks: the GPU is free of their KV caches
+    later.append(stages["correctness"])
     # the pipelining comparison last: the overall deadline trims it before anything else
     for name in [n for n in stages if n.endswith("-pipeline-off")]:
         if not gateway:
@@ -249,9 +256,11 @@ def run_all(runner: Runner, stages: dict[str, Stage], plan: Plan) -> None:
         later.append(stages[name])
     if plan.parallel:
         runner.run(*later)
+        stage_done()
     else:
         for stage in later:
             runner.run(stage)
+            stage_done()
 
 
 def _read(path: Optional[Path]) -> dict[str, Any]:
@@ -298,24 +307,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     started, t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.monotonic()
     runner = Runner(limit, args.out / "gpu_e2e.log", environment(plan))
     stages = stage_list(plan, work, args.out, work / "site")
+    head = {"mode": plan.name, "started": started, "time_limit_s": limit,
+            "host": _host_facts(plan)}  # fmt: skip
+
+    def write_report(partial: bool) -> dict[str, Any]:
+        report = _report(head, runner, stages, partial)
+        report["elapsed_s"] = round(time.monotonic() - t0, 1)
+        (args.out / "gpu_e2e.json").write_text(json.dumps(report, indent=2))
+        return report
+
     try:
-        run_all(runner, stages, plan)
+        run_all(runner, stages, plan, lambda: write_report(partial=True))
     except KeyboardInterrupt:  # Ctrl-C: no stage outlives the run (each has its own session)
         runner.abort()
     finally:
         runner.close()
-    report = {
-        "mode": plan.name,
-        "started": started,
-        "time_limit_s": limit,
-        "host": _host_facts(plan),
-        "stages": [s.record for s in runner.stages],
-        "results": {s.name: _read(s.json_path) for s in runner.stages},
-    }
-    report["summary"] = summarize(report)
-    report["ok"] = all(s["ok"] for s in report["stages"]) and len(report["stages"]) == len(stages)
-    report["elapsed_s"] = round(time.monotonic() - t0, 1)
-    (args.out / "gpu_e2e.json").write_text(json.dumps(report, indent=2))
+    report = write_report(partial=False)
     table = markdown(report)
     (args.out / "gpu_e2e.md").write_text(table)
     _archive_logs(work, args.out / "logs.tar.gz")
@@ -328,6 +335,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         flush=True,
     )
     return 0 if report["ok"] else 1
+
+
+def _report(
+    head: dict[str, Any], runner: Runner, stages: dict[str, Stage], partial: bool
+) -> dict[str, Any]:
+    """gpu_e2e.json: the stages run so far with their results; `partial` while more follow (a
+    run cut short keeps the last one written)."""
+    done = [s for s in runner.stages if s.record]
+    report = dict(head, partial=partial, stages=[s.record for s in done],
+                  results={s.name: _read(s.json_path) for s in done})  # fmt: skip
+    report["summary"] = summarize(report)
+    report["ok"] = (not partial and all(s["ok"] for s in report["stages"])
+                    and len(report["stages"]) == len(stages))  # fmt: skip
+    return report
 
 
 def _host_facts(plan: Plan) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""`conveyor bench`: measure a running server, or compare the engine's batching modes.
+"""`conveyor bench`: measure a running server, or compare engine settings on engines of its own.
 
     conveyor bench --workload mixed --num-prompts 200 --request-rate 4 --out results/run1
     conveyor bench --backend openai --base-url http://127.0.0.1:8000 --model smollm2 ...
     conveyor bench --sweep max-concurrency:1,4,16,64 --out results/sweep
-    conveyor bench --compare-batching --out results/bench      (starts its own engines)
+    conveyor bench --compare step_composition=mixed,prefill-first,decode-first --out results/c
+    conveyor bench --compare-batching --out results/bench      (both start their own engines)
 
 Writes <out>/result.json (fields named as `vllm bench serve` names them, plus the command that
 produced them) and PNGs: latency CDFs, the run's timeline (when the scheduler's step log is
@@ -26,6 +27,7 @@ from typing import Any, Optional
 
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import BACKENDS, SamplingChoice, make_backend
+from conveyor.bench.compare_plan import Scenario, add_compare_flags
 from conveyor.bench.metrics import compute_metrics, parse_slos, per_request_fields
 from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 from conveyor.bench.report import ProgressBar, format_result, format_table, write_json
@@ -38,8 +40,6 @@ SWEEPABLE = ("max-concurrency", "request-rate")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from conveyor.bench.compare import add_compare_flags  # compare imports the launcher
-
     p = argparse.ArgumentParser(
         prog="conveyor bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -71,7 +71,7 @@ def _add_target_flags(t: argparse._ArgumentGroup) -> None:
     t.add_argument(
         "--model",
         default=None,
-        help="model name (openai backend); model to load (--compare-batching)",
+        help="model name (openai backend); model to load (--compare)",
     )
     t.add_argument(
         "--log-dir",
@@ -87,7 +87,7 @@ def _add_workload_flags(w: argparse._ArgumentGroup) -> None:
         "--num-prompts",
         type=int,
         default=None,
-        help="default 100 (--compare-batching: 32 per scenario)",
+        help="default 100 (--scenarios of --compare: 32 per scenario)",
     )
     w.add_argument("--input-len", type=int, default=256)
     w.add_argument("--output-len", type=int, default=128)
@@ -99,7 +99,7 @@ def _add_workload_flags(w: argparse._ArgumentGroup) -> None:
         "--scale",
         type=float,
         default=None,
-        help="multiply every length; default 1 (--compare-batching: 0.5)",
+        help="multiply every length; default 1 (--scenarios of --compare: 0.5)",
     )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ignore-eos", action="store_true", help="outputs exactly max_tokens long")
@@ -126,10 +126,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     command = "conveyor bench " + shlex.join(argv)
     try:
-        if args.compare_batching:
-            from conveyor.bench.compare import run_compare
+        if args.compare_batching or args.compare is not None:
+            from conveyor.bench.compare import run_compare  # it imports the launcher
 
-            return run_compare(args, command)
+            sampling = SamplingChoice(temperature=args.temperature, ignore_eos=args.ignore_eos)
+            flags_run = Scenario(args.workload, workload_from_args(args),
+                                 arrivals_from_args(args), sampling)  # fmt: skip
+            return run_compare(args, command, flags_run)
         if args.sweep:
             return _run_sweep(args, command)
         result = run_once(args, command, args.out)

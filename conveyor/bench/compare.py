@@ -1,11 +1,16 @@
-"""`conveyor bench --compare-batching`: static vs dynamic vs continuous, measured on Conveyor.
+"""`conveyor bench --compare FIELD=A,B,...`: one engine setting, several values, one workload.
 
-For each batching mode it starts an engine (`conveyor.launcher.LocalStack`: same model, worker,
-seed; `max_num_seqs` = `batch_size` = B so every mode has the same slots), runs each scenario's
-workload as a burst with EOS ignored (exact output lengths), reads the scheduler's step log, and
-stops the engine. Scenarios: uniform lengths, mixed lengths (32-512 in / 16-256 out),
-high concurrency (mixed, `--high-concurrency-factor` times as many requests). Then it prints and
-saves the table with the analytical prediction (analytical.py) beside the measured ratio.
+For each value it starts an engine (`conveyor.launcher.LocalStack`: same model, worker, seed;
+only FIELD differs, FIELD being any `conveyor up` flag, docs/cli.md), runs the same workload
+against it (the workload and arrival flags of a plain run, or the named `--scenarios`), reads
+the scheduler's step log, draws each run's timeline, and stops the engine. One table: TTFT
+p50/p99, TPOT p50/p99, ITL p99 and max, output tok/s, steps, each value's throughput against
+the first one's; `steps-<scenario>.png` puts every run's steps one above the other.
+
+`--compare-batching` is `--compare batching=static,dynamic,continuous` (`--modes`) over the
+batching scenarios (uniform lengths, mixed lengths 32-512 in / 16-256 out, high concurrency),
+with `max_num_seqs` = `batch_size` = B in every mode, and the batching table's extra columns:
+slot utilization and the analytical prediction (analytical.py) beside the measured ratio.
 """
 
 from __future__ import annotations
@@ -15,108 +20,51 @@ import asyncio
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 from conveyor.bench.analytical import predict
-from conveyor.bench.arrivals import ArrivalConfig
-from conveyor.bench.backends import ConveyorBackend, SamplingChoice
+from conveyor.bench.backends import ConveyorBackend
+from conveyor.bench.compare_plan import Comparison, Scenario, comparison_from_args, pairs
 from conveyor.bench.metrics import compute_metrics
-from conveyor.bench.plots import plot_latency_cdfs, plot_timeline
+from conveyor.bench.plots import plot_latency_cdfs, plot_step_strips, plot_timeline
 from conveyor.bench.report import ProgressBar, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
 from conveyor.bench.steplog import (
+    StepEntry,
     engine_view,
     read_rid_map,
     read_step_log,
     step_summary,
     useful_slot_fraction,
 )
-from conveyor.bench.workloads import WorkloadConfig, generate
+from conveyor.bench.workloads import generate
 from conveyor.launcher import LocalStack, StackSettings
 from shared.client import Client
 from shared.config_flags import parse_config
 
-MODES = ("static", "dynamic", "continuous")
-SCENARIOS = ("uniform", "mixed", "high-concurrency", "chat")
-DEFAULT_SCENARIOS = SCENARIOS[:3]  # `chat` (heavy-tailed) only on request
-# Defaults sized to finish in ~10 minutes on 2 CPU cores with SmolLM2 (see docs/bench.md).
-DEFAULT_NUM_PROMPTS = 32
-DEFAULT_SCALE = 0.5
 
-
-def add_compare_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--compare-batching (starts its own engines)")
-    g.add_argument("--compare-batching", action="store_true")
-    g.add_argument(
-        "--batch-size",
-        type=int,
-        default=16,
-        help="B: static/dynamic batch size and continuous max_num_seqs",
-    )
-    # Long enough that a burst is all queued before static/dynamic form their first batch (the
-    # frontend forwards requests one by one); only a last, partial batch ever waits for it.
-    g.add_argument("--batch-timeout", type=float, default=0.5)
-    g.add_argument(
-        "--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"from {', '.join(SCENARIOS)}"
-    )
-    g.add_argument("--modes", default=",".join(MODES))
-    g.add_argument("--high-concurrency-factor", type=int, default=4)
-    g.add_argument("--worker", choices=("model", "sim"), default="model")
-    g.add_argument("--sim-device", default=None, help="with --worker sim, e.g. h200")
-    g.add_argument("--sim-model", default=None, help="with --worker sim, e.g. llama-3-8b")
-    g.add_argument(
-        "--engine-flag",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra scheduler flag, e.g. max_num_batched_tokens=512",
-    )
-    g.add_argument("--worker-flag", action="append", default=[], metavar="NAME=VALUE")
-    g.add_argument("--engine-timeout", type=float, default=600.0, help="s to wait for ready")
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    name: str
-    workload: WorkloadConfig
-
-
-def scenarios(args: argparse.Namespace) -> list[Scenario]:
-    """The workloads, sized by --num-prompts and --scale (compare defaults: 32 and 0.5)."""
-    n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
-    scale = DEFAULT_SCALE if args.scale is None else args.scale
-    common = {"seed": args.seed, "scale": scale}
-    table = {
-        "uniform": WorkloadConfig(
-            name="uniform", num_prompts=n, input_len=256, output_len=128, **common
-        ),
-        "mixed": WorkloadConfig(name="mixed", num_prompts=n, **common),
-        "chat": WorkloadConfig(name="chat", num_prompts=n, **common),
-        "high-concurrency": WorkloadConfig(
-            name="mixed", num_prompts=n * args.high_concurrency_factor, **common
-        ),
-    }
-    names = _list(args.scenarios, SCENARIOS, "--scenarios")
-    return [Scenario(name, table[name]) for name in names]
-
-
-def stack_settings(args: argparse.Namespace, mode: str, log_dir: Path) -> StackSettings:
-    """One engine of the comparison: only `batching` differs between modes. The
+def stack_settings(
+    args: argparse.Namespace, comparison: Comparison, value: str, log_dir: Path
+) -> StackSettings:
+    """One engine of the comparison: only the compared field differs between them. The
     --engine-flag and --worker-flag NAME=VALUE pairs are `conveyor up` flags (docs/cli.md)."""
     flags: dict[str, Any] = {
-        "batching": mode,
-        "max_num_seqs": args.batch_size,
-        "batch_size": args.batch_size,
         "batch_timeout": args.batch_timeout,
         "model": args.model,
         "worker": args.worker,
         "sim_device": args.sim_device,
         "sim_model": args.sim_model,
     }
-    flags.update(_pairs(args.engine_flag, "--engine-flag"))
-    flags.update(_pairs(args.worker_flag, "--worker-flag"))
+    if comparison.batch_size is not None:
+        flags.update(max_num_seqs=comparison.batch_size, batch_size=comparison.batch_size)
+    given = {**pairs(args.engine_flag, "--engine-flag"),
+             **pairs(args.worker_flag, "--worker-flag")}  # fmt: skip
+    if comparison.field in given:
+        raise ValueError(f"--compare {comparison.field}: also given as an --engine-flag")
+    flags.update(given)
+    flags[comparison.field] = value
     argv = [text for name, value in flags.items() if value is not None
             for text in ("--" + name.replace("_", "-"), str(value))]  # fmt: skip
     settings = parse_config(StackSettings, argv)
@@ -125,48 +73,49 @@ def stack_settings(args: argparse.Namespace, mode: str, log_dir: Path) -> StackS
 
 
 def fit_to_engine(plan: list[Scenario], address: str) -> list[Scenario]:
-    """Clip prompts to the engine's max_model_len (the same for every mode: same worker)."""
+    """Clip prompts to the engine's max_model_len (the same for every value: same worker)."""
     with Client(address, timeout=30.0) as client:
         limit = client.health().get("max_model_len")
     if not isinstance(limit, int):
         return plan
-    return [Scenario(s.name, replace(s.workload, max_model_len=limit)) for s in plan]
+    return [replace(s, workload=replace(s.workload, max_model_len=limit)) for s in plan]
 
 
-def run_compare(args: argparse.Namespace, command: str) -> int:
-    """Every mode x scenario; prints the table, writes compare.json/compare.md and PNGs."""
+def run_compare(args: argparse.Namespace, command: str, flags_scenario: Scenario) -> int:
+    """Every value x scenario; prints the table, writes compare.json/compare.md and PNGs."""
     if args.backend != "conveyor":
-        raise ValueError("--compare-batching starts Conveyor engines; --backend must be conveyor")
-    modes = _list(args.modes, MODES, "--modes")
-    plan = scenarios(args)
+        raise ValueError("--compare starts Conveyor engines; --backend must be conveyor")
+    comparison = comparison_from_args(args, flags_scenario)
+    field, plan = comparison.field, comparison.scenarios
+    for value in comparison.values:  # a bad field or value fails before any engine starts
+        stack_settings(args, comparison, value, args.out)
     runs: dict[str, dict[str, dict[str, Any]]] = {s.name: {} for s in plan}
     traces: dict[str, dict[str, Any]] = {s.name: {} for s in plan}
-    for mode in modes:
-        log_dir = args.out / "logs" / mode
+    steps: dict[str, dict[str, Any]] = {s.name: {} for s in plan}
+    for value in comparison.values:
+        log_dir = args.out / "logs" / value
         for old_log in log_dir.glob("*.log"):  # a previous comparison's: start afresh
             old_log.unlink()
-        print(
-            f"=== engine: batching={mode}, B={args.batch_size}, worker={args.worker}",
-            file=sys.stderr,
-        )
-        stack = LocalStack(stack_settings(args, mode, log_dir)).start()
+        print(f"=== engine: {field}={value}, worker={args.worker}", file=sys.stderr)
+        stack = LocalStack(stack_settings(args, comparison, value, log_dir)).start()
         try:
             stack.wait_ready(timeout=args.engine_timeout)
             plan = fit_to_engine(plan, stack.frontend_address)
             for i, sc in enumerate(plan):
-                outcome = _run_scenario(args, stack.frontend_address, sc, mode, warmup=i == 0)
-                runs[sc.name][mode] = _measure(args, outcome, log_dir, sc, mode)
-                traces[sc.name][mode] = outcome.traces
+                outcome = _run_scenario(args, stack.frontend_address, sc, value, warmup=i == 0)
+                measured, run_steps = _measure(args, outcome, log_dir, sc, comparison, value)
+                runs[sc.name][value], traces[sc.name][value] = measured, outcome.traces
+                steps[sc.name][value] = run_steps
         finally:
             stack.stop()
-    rows = comparison_rows(plan, runs, args.batch_size)
+    rows = comparison_rows(comparison, runs)
     headers = list(rows[0].keys())
     print(format_table(headers, [list(r.values()) for r in rows]))
-    figures = {} if args.no_plots else _cdfs(args.out, traces)
+    figures = {} if args.no_plots else _figures(args.out, field, traces, steps)
     report = {
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "config": _config(args, plan),
+        "config": _config(args, comparison),
         "table": rows,
         "runs": runs,
         "figures": figures,
@@ -174,22 +123,23 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
     write_json(args.out / "compare.json", report)
     (args.out / "compare.md").write_text(_markdown(command, headers, rows))
     print(f"results: {args.out / 'compare.json'}, {args.out / 'compare.md'}")
-    failed = sum(r["failed"] for by_mode in runs.values() for r in by_mode.values())
+    failed = sum(r["failed"] for by_value in runs.values() for r in by_value.values())
     return 0 if failed == 0 else 1
 
 
 def _run_scenario(
-    args: argparse.Namespace, address: str, sc: Scenario, mode: str, warmup: bool
+    args: argparse.Namespace, address: str, sc: Scenario, value: str, warmup: bool
 ) -> RunOutcome:
     requests = generate(sc.workload)
-    arrivals = ArrivalConfig(num_warmups=1 if warmup else 0, seed=args.seed)
-    sampling = SamplingChoice(temperature=0.0, ignore_eos=True)
-    progress = None if args.no_progress else ProgressBar(len(requests), f"{mode:>10} {sc.name}")
+    arrivals = sc.arrivals
+    if warmup:  # an engine's first requests pay one-off costs: one uncounted request first
+        arrivals = replace(arrivals, num_warmups=max(1, arrivals.num_warmups))
+    progress = None if args.no_progress else ProgressBar(len(requests), f"{value:>14} {sc.name}")
 
     async def go() -> RunOutcome:
-        backend = ConveyorBackend(address, id_prefix=f"{mode}-{sc.name}")
+        backend = ConveyorBackend(address, id_prefix=f"{value}-{sc.name}")
         try:
-            return await run_workload(backend, requests, arrivals, sampling, progress)
+            return await run_workload(backend, requests, arrivals, sc.sampling, progress)
         finally:
             await backend.aclose()
 
@@ -197,83 +147,102 @@ def _run_scenario(
 
 
 def _measure(
-    args: argparse.Namespace, outcome: RunOutcome, log_dir: Path, sc: Scenario, mode: str
-) -> dict[str, Any]:
-    """Metrics + what the step log says (step time, utilization) + the timeline picture."""
+    args: argparse.Namespace, outcome: RunOutcome, log_dir: Path, sc: Scenario,
+    comparison: Comparison, value: str,
+) -> tuple[dict[str, Any], list[StepEntry]]:  # fmt: skip
+    """Metrics + what the step log says (step time, utilization) + the timeline picture; and
+    the run's steps."""
     result: dict[str, Any] = dict(compute_metrics(outcome.traces, outcome.duration_s))
     steps = read_step_log(log_dir / "scheduler.log", outcome.start_wall, outcome.end_wall)
     arrivals, lens = engine_view(steps, outcome.traces, read_rid_map(log_dir))
     result.update(step_summary(steps))
-    result["useful_slot_fraction"] = useful_slot_fraction(steps, lens, args.batch_size)
+    if comparison.batch_size is not None:
+        slots = comparison.batch_size
+        result["useful_slot_fraction"] = useful_slot_fraction(steps, lens, slots)
     if steps and not args.no_plots:
-        path = args.out / f"timeline-{sc.name}-{mode}.png"
-        title = f"{sc.name}, batching={mode}, B={args.batch_size}"
+        path = args.out / f"timeline-{sc.name}-{value}.png"
+        title = f"{sc.name}, {comparison.field}={value}"
         result["timeline"] = str(path)
         result["timeline_rows"] = plot_timeline(steps, arrivals, path, lens, title=title)
-    return result
+    return result, steps
 
 
 def comparison_rows(
-    plan: list[Scenario], runs: dict[str, dict[str, dict[str, Any]]], batch_size: int
+    comparison: Comparison, runs: dict[str, dict[str, dict[str, Any]]]
 ) -> list[dict[str, Any]]:
-    """The comparison table: one row per scenario x mode, ratios against static."""
+    """The table: one row per scenario x value, throughput against the first value's."""
     rows = []
-    for sc in plan:
-        by_mode = runs[sc.name]
-        static = by_mode.get("static")
-        for mode, r in by_mode.items():
+    first = comparison.values[0]
+    for sc in comparison.scenarios:
+        by_value = runs[sc.name]
+        base = by_value.get(first)
+        for value, r in by_value.items():
             row = {
                 "scenario": sc.name,
-                "mode": mode,
+                comparison.field: value,
                 "done": r["completed"],
                 "out tok/s": r["output_throughput"],
-                "total tok/s": r["total_token_throughput"],
-                "mean E2EL s": r["mean_e2el_ms"] / 1000.0,
-                "p99 E2EL s": r["p99_e2el_ms"] / 1000.0,
-                "mean TTFT s": r["mean_ttft_ms"] / 1000.0,
-                "batch util": r["mean_batch_utilization"],
-                "useful util": r["useful_slot_fraction"],
+                "TTFT p50 s": r["median_ttft_ms"] / 1000.0,
+                "TTFT p99 s": r["p99_ttft_ms"] / 1000.0,
+                "TPOT p50 ms": r["median_tpot_ms"],
+                "TPOT p99 ms": r["p99_tpot_ms"],
+                "ITL p99 ms": r["p99_itl_ms"],
+                "ITL max ms": r["max_itl_ms"],
                 "steps": r["num_steps"],
                 "step ms": r["mean_step_ms"],
-                "x static": _ratio(r, static),
-                "model x": None,
-                "packing x": None,
+                f"x {first}": _ratio(r, base),
             }
-            if mode == "continuous" and static is not None:
-                lens = [req.max_tokens for req in generate(sc.workload)]
-                row.update(_predicted(static, r, lens, batch_size))
+            if comparison.field == "batching" and comparison.batch_size is not None:
+                static = by_value.get("static")
+                row.update(_batching_columns(sc, value, r, static, comparison.batch_size))
             rows.append(row)
     return rows
 
 
-def _predicted(
-    static: dict[str, Any], cont: dict[str, Any], lens: list[int], batch_size: int
+def _batching_columns(
+    sc: Scenario, mode: str, r: dict[str, Any], static: Optional[dict[str, Any]], batch_size: int
 ) -> dict[str, Any]:
-    """The analytical model's ratio for the workload's output lengths (exact: EOS is ignored), with
-    each mode's measured mean step time."""
-    t_static, t_cont = static.get("mean_step_ms"), cont.get("mean_step_ms")
-    if not t_static or not t_cont:
-        return {}
-    p = predict(lens, batch_size, t_static / 1000.0, t_cont / 1000.0)
-    return {"model x": p.ratio_queue_limited, "packing x": p.ratio_packing}
-
-
-def _ratio(r: dict[str, Any], static: Optional[dict[str, Any]]) -> Optional[float]:
-    if static is None or not static["output_throughput"]:
-        return None
-    return r["output_throughput"] / static["output_throughput"]
-
-
-def _cdfs(out: Path, traces: dict[str, dict[str, Any]]) -> dict[str, str]:
-    return {
-        f"cdf_{name}": str(plot_latency_cdfs(by_mode, out / f"cdf-{name}.png"))
-        for name, by_mode in traces.items()
+    """Slot utilization, and on the continuous row the analytical model's ratio for the
+    workload's output lengths (exact: EOS is ignored) with each mode's measured step time."""
+    out: dict[str, Any] = {
+        "batch util": r["mean_batch_utilization"],
+        "useful util": r.get("useful_slot_fraction"),
+        "model x": None,
+        "packing x": None,
     }
+    if mode != "continuous" or static is None:
+        return out
+    t_static, t_cont = static.get("mean_step_ms"), r.get("mean_step_ms")
+    if t_static and t_cont:
+        lens = [req.max_tokens for req in generate(sc.workload)]
+        p = predict(lens, batch_size, t_static / 1000.0, t_cont / 1000.0)
+        out.update({"model x": p.ratio_queue_limited, "packing x": p.ratio_packing})
+    return out
 
 
-def _config(args: argparse.Namespace, plan: list[Scenario]) -> dict[str, Any]:
+def _ratio(r: dict[str, Any], base: Optional[dict[str, Any]]) -> Optional[float]:
+    if base is None or not base["output_throughput"]:
+        return None
+    return r["output_throughput"] / base["output_throughput"]
+
+
+def _figures(
+    out: Path, field: str, traces: dict[str, dict[str, Any]], steps: dict[str, dict[str, Any]]
+) -> dict[str, str]:
+    figures = {}
+    for name, by_value in traces.items():
+        figures[f"cdf_{name}"] = str(plot_latency_cdfs(by_value, out / f"cdf-{name}.png"))
+        title = f"{name}: each run's steps, {field}"
+        path = plot_step_strips(steps[name], out / f"steps-{name}.png", title)
+        figures[f"steps_{name}"] = str(path)
+    return figures
+
+
+def _config(args: argparse.Namespace, comparison: Comparison) -> dict[str, Any]:
     return {
-        "batch_size": args.batch_size,
+        "field": comparison.field,
+        "values": comparison.values,
+        "batch_size": comparison.batch_size,
         "batch_timeout": args.batch_timeout,
         "model": args.model,
         "worker": args.worker,
@@ -287,8 +256,9 @@ def _config(args: argparse.Namespace, plan: list[Scenario]) -> dict[str, Any]:
                 "workload": s.workload.name,
                 "num_prompts": s.workload.num_prompts,
                 "scale": s.workload.scale,
+                "request_rate": str(s.arrivals.request_rate),
             }
-            for s in plan
+            for s in comparison.scenarios
         },
     }
 
@@ -300,24 +270,6 @@ def _markdown(command: str, headers: list[str], rows: list[dict[str, Any]]) -> s
     lines = [f"`{command}`", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in r.values()) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def _list(raw: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    items = [x.strip() for x in raw.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise ValueError(f"{flag}: choose from {', '.join(allowed)} (got {raw!r})")
-    return items
-
-
-def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ValueError(f"{flag} {item!r}: use NAME=VALUE")
-        out[name.strip().replace("-", "_")] = value
-    return out
 
 
 def _free_port() -> int:

@@ -129,7 +129,7 @@ def compute_metrics(
 
 
 def _stats_ms(name: str, values_s: list[float], percentiles: Sequence[float]) -> dict[str, float]:
-    """mean/median/std/percentiles in ms; 0.0 for an empty sample, as vLLM reports it."""
+    """mean/median/std/max/percentiles in ms; 0.0 for an empty sample, as vLLM reports it."""
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     if ms.size == 0:
         ms = np.zeros(1)
@@ -137,6 +137,7 @@ def _stats_ms(name: str, values_s: list[float], percentiles: Sequence[float]) ->
         f"mean_{name}_ms": float(ms.mean()),
         f"median_{name}_ms": float(np.median(ms)),
         f"std_{name}_ms": float(ms.std()),
+        f"max_{name}_ms": float(ms.max()),
     }
     for p in percentiles:
         stats[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(ms, p))

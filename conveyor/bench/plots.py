@@ -4,7 +4,9 @@
 * throughput and latency against concurrency or request rate (a sweep);
 * the timeline of a run, drawn from the scheduler's step log: one row per request with its wait
   (arrival -> first scheduled), its prefill chunks and its decode steps, and the batch size over
-  time underneath.
+  time underneath;
+* the steps of several runs one above the other (a comparison): when each step ran, on a row
+  for steps with prompt tokens and one for steps with decodes.
 """
 
 from __future__ import annotations
@@ -136,6 +138,38 @@ def plot_timeline(
     _draw_batch(ax_b, steps, t0)
     _save(fig, path)
     return n
+
+
+def plot_step_strips(runs: Mapping[str, Sequence[StepEntry]], path: Path, title: str = "") -> Path:
+    """One panel per named run, two rows: every step that computes prompt tokens is a box on
+    the upper row, every step that decodes one on the lower row, over the time the worker ran
+    it (its `forward_s` before its result; else plan to result), in seconds since the run's
+    first step. A mixed step shows on both rows at once; compositions that separate prefill
+    and decode show boxes on one row at a time."""
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(12, 0.8 + 1.1 * len(runs)), sharex=True, squeeze=False
+    )
+    for ax, (label, steps) in zip(axes[:, 0], runs.items(), strict=True):
+        t0 = min((_ran(s)[0] for s in steps), default=0.0)
+        prompt = [(a - t0, b - a) for s in steps if any(s.is_prefill) for a, b in [_ran(s)]]
+        decode = [(a - t0, b - a) for s in steps if not all(s.is_prefill) for a, b in [_ran(s)]]
+        ax.broken_barh(prompt, (1.1, 0.8), color=COLORS["prefill"], linewidth=0)
+        ax.broken_barh(decode, (0.1, 0.8), color=COLORS["decode"], linewidth=0)
+        ax.set_yticks([0.5, 1.5])
+        ax.set_yticklabels(["decodes", "prompts"], fontsize=7)
+        ax.set_ylim(0, 2)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3, axis="x")
+    axes[-1, 0].set_xlabel("seconds since the run's first step")
+    fig.suptitle(title or "steps", fontsize=10, x=0.01, ha="left")
+    return _save(fig, path)
+
+
+def _ran(step: StepEntry) -> tuple[float, float]:
+    """When the worker ran the step: its forward time before its result, when logged."""
+    if step.forward_s is not None and 0 < step.forward_s <= step.step_s:
+        return step.t_result - step.forward_s, step.t_result
+    return step.t_plan, step.t_result
 
 
 def _draw_row(ax: plt.Axes, y: float, span: RequestSpans, t0: float) -> None:

@@ -31,7 +31,8 @@ struct Item {
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, group;
   int64_t q_stride_t, q_stride_h;    // q is [T, H, D] with unit stride on D
-  int64_t kv_stride_n, kv_stride_t;  // cache [N, bs, Hkv, D], contiguous
+  int64_t kv_stride_n, kv_stride_t;  // cache [N, bs, Hkv, row], contiguous
+  int64_t kv_stride_h;               // row: D elements, or D codes + a 4-byte scale
   int64_t table_stride;
   float scale;
 };
@@ -119,21 +120,24 @@ void pv_all(float* acc, const float* p, const float* vt, const float* alpha, int
   for (; r < rows; ++r) pv_rows<D, 1>(acc + r * D, p + r * kKeyTile, vt, alpha + r, keys);
 }
 
-// Keys [key0, key0 + keys) of one KV head, read through the block table and converted to fp32:
+// Keys [key0, key0 + keys) of one KV head, read through the block table and converted to fp32
+// from the cache's storage type KV (float, bf16 or fp16: a compact cache halves these bytes;
+// int8 or fp8 codes times the scale stored after each row's codes: a quarter):
 // kt [D][kKeyTile] transposed (for QK), vt [kKeyTile][D] (for PV); key columns of kt past
 // `keys` up to the next multiple of kVec are zero, so QK reads only finite numbers.
-template <typename T, int D>
-void load_tile(const T* k_cache, const T* v_cache, const int32_t* block_table, const Geometry& g,
+template <typename KV, int D>
+void load_tile(const KV* k_cache, const KV* v_cache, const int32_t* block_table, const Geometry& g,
                int64_t kv_head, int64_t key0, int keys, float* kt, float* vt) {
   for (int j = 0; j < keys; ++j) {
     const int64_t pos = key0 + j;
     const int64_t at = block_table[pos / g.block_size] * g.kv_stride_n +
-                       (pos % g.block_size) * g.kv_stride_t + kv_head * D;
-    const T* kr = k_cache + at;
-    const T* vr = v_cache + at;
-    for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = to_f(kr[d]);
+                       (pos % g.block_size) * g.kv_stride_t + kv_head * g.kv_stride_h;
+    const KV* kr = k_cache + at;
+    const KV* vr = v_cache + at;
+    const float ks = row_scale(kr, D), vs = row_scale(vr, D);
+    for (int d = 0; d < D; ++d) kt[d * kKeyTile + j] = to_f(kr[d]) * ks;
 #pragma omp simd
-    for (int d = 0; d < D; ++d) vt[j * D + d] = to_f(vr[d]);
+    for (int d = 0; d < D; ++d) vt[j * D + d] = to_f(vr[d]) * vs;
   }
   const int padded = (keys + kVec - 1) / kVec * kVec;
   for (int d = 0; d < D; ++d) {
@@ -176,8 +180,8 @@ inline void softmax_tile(float* s, float* alpha, float* row_max, float* row_sum,
 // One work item: online softmax over its key range for rows (query token, head of the group),
 // kKeyTile keys at a time. acc [rows, D], row_max [rows], row_sum [rows] are the item's fp32
 // state; the tile buffers are on the stack, the rest in the thread's scratch.
-template <typename T, int D>
-void attend_item(const Item& it, const T* q, const T* k_cache, const T* v_cache,
+template <typename T, typename KV, int D>
+void attend_item(const Item& it, const T* q, const KV* k_cache, const KV* v_cache,
                  const int32_t* block_table, const Geometry& g, Scratch& sc, float* acc,
                  float* row_max, float* row_sum) {
   const int64_t G = g.group;
@@ -197,7 +201,7 @@ void attend_item(const Item& it, const T* q, const T* k_cache, const T* v_cache,
   alignas(64) float vt[kKeyTile * D];  // V tile: [kKeyTile, D]
   for (int64_t key0 = it.key_begin; key0 < it.key_end; key0 += kKeyTile) {
     const int keys = static_cast<int>(std::min<int64_t>(kKeyTile, it.key_end - key0));
-    load_tile<T, D>(k_cache, v_cache, block_table, g, it.kv_head, key0, keys, kt, vt);
+    load_tile<KV, D>(k_cache, v_cache, block_table, g, it.kv_head, key0, keys, kt, vt);
     // rows whose position is below key0 see nothing here; they come first (positions ascend)
     const int64_t first_row = std::max<int64_t>(0, (key0 - it.pos0) * G);
     const int64_t live = rows - first_row;  // >= 1: key0 < the item's last position + 1

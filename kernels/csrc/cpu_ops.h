@@ -17,7 +17,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace conveyor {
 
@@ -37,12 +42,108 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (inputs are f
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// IEEE half (a KV cache stored as float16): its own type, so that to_f can tell it from bf16.
+struct Half {
+  uint16_t bits;
+};
+
+inline float half_to_float(uint16_t h) {  // exact (every half is a float)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// A KV cache row stored as 8-bit codes with its fp32 scale right after them (kernels/kv_quant.py:
+// a row of head_dim codes then 4 bytes of scale, per token and KV head): int8 codes (value =
+// code * scale) or fp8 e4m3 codes (value = e4m3(code) * scale).
+struct Int8Code {
+  int8_t v;
+};
+struct Fp8Code {
+  uint8_t v;
+};
+
+inline float fp8_e4m3_to_float(uint8_t b) {  // OCP e4m3fn: bias 7, no infinities, 0x7f/0xff nan
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t exp = (b >> 3) & 0xfu, mant = b & 0x7u;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant * 2^-6 / 8
+  } else if (exp == 0xf && mant == 0x7) {
+    f = std::numeric_limits<float>::quiet_NaN();
+  } else {
+    const uint32_t bits = ((exp + 120u) << 23) | (mant << 20);
+    std::memcpy(&f, &bits, sizeof(f));
+  }
+  uint32_t out;
+  std::memcpy(&out, &f, sizeof(out));
+  out |= sign;
+  std::memcpy(&f, &out, sizeof(f));
+  return f;
+}
+
+struct Fp8Table {  // all 256 e4m3 codes as floats, built once
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
+  }
+};
+inline const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
+
 template <typename T>
 inline float to_f(T v);
 template <>
 inline float to_f<float>(float v) { return v; }
 template <>
 inline float to_f<uint16_t>(uint16_t v) { return bf16_to_float(v); }
+template <>
+inline float to_f<Int8Code>(Int8Code v) { return static_cast<float>(v.v); }
+template <>
+inline float to_f<Fp8Code>(Fp8Code v) { return fp8_table().v[v.v]; }
+
+// Whether a KV storage type carries a per-row scale after its codes (and how many bytes).
+template <typename KV>
+constexpr bool kScaledRow = std::is_same_v<KV, Int8Code> || std::is_same_v<KV, Fp8Code>;
+constexpr int64_t kRowScaleBytes = 4;
+
+template <typename KV>
+inline float row_scale(const KV* row, int64_t head_dim) {
+  if constexpr (kScaledRow<KV>) {
+    float s;
+    std::memcpy(&s, reinterpret_cast<const char*>(row + head_dim), sizeof(s));
+    return s;
+  } else {
+    return 1.0f;
+  }
+}
+
+template <>
+inline float to_f<Half>(Half v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v.bits);  // every CPU of this project with AVX has F16C
+#else
+  return half_to_float(v.bits);
+#endif
+}
 
 template <typename T>
 inline T from_f(float v);
@@ -110,5 +211,9 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
             const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// qlinear.cpp <-> kernels.quant.quant_linear_ref
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                   const c10::optional<at::Tensor>& m, int64_t n, int64_t bits);
+int64_t qlinear_tile();
 
 }  // namespace conveyor

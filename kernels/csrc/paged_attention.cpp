@@ -33,7 +33,7 @@ void write_rows(const Item& it, const float* acc, const float* row_sum, const Ge
   }
 }
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& qsl_t,
                           const at::Tensor& seq_lens_t, const at::Tensor& tables_t,
@@ -50,8 +50,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   std::vector<float> p_max(static_cast<size_t>(num_partials * slot_rows));
   std::vector<float> p_sum(static_cast<size_t>(num_partials * slot_rows));
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
-  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const KV* kp = reinterpret_cast<const KV*>(k_cache.data_ptr());
+  const KV* vp = reinterpret_cast<const KV*>(v_cache.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   // Threads take items from a shared counter, costliest first (a static split of a causal
   // prefill would give one thread the short early query blocks and the other the long late ones).
@@ -67,11 +67,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       const Item& it = items[static_cast<size_t>(order[static_cast<size_t>(n)])];
       const int32_t* table = tables + it.seq * g.table_stride;
       if (it.partial < 0) {
-        attend_item<T, D>(it, qp, kp, vp, table, g, sc, acc.data(), mx.data(), sm.data());
+        attend_item<T, KV, D>(it, qp, kp, vp, table, g, sc, acc.data(), mx.data(), sm.data());
         write_rows<T>(it, acc.data(), sm.data(), g, op);
       } else {
         const int64_t base = it.partial * slot_rows;
-        attend_item<T, D>(it, qp, kp, vp, table, g, sc, p_acc.data() + base * D,
+        attend_item<T, KV, D>(it, qp, kp, vp, table, g, sc, p_acc.data() + base * D,
                           p_max.data() + base, p_sum.data() + base);
       }
     }
@@ -124,9 +124,46 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 
 namespace {
 
-void check_same_kind(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+void check_cache(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU");
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), name, " must have q's dtype");
+  const auto s = t.scalar_type();
+  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf || s == at::kChar ||
+                        s == at::kByte,
+                    name, " must be float32, bfloat16, float16, int8 or uint8 (fp8 e4m3 codes)");
+}
+
+template <int D, typename T>
+void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& qsl, const at::Tensor& seq_lens, const at::Tensor& tables,
+                    const Geometry& g, at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      paged_attention_impl<T, float, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    case at::kBFloat16:
+      paged_attention_impl<T, uint16_t, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    case at::kHalf:
+      paged_attention_impl<T, Half, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    case at::kChar:
+      paged_attention_impl<T, Int8Code, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+      break;
+    default:  // uint8: fp8 e4m3 codes (check_cache allows nothing else)
+      paged_attention_impl<T, Fp8Code, D>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+  }
+}
+
+// One head size: q's dtype (float / bf16) x the cache's storage.
+template <int D>
+void dispatch_dtypes(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& qsl, const at::Tensor& seq_lens, const at::Tensor& tables,
+                     const Geometry& g, at::Tensor& out) {
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch_cache<D, uint16_t>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+  } else {
+    dispatch_cache<D, float>(q, k_cache, v_cache, qsl, seq_lens, tables, g, out);
+  }
 }
 
 }  // namespace
@@ -136,8 +173,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
                            double scale) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with unit stride on D");
-  check_same_kind(k_cache, q, "k_cache");
-  check_same_kind(v_cache, q, "v_cache");
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK_VALUE(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache differ");
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK_VALUE(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt,
@@ -147,7 +185,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "metadata must be contiguous");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
                     "k_cache and v_cache must be [N, bs, Hkv, D] of one shape");
-  TORCH_CHECK_VALUE(k_cache.size(3) == q.size(2), "k_cache's head_dim must equal q's");
+  const bool scaled = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(k_cache.size(3) == q.size(2) + (scaled ? kRowScaleBytes : 0),
+                    "k_cache's rows must be q's head_dim (+ 4 scale bytes for 8-bit codes)");
   TORCH_CHECK_VALUE(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of Hkv");
   TORCH_CHECK_VALUE(seq_lens.dim() == 1 && query_start_loc.dim() == 1 &&
                         query_start_loc.size(0) == seq_lens.size(0) + 1,
@@ -164,21 +204,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   g.q_stride_h = q.stride(1);
   g.kv_stride_n = k_cache.stride(0);
   g.kv_stride_t = k_cache.stride(1);
+  g.kv_stride_h = k_cache.stride(2);
   g.table_stride = block_tables.stride(0);
   g.scale = static_cast<float>(scale);
   at::Tensor out = at::empty({q.size(0), g.num_heads, g.head_dim}, q.options());
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE(is_bf16 || q.scalar_type() == at::kFloat, "dtype must be float32 or bfloat16");
   switch (g.head_dim) {
-#define CONVEYOR_HEAD_DIM_CASE(DIM)                                                          \
-  case DIM:                                                                                 \
-    if (is_bf16) {                                                                          \
-      paged_attention_impl<uint16_t, DIM>(q, k_cache, v_cache, query_start_loc, seq_lens,  \
-                                          block_tables, g, out);                            \
-    } else {                                                                                \
-      paged_attention_impl<float, DIM>(q, k_cache, v_cache, query_start_loc, seq_lens,     \
-                                       block_tables, g, out);                               \
-    }                                                                                       \
+#define CONVEYOR_HEAD_DIM_CASE(DIM)                                                  \
+  case DIM:                                                                         \
+    dispatch_dtypes<DIM>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, g, out); \
     break;
     CONVEYOR_HEAD_DIM_CASE(16)
     CONVEYOR_HEAD_DIM_CASE(32)

@@ -71,7 +71,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             ready.max_model_len,
             list(ready.eos_token_ids),
             clock=time.time,
-            cache_namespace=cache_namespace(ready.model_name, ready.dtype),
+            cache_namespace=cache_namespace(
+                ready.model_name,
+                ready.dtype,
+                extra=f"quantization={ready.quantization};kv={ready.kv_cache_dtype}",
+            ),
             speculative=ready.proposer is not None,
         )
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
+from services.scheduler.composition import STEP_COMPOSITIONS, StepCompositionName
+
 Policy = Literal["fcfs", "priority", "short-first", "lpm"]
 Batching = Literal["continuous", "dynamic", "static"]
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -56,6 +58,20 @@ class SchedulerConfig:
     policy: Policy = field(default="fcfs", metadata={"help": "the waiting queue's order"})
     batching: Batching = field(
         default="continuous", metadata={"help": "continuous, or dynamic/static batches"}
+    )
+    # How prefill and decode share the device (services/scheduler/composition.py): one forward
+    # for both under one budget, prefill-only forwards whenever prompts can run (SGLang's
+    # loop), or a decode forward and then a separate prompt forward every iteration.
+    step_composition: StepCompositionName = field(
+        default="mixed",
+        metadata={"help": "mixed: prompt chunks and decodes in one forward; prefill-first: a "
+                  "prefill-only forward whenever prompts can run, else decodes; decode-first: "
+                  "every iteration a decode forward, then prompts in a separate forward"},
+    )  # fmt: skip
+    # decode-first: prompt chunks per iteration (the seeds' PrefillDecodeScheduler: 2)
+    max_prefill_chunks: int = field(
+        default=2,
+        metadata={"help": "decode-first: at most this many prompt chunks per iteration"},
     )
     # Fraction of the KV pool new admissions must leave free, so that running decodes can grow
     # for a while before anyone must be preempted.
@@ -132,7 +148,8 @@ def _is_num(v: object) -> bool:
 def config_problems(c: SchedulerConfig) -> list[str]:
     """Every reason `c` is invalid; empty when valid."""
     out: list[str] = []
-    for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_waiting"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_waiting",
+                 "max_prefill_chunks"):  # fmt: skip
         v = getattr(c, name)
         if not _is_int(v) or v < 1:
             out.append(f"{name} must be an integer >= 1")
@@ -160,4 +177,6 @@ def config_problems(c: SchedulerConfig) -> list[str]:
         out.append(f"policy must be one of {', '.join(POLICIES)}")
     if c.batching not in BATCHING_MODES:
         out.append(f"batching must be one of {', '.join(BATCHING_MODES)}")
+    if c.step_composition not in STEP_COMPOSITIONS:
+        out.append(f"step_composition must be one of {', '.join(STEP_COMPOSITIONS)}")
     return out

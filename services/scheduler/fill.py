@@ -3,10 +3,13 @@ within the token budget, the batch's slots and the KV blocks (preempting by poli
 run out). `StepFiller.fill` is called by `schedule()` once or twice per step; it changes the
 running set, the waiting queue and the block pool only through their methods.
 
-Order of a pass: every running decode gets its token (static padding last); running prefills
-continue in chunks, in batch order; then, in continuous mode and if nobody was preempted for
-blocks, waiting requests are admitted in policy order while slots, budget and blocks last
-(under `priority`, a better waiting request may first take the worst one's slot).
+What one forward may hold is the step composition's answer (composition.py `Forward`: decodes,
+prompts, or both, its budget and chunk limit); `fill` tries the kinds it offers in order and
+keeps the first that schedules anything. Order of a pass: every running decode gets its token
+(static padding last); running prefills continue in chunks, in batch order; then, in continuous
+mode and if nobody was preempted for blocks, waiting requests are admitted in policy order
+while slots, budget and blocks last (under `priority`, a better waiting request may first take
+the worst one's slot).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Optional
 
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.composition import Forward, StepComposition
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.prefix_cache import PrefixCache
@@ -35,12 +39,14 @@ class StepFiller:
         pool: BlockPool,
         cache: PrefixCache,
         steady: SteadyDecodes,
+        composition: StepComposition,
         max_len: int,
         speculation: Optional[Speculation] = None,
     ) -> None:
         """`max_len`: what max_model_len and the whole KV pool allow one request.
         `speculation`: gives decodes draft limits (None: the worker does not speculate)."""
         self._config = config
+        self._composition = composition
         self._rules = rules
         self._waiting = waiting
         self._batch = batch
@@ -53,21 +59,46 @@ class StepFiller:
         self._speculation = speculation
 
     def fill(self, now: float, spare_protected: bool) -> StepBuilder:
-        """One pass (see the module docstring). `spare_protected` False lets just-resumed
+        """The step: the first kind of forward the composition offers that schedules anything
+        (the last one tried, empty, when none does). `spare_protected` False lets just-resumed
         requests be preempted too (schedule()'s second pass, when nothing live could run)."""
-        self._batch.begin_pass(spare_protected)
-        step = StepBuilder(self._config.max_num_batched_tokens, self._block_size * self._caching)
-        prefills = self._schedule_decodes(step)
-        if step.grown:  # before any lookup below, which may need their blocks
-            self._cache.queue_grown(step.grown)
-        if self._speculation is not None:
-            self._speculation.assign(step, self._decode_goes_on)
-        self._schedule_running_prefills(step, prefills)
-        if self._rules.admits_every_step and step.num_preemptions == 0:
-            if self._config.policy == "priority":
-                self._make_room_for_priority(step, now)
-            self._admit_waiting(step, now)
+        forwards = self._composition.forwards()
+        step = self._fill_forward(now, spare_protected, forwards[0])
+        for forward in forwards[1:]:  # none under `mixed`
+            if len(step):
+                break
+            num_preemptions = step.num_preemptions
+            step = self._fill_forward(now, spare_protected, forward)
+            step.num_preemptions += num_preemptions
         return step
+
+    def _fill_forward(self, now: float, spare_protected: bool, forward: Forward) -> StepBuilder:
+        """One pass over what `forward` may hold (see the module docstring)."""
+        self._batch.begin_pass(spare_protected)
+        step = StepBuilder(forward.token_budget, self._block_size * self._caching,
+                           forward.max_chunks)  # fmt: skip
+        if forward.decodes:
+            prefills = self._schedule_decodes(step)
+            if step.grown:  # before any lookup below, which may need their blocks
+                self._cache.queue_grown(step.grown)
+            if self._speculation is not None:
+                self._speculation.assign(step, self._decode_goes_on)
+        else:
+            prefills = self._running_prefills()
+        if forward.prompts:
+            self._schedule_running_prefills(step, prefills)
+            if self._rules.admits_every_step and step.num_preemptions == 0:
+                if self._config.policy == "priority":
+                    self._make_room_for_priority(step, now)
+                self._admit_waiting(step, now)
+        return step
+
+    def _running_prefills(self) -> list[Request]:
+        """The running requests in prefill, in batch order (a forward without decodes); none
+        while a steady run holds the unchanged batch (every one of them decodes)."""
+        if self._steady.covers_batch:
+            return []
+        return [r for r in self._batch.requests.values() if r.num_computed_tokens < r.prefill_len]
 
     def _schedule_decodes(self, step: StepBuilder) -> list[Request]:
         """Every running decode gets one token; budget always suffices (config guarantees

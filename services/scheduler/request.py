@@ -109,6 +109,12 @@ class Request:
             self.first_token = now
         self.protected = False
 
+    def forget_preemption(self) -> None:
+        """Called when the scheduler's core is rebuilt (a lost worker): the running-set version
+        its preemption was noted at belongs to the old core, whose plans are all gone. Kept, it
+        would drop every sample of the new core's plans until their version passed it."""
+        self.preempted_at_version = None
+
     def note_preempted(self, round_no: int, version: int) -> None:
         """It lost its blocks to another request (RunningSet.preempt) and will recompute: counted,
         protected from being the next victim until it samples again."""

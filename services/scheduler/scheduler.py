@@ -11,6 +11,8 @@ The parts, built by `_assemble` with their dependencies passed in (map: docs/des
   cache (prefix_cache.py): the queues, the batch and the KV blocks;
 * `in_flight` (inflight.py): the one record of plans in flight, which the loop reads too;
 * the step filler (fill.py): what one step computes; `schedule()` is its recipe;
+* `composition` (composition.py): the step composition, the policy the filler asks which work
+  goes into the next forward (mixed, prefill-first, decode-first);
 * the result applier (results.py): `update()`;
 * `steady` (steady.py): the steady-decode fast path, the one seam the filler, `schedule()` and
   the result path call;
@@ -30,6 +32,7 @@ from typing import Optional
 from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.composition import composition_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.faults import Bisection
 from services.scheduler.fill import StepFiller
@@ -50,6 +53,7 @@ from shared.protocol.engine_channel import (
     RequestRejected,
     SubmitRequest,
 )
+from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import StepPlan, StepResult
 
 
@@ -111,9 +115,12 @@ class Scheduler:
             self.speculation = Speculation(
                 batch, config.num_speculative_tokens, self.block_size, self._spec_counters
             )
+        self.composition = composition_for(
+            config.step_composition, config.max_num_batched_tokens, config.max_prefill_chunks
+        )
         self._filler = StepFiller(
-            config, rules, waiting, batch, self.pool, cache, steady, self._max_len,
-            self.speculation,
+            config, rules, waiting, batch, self.pool, cache, steady, self.composition,
+            self._max_len, self.speculation,
         )  # fmt: skip
         self._results = ResultApplier(
             self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock,
@@ -130,13 +137,15 @@ class Scheduler:
         """Called for each SubmitRequest; None when queued, else why it was refused."""
         problem = admission_problem(
             req.rid,
-            len(req.prompt_token_ids),
+            len(req.prompt_token_ids) + len(req.output_token_ids),
             is_duplicate=req.rid in self.live or req.rid in self._batch,
             max_model_len=self.max_model_len,
             kv_capacity=self.pool.num_blocks * self.block_size,
             num_waiting=len(self._waiting),
             max_waiting=self.config.max_waiting,
         )
+        if problem is None and len(req.output_token_ids) >= req.sampling.max_tokens:
+            problem = (ErrorCode.INVALID_PARAMS, "the resumed request has max_tokens already")
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
@@ -144,6 +153,7 @@ class Scheduler:
         self.prefix_cache.prepare(request)
         self._waiting.add(request)
         self.counters.num_admitted += 1
+        self.counters.num_resumptions_admitted += req.attempt > 0
         return None
 
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]:
@@ -193,6 +203,7 @@ class Scheduler:
         self._step_id += 1
         built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
         steady = self.steady.after_build(step, built)
+        self.composition.built(len(step.decodes), step.num_chunks)
         self.counters.num_preemptions += step.num_preemptions
         for seq in built.plan.new_seqs:
             req = self.live.get(seq.rid)
@@ -269,6 +280,7 @@ class Scheduler:
                 self._waiting.add(req)
                 continue
             req.reset_for_recompute()  # its table's pool is gone with the worker's KV
+            req.forget_preemption()  # noted against the old core's versions
             if req.num_worker_retries >= max_retries:
                 self.live.finish(req, "error", now)
                 outputs.append(req.output([], [], "error", code, message))
@@ -323,6 +335,7 @@ class Scheduler:
         self._waiting.check_invariants()
         self._batch.check_invariants(self.config.max_num_seqs, self.block_size)
         self.steady.check_invariants()
+        self.composition.check_invariants()
         self.faults.check_invariants()
         self.live.check_invariants(self._waiting, self._batch, self.faults.is_held,
                                    self.faults.num_held)  # fmt: skip

@@ -20,6 +20,9 @@ The seam's four calls, in the order of a step:
   fast append (`InFlightStep.steady`);
 * `apply(flight, result) -> ends or None`: the result path (services/scheduler/results.py), with
   every result; None sends it down the general path.
+One read-only property besides: `covers_batch`, for a forward without decodes (a step
+composition's prefill forward, services/scheduler/composition.py), which then need not look for
+running prefills.
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ class SteadyDecodes:
     def is_running(self) -> bool:
         """A steady run is on (the next step may reuse the last one's decodes)."""
         return self._run is not None
+
+    @property
+    def covers_batch(self) -> bool:
+        """A run holds the batch unchanged: every running request decodes (none in prefill).
+        Read by the step filler before a forward without decodes."""
+        run = self._run
+        return run is not None and run.version == self._batch.version
 
     def fill(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> bool:
         """The run's step: the last step's decodes again, after `goes_on` checked the requests

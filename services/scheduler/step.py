@@ -49,10 +49,14 @@ class StepBuilder:
     """Decodes (one token each, the common case) are kept apart from prefill chunks so the
     plan's columns for hundreds of decodes are built with list comprehensions."""
 
-    def __init__(self, token_budget: int, block_size: int = 0) -> None:
-        """`block_size` 0: no prefix caching, so blocks filled by chunks are not tracked."""
+    def __init__(
+        self, token_budget: int, block_size: int = 0, max_chunks: Optional[int] = None
+    ) -> None:
+        """`block_size` 0: no prefix caching, so blocks filled by chunks are not tracked.
+        `max_chunks`: at most this many prompt chunks (the step composition's limit)."""
         self.token_budget = token_budget
         self.block_size = block_size
+        self.max_chunks = max_chunks
         self.num_preemptions = 0
         # prefix-cache lookups of this step: tokens looked up, tokens found cached
         self.num_cache_queries = 0
@@ -75,10 +79,18 @@ class StepBuilder:
 
     @property
     def budget_left(self) -> int:
+        """Tokens another chunk (or drafts) may take: 0 once the budget or the chunk limit is
+        reached."""
+        if self.max_chunks is not None and len(self._chunks) >= self.max_chunks:
+            return 0
         return (
             self.token_budget - len(self.decodes) - self._num_chunk_tokens
             - self._num_draft_tokens
         )  # fmt: skip
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
 
     @property
     def has_live(self) -> bool:

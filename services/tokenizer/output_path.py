@@ -49,8 +49,9 @@ class OutputPath:
 
     def on_outputs(self, link: EngineLink, batch: OutputBatch) -> None:
         """One step's outputs: first the tokens of requests that go on (one each, then several:
-        speculation), then final outputs.
-        Outputs for a request that now runs elsewhere (resubmitted) are dropped."""
+        speculation), then final outputs. Outputs of an earlier attempt of a request (it
+        resumed: they carry the old attempt's rid, which finds nothing) or of another engine
+        are dropped."""
         now = time.monotonic()
         logprobs = batch.logprobs
         engine = link.index

@@ -48,9 +48,12 @@ class TextCodec:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def grammar_tokenizer(self, vocab_size: int, eos_token_ids: Sequence[int]) -> LLTokenizer:
-        """This vocabulary for llguidance (structured outputs), `vocab_size` wide (~0.3 s)."""
-        text = self._tokenizer.to_str()
-        return LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        """This vocabulary for llguidance (structured outputs), `vocab_size` wide (~0.3 s).
+        End-of-sequence ids this tokenizer does not have are left out (a simulated engine may
+        name a larger model's): llguidance refuses them, and admission only checks compiles."""
+        own_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = [t for t in eos_token_ids if t < own_size]
+        return LLTokenizer(self._tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos or None)
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids; special tokens (end of sequence, ...) give no text."""

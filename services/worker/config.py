@@ -16,6 +16,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 DEFAULT_DTYPE = "auto"
 PIPELINE_MODES = ("auto", "on", "off")
 SPECULATIVE_MODES = ("off", "ngram")
+# Weights (services/worker/linear.py): "auto" serves a GGUF's own Q4_0/Q4_1/Q8_0 blocks (other
+# block formats as Q8_0) and an unquantized checkpoint as it is; "none" the dequantized tensors in
+# the compute dtype; a block format requantizes every linear layer to it; "int8" per-channel int8.
+QUANTIZATIONS = ("auto", "none", "q4_0", "q4_1", "q8_0", "int8")
+BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
+# KV cache storage (services/worker/kv_cache.py); attention computes in fp32 on the CPU.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k SmolLM2 tokens in bf16, small on a 24 GiB host
 
 
@@ -30,14 +37,39 @@ class WorkerConfig:
         metadata={"choices": DTYPES, "help": "weights, activations and the KV cache; auto: "
                   "bfloat16 on CUDA, on CPU the faster of the two on this machine"},
     )  # fmt: skip
+    quantization: str = field(
+        default="auto",
+        metadata={"choices": QUANTIZATIONS, "help": "weights: auto serves a GGUF's own blocks "
+                  "(Q4_0/Q4_1/Q8_0; other block formats as q8_0) and a Hugging Face folder as it "
+                  "is; none: the dequantized weights in the compute dtype; q4_0/q4_1/q8_0: every "
+                  "linear layer requantized to that format; int8: per-channel int8 weights"},
+    )  # fmt: skip
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"choices": KV_CACHE_DTYPES, "help": "KV cache storage: auto = the compute "
+                  "dtype; bfloat16/float16 halve an fp32 cache (twice the blocks in the same "
+                  "memory); int8/fp8_e4m3 store 8-bit codes with a scale per token and KV head "
+                  "(3.8x the blocks); attention computes in fp32 on the CPU"},
+    )  # fmt: skip
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: Optional[int] = field(
         default=None, metadata={"help": "bytes for K and V of every layer"}
     )
-    kv_cache_fraction: Optional[float] = field(
-        default=None, metadata={"help": "else this share of the device's free memory"}
-    )
+    gpu_memory_utilization: Optional[float] = field(
+        default=None,
+        metadata={"help": "else the share of the device's memory this worker may use in all: "
+                  "on CUDA of the GPU's total, the KV pool getting what the weights, a profiling "
+                  "forward of --profile-num-tokens and memory outside torch leave; on CPU of the "
+                  "memory available once the weights are loaded (none, and no --kv-cache-memory: "
+                  "1 GiB)"},
+    )  # fmt: skip
+    profile_num_tokens: int = field(
+        default=8192,
+        metadata={"help": "tokens of the profiling forward that measures peak activation memory "
+                  "under --gpu-memory-utilization on CUDA (at least the scheduler's "
+                  "--max-num-batched-tokens)"},
+    )  # fmt: skip
     max_model_len: Optional[int] = field(
         default=None, metadata={"help": "longest sequence (none: the model's max positions)"}
     )
@@ -77,6 +109,15 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -90,10 +131,15 @@ class WorkerConfig:
             raise ValueError(
                 f"kv_cache_memory must be a byte count > 0, got {self.kv_cache_memory!r}"
             )
-        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_fraction is not None:
-            raise ValueError("give kv_cache_memory or kv_cache_fraction, not both")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if self.kv_cache_memory is not None and util is not None:
+            raise ValueError("give kv_cache_memory or gpu_memory_utilization, not both")
+        if not _pos_int(self.profile_num_tokens):
+            raise ValueError(
+                f"profile_num_tokens must be an integer > 0, got {self.profile_num_tokens!r}"
+            )
         if self.max_model_len is not None and not _pos_int(self.max_model_len):
             raise ValueError(f"max_model_len must be an integer > 0, got {self.max_model_len!r}")
         if self.num_threads is not None and not _pos_int(self.num_threads):
@@ -107,19 +153,6 @@ class WorkerConfig:
                 f"pipeline_steps must be one of {', '.join(PIPELINE_MODES)}, "
                 f"got {self.pipeline_steps!r}"
             )
-
-
-def max_model_len_for(config: WorkerConfig, limit: int) -> int:
-    """The longest sequence: `config.max_model_len`, at most the model's `limit` (its
-    max_position_embeddings; ValueError past it), else the limit itself."""
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's "
-            f"max_position_embeddings={limit}: lower --max-model-len"
-        )
-    return config.max_model_len
 
 
 def pipelines_steps(config: WorkerConfig, world_size: int) -> bool:
@@ -150,6 +183,25 @@ def resolve_dtype(config: WorkerConfig) -> Optional[str]:
             raise ValueError(f"CONVEYOR_AUTO_DTYPE must be float32 or bfloat16, got {forced!r}")
         return forced
     return None
+
+
+def resolve_kv_cache_dtype(config: WorkerConfig, compute_dtype: str) -> str:
+    """The KV cache's storage dtype: `kv_cache_dtype`, or the compute dtype for auto."""
+    return compute_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+
+
+def resolve_quantization(config: WorkerConfig, has_gguf_blocks: bool) -> str:
+    """What the weights become: "none", "gguf" (the file's own blocks: `auto` on a GGUF
+    source), a block format, or "int8". `auto` on an unquantized checkpoint is "none". The
+    block and int8 kernels are CPU kernels: ValueError for an explicit one on CUDA (`auto`
+    then means "none")."""
+    q = config.quantization
+    on_cpu = config.device == "cpu"
+    if q == "auto":
+        return "gguf" if has_gguf_blocks and on_cpu else "none"
+    if q != "none" and not on_cpu:
+        raise ValueError(f"quantization={q} runs on the CPU only (use none or auto on CUDA)")
+    return q
 
 
 def _pos_int(v: object) -> bool:

@@ -7,6 +7,13 @@ it is at least BF16_MIN_SPEEDUP times faster. The result, with its figures, is c
 in `$CONVEYOR_CACHE_DIR/dtype/<key>.json` (key: CPU model and flags, torch version, the shapes),
 under a file lock so that several ranks on one machine share one decision. CONVEYOR_AUTO_DTYPE
 pins the choice without a probe (services.worker.config.resolve_dtype; tests use it).
+
+Robust on a shared machine: the two dtypes are timed in ROUNDS interleaved rounds (the order
+alternating) and compared by their medians, so a burst of other work hits both alike; a ratio
+within NOISE of the threshold is measured again with more rounds (up to MAX_ROUNDS). The cache
+records when the probe ran and the load average besides it (per core, before and after); a
+decision taken on a busy machine (load >= QUIET_LOAD) is probed again at the next start that
+finds the machine quiet, so busy figures do not stay forever.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -26,14 +36,21 @@ from services.worker.weights import ModelArgs
 
 BF16_MIN_SPEEDUP = 1.5
 PROBE_ROWS = (32, 256)  # a decode batch and a prefill chunk
-PROBE_SECONDS = 0.15  # per dtype and row count (after one warm-up call of each shape)
+PROBE_SECONDS = 0.04  # per dtype, row count and round (after one warm-up call of each shape)
+ROUNDS = 5  # interleaved rounds; the medians decide
+MAX_ROUNDS = 15  # a ratio near the threshold is measured again, up to this many rounds in all
+NOISE = 0.1  # "near": within 10% of BF16_MIN_SPEEDUP
+QUIET_LOAD = 0.5  # 1-minute load average per core besides the probe below which it is quiet
 
 
 @dataclass(frozen=True, slots=True)
 class DtypeDecision:
     dtype: str  # "float32" | "bfloat16"
-    gflops: dict[str, float]  # dtype -> measured GFLOP/s over the probe shapes
+    gflops: dict[str, float]  # dtype -> median GFLOP/s over the probe shapes
     source: str  # "probe" | "cache"
+    rounds: int = 0  # interleaved rounds the medians are over
+    load: float = 0.0  # load average per core besides the probe when it ran
+    probed_at: str = ""  # when it ran (UTC, ISO 8601)
 
 
 def linear_shapes(args: ModelArgs) -> list[tuple[int, int]]:
@@ -79,27 +96,69 @@ def choose(gflops: dict[str, float]) -> str:
     return "bfloat16" if gflops["bfloat16"] >= BF16_MIN_SPEEDUP * gflops["float32"] else "float32"
 
 
+def near_threshold(gflops: dict[str, float]) -> bool:
+    """Whether the ratio is within NOISE of the threshold (then more rounds are taken)."""
+    ratio = gflops["bfloat16"] / max(gflops["float32"], 1e-9)
+    return abs(ratio / BF16_MIN_SPEEDUP - 1.0) < NOISE
+
+
+def load_per_core() -> float:
+    """The 1-minute load average per CPU this process may use (other work on the machine)."""
+    return os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+
+
+def probe(shapes: list[tuple[int, int]], load_fn: Callable[[], float] = load_per_core) -> dict:
+    """Interleaved rounds of both dtypes; more rounds while the medians sit near the
+    threshold. Returns the cache record (medians, rounds, load, time)."""
+    load_before = load_fn()
+    samples: dict[str, list[float]] = {name: [] for name in _DTYPES}
+    medians: dict[str, float] = {}
+    rounds = 0
+    while rounds < ROUNDS or (near_threshold(medians) and rounds < MAX_ROUNDS):
+        order = _DTYPES if rounds % 2 == 0 else _DTYPES[::-1]
+        for name in order:
+            samples[name].append(measure_gflops(shapes, getattr(torch, name)))
+        rounds += 1
+        medians = {name: statistics.median(v) for name, v in samples.items()}
+    load = max(load_before, load_fn())
+    return {"gflops": medians, "samples": samples, "rounds": rounds, "load": load,
+            "quiet": load < QUIET_LOAD, "probed_at": _utc_now(), "shapes": shapes}  # fmt: skip
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def probe_key(shapes: list[tuple[int, int]]) -> str:
     text = "|".join((cpu_identity(), torch.__version__, repr(shapes), repr(PROBE_ROWS)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def decide_cpu_dtype(args: ModelArgs, cache_dir: Path) -> DtypeDecision:
+def decide_cpu_dtype(
+    args: ModelArgs, cache_dir: Path, load_fn: Callable[[], float] = load_per_core
+) -> DtypeDecision:
     """The cached decision for this machine and model shapes, else a fresh probe (cached).
-    Called once per worker start when dtype is auto on CPU; a file lock serialises ranks."""
+    Called once per worker start when dtype is auto on CPU; a file lock serialises ranks. A
+    cached decision taken while the machine was busy is probed again when it is quiet now."""
     shapes = linear_shapes(args)
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"{probe_key(shapes)}.json"
     with open(cache_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _read(path)
-        if cached is not None:
-            return DtypeDecision(choose(cached), cached, "cache")
-        gflops = {name: measure_gflops(shapes, getattr(torch, name)) for name in _DTYPES}
+        if cached is not None and (cached.get("quiet", True) or load_fn() >= QUIET_LOAD):
+            return _decision(cached, "cache")
+        record = probe(shapes, load_fn)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"gflops": gflops, "shapes": shapes}))
+        tmp.write_text(json.dumps(record))
         tmp.replace(path)
-        return DtypeDecision(choose(gflops), gflops, "probe")
+        return _decision(record, "probe")
+
+
+def _decision(record: dict, source: str) -> DtypeDecision:
+    gflops = record["gflops"]
+    rounds, load = int(record.get("rounds", 1)), float(record.get("load", 0.0))
+    return DtypeDecision(choose(gflops), gflops, source, rounds, load, record.get("probed_at", ""))
 
 
 def resolve_auto_dtype(args: ModelArgs, cache_dir: Path, log: Any) -> str:
@@ -112,6 +171,9 @@ def resolve_auto_dtype(args: ModelArgs, cache_dir: Path, log: Any) -> str:
         source=decision.source,
         gflops={k: round(v, 1) for k, v in decision.gflops.items()},
         bf16_min_speedup=BF16_MIN_SPEEDUP,
+        rounds=decision.rounds,
+        load_per_core=round(decision.load, 2),
+        probed_at=decision.probed_at,
     )
     return decision.dtype
 
@@ -119,14 +181,17 @@ def resolve_auto_dtype(args: ModelArgs, cache_dir: Path, log: Any) -> str:
 _DTYPES = ("float32", "bfloat16")
 
 
-def _read(path: Path) -> Optional[dict[str, float]]:
-    """Cached figures, or None when absent or unreadable (then the probe runs again)."""
+def _read(path: Path) -> Optional[dict]:
+    """The cached record, or None when absent or unreadable (then the probe runs again). A
+    record of the first probe (figures only) reads as quiet, one round."""
     try:
-        gflops = json.loads(path.read_text())["gflops"]
+        record = json.loads(path.read_text())
+        gflops = record["gflops"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not isinstance(gflops, dict) or any(
         not isinstance(gflops.get(n), (int, float)) for n in _DTYPES
     ):
         return None
-    return {n: float(gflops[n]) for n in _DTYPES}
+    record["gflops"] = {n: float(gflops[n]) for n in _DTYPES}
+    return record

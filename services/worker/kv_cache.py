@@ -13,26 +13,30 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Union
 
 import torch
 
-from services.worker.config import DEFAULT_KV_CACHE_MEMORY, WorkerConfig
+from kernels.kv_quant import CODE_DTYPES, SCALE_BYTES
+from services.worker.config import WorkerConfig
 from services.worker.weights import ModelArgs
 
+FLOAT_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+
+def storage(kv_dtype: str, head_dim: int) -> tuple[torch.dtype, int]:
+    """(element dtype, elements per row) of a KV dtype name: a float row of head_dim, or 8-bit
+    codes followed by their 4-byte scale (kernels/kv_quant.py)."""
+    if kv_dtype in CODE_DTYPES:
+        return CODE_DTYPES[kv_dtype], head_dim + SCALE_BYTES
+    return FLOAT_STORAGE[kv_dtype], head_dim
+
+
+def bytes_per_block(args: ModelArgs, block_size: int, kv_dtype: str) -> int:
     """K and V of every layer for one block of tokens."""
+    dtype, row = storage(kv_dtype, args.head_dim)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
-
-
-def kv_budget_bytes(config: WorkerConfig) -> int:
-    """The configured budget: explicit bytes, a fraction of free memory, or the 1 GiB default."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if config.kv_cache_fraction is not None:
-        return int(config.kv_cache_fraction * free_memory_bytes(config.device))
-    return DEFAULT_KV_CACHE_MEMORY
+    return 2 * args.num_layers * block_size * args.num_kv_heads * row * elem
 
 
 def free_memory_bytes(device: str) -> int:
@@ -46,11 +50,10 @@ def free_memory_bytes(device: str) -> int:
 
 
 def num_blocks_for(
-    args: ModelArgs, config: WorkerConfig, dtype: torch.dtype, max_model_len: int
+    args: ModelArgs, config: WorkerConfig, dtype: str, max_model_len: int, budget: int
 ) -> int:
-    """Blocks that fit the budget; ValueError (with the numbers) when one max-length
-    sequence would not fit."""
-    budget = kv_budget_bytes(config)
+    """Blocks that fit `budget` bytes (services/worker/kv_sizing.py); ValueError (with the
+    numbers) when one max-length sequence would not fit."""
     per_block = bytes_per_block(args, config.block_size, dtype)
     num_blocks = budget // per_block
     needed = -(-max_model_len // config.block_size)
@@ -59,7 +62,8 @@ def num_blocks_for(
             f"KV cache budget of {budget} bytes holds {num_blocks} blocks of "
             f"{config.block_size} tokens ({per_block} bytes each), but one sequence of "
             f"max_model_len={max_model_len} needs {needed} blocks ({needed * per_block} bytes): "
-            f"raise --kv-cache-memory to at least {needed * per_block} or lower --max-model-len"
+            f"raise --kv-cache-memory to at least {needed * per_block} (or "
+            f"--gpu-memory-utilization) or lower --max-model-len"
         )
     return int(num_blocks)
 
@@ -73,13 +77,19 @@ class KVCache:
         args: ModelArgs,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        dtype: Union[str, torch.dtype],
         device: str,
     ) -> None:
+        """`dtype`: the storage's name (float32, bfloat16, float16, int8, fp8_e4m3), or a
+        float torch dtype."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
-        self._pool = torch.zeros(shape, dtype=dtype, device=device)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        self.dtype_name = dtype  # attention widens to its compute dtype as it reads
+        self.dtype, row = storage(dtype, args.head_dim)
+        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, row)
+        self._pool = torch.zeros(shape, dtype=self.dtype, device=device)
         # [(k [N, bs, Hkv, D], v [N, bs, Hkv, D])] per layer, views into one allocation
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._pool[i, 0], self._pool[i, 1]) for i in range(args.num_layers)

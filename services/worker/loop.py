@@ -139,7 +139,8 @@ class _Greeter:
             self._log.info(
                 "worker_ready", rank=r.rank, address=self._address, num_blocks=r.num_blocks,
                 block_size=r.block_size, max_model_len=r.max_model_len, device=r.device,
-                dtype=r.dtype, handshake=self.num_handshakes,
+                dtype=r.dtype, quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype,
+                kv_cache_bytes=r.kv_cache_bytes, handshake=self.num_handshakes,
             )  # fmt: skip
             if self._ready_file is not None and self.num_handshakes == 1:
                 self._ready_file.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
+from services.worker.linear import DenseWeights, Linear, WeightsPolicy, held_bytes
 from services.worker.parallel import Group, SingleRank
 from services.worker.sharding import Shard, fused_rows
 from services.worker.weights import ModelArgs, take, take_optional
@@ -43,12 +43,11 @@ class StepTensors:
 class _Layer:
     # H, Hkv, I: this rank's query heads, KV heads and intermediate features (all / world size)
     input_norm: torch.Tensor  # [Hd]
-    qkv: torch.Tensor  # [(H + 2 Hkv) D, Hd]
-    qkv_bias: Optional[torch.Tensor]  # [(H + 2 Hkv) D]
-    o_proj: torch.Tensor  # [Hd, H D]
+    qkv: Linear  # Hd -> (H + 2 Hkv) D, with the q/k/v bias if the model has one
+    o_proj: Linear  # H D -> Hd
     post_norm: torch.Tensor  # [Hd]
-    gate_up: torch.Tensor  # [2 I, Hd]
-    down: torch.Tensor  # [Hd, I]
+    gate_up: Linear  # Hd -> 2 I
+    down: Linear  # I -> Hd
 
 
 def rotary_cache(args: ModelArgs, max_len: int, device: str) -> torch.Tensor:
@@ -57,6 +56,18 @@ def rotary_cache(args: ModelArgs, max_len: int, device: str) -> torch.Tensor:
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     freqs = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, (H + 2 Hkv) D] -> views q [T, H, D], k and v [T, Hkv, D]: the strides the kernels
+    see (and compile for: services/worker/warmup.py builds its inputs the same way)."""
+    t, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(t, num_kv_heads, head_dim)
+    return q, k, v
 
 
 class LlamaModel:
@@ -70,11 +81,15 @@ class LlamaModel:
         max_len: int,
         device: str,
         group: Optional[Group] = None,
+        policy: Optional[WeightsPolicy] = None,
     ) -> None:
         """`group`: the tensor-parallel group (None: one rank). Its world size must divide the
-        head counts and the intermediate size (parallel.check_divides, checked before)."""
+        head counts and the intermediate size (parallel.check_divides, checked before).
+        `policy`: what each weight becomes (services/worker/linear.py; None: dense tensors as
+        read)."""
         self.args = args
         self.ops = ops
+        self.policy: WeightsPolicy = policy or DenseWeights(None)
         self.group: Group = group if group is not None else SingleRank()
         self.shard = Shard(self.group.rank, self.group.world_size)
         n = self.shard.world_size
@@ -82,13 +97,17 @@ class LlamaModel:
         self.vocab_start, vocab_end = self.shard.vocab_span(args.vocab_size)
         self.vocab_local = vocab_end - self.vocab_start
         embed = take(weights, "model.embed_tokens.weight")  # [V, Hd]
-        self.embed = self.shard.vocab_rows(embed)  # [V_local, Hd]
+        self.embed = self.policy.embedding(self.shard.vocab_rows(embed))  # [V_local] -> Hd
         self.norm = take(weights, "model.norm.weight")
         head = take_optional(weights, "lm_head.weight")
         if head is None and not args.tie_word_embeddings:
             raise ValueError("model weights lack 'lm_head.weight' and embeddings are not tied")
         tied = args.tie_word_embeddings or head is None
-        self.lm_head = self.embed if tied else self.shard.vocab_rows(head)  # type: ignore
+        self.lm_head: Linear = (  # Hd -> V_local
+            self.policy.lm_head(self.embed)
+            if tied
+            else self.policy.linear(self.shard.vocab_rows(head))  # type: ignore[arg-type]
+        )
         del embed, head
         self.layers = [self._layer(weights, i) for i in range(args.num_layers)]
         self.cos_sin = rotary_cache(args, max_len, device)
@@ -100,34 +119,34 @@ class LlamaModel:
         biases = [take_optional(w, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
         has_bias = all(b is not None for b in biases)
         gate_up = [take(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+        policy = self.policy
+        bias = fused_rows(sh, biases) if has_bias else None  # type: ignore[arg-type]
         return _Layer(
-            input_norm=take(w, f"{p}input_layernorm.weight"),
-            qkv=fused_rows(sh, qkv),
-            qkv_bias=fused_rows(sh, biases) if has_bias else None,  # type: ignore[arg-type]
-            o_proj=sh.cols(take(w, f"{p}self_attn.o_proj.weight")),
-            post_norm=take(w, f"{p}post_attention_layernorm.weight"),
-            gate_up=fused_rows(sh, gate_up),
-            down=sh.cols(take(w, f"{p}mlp.down_proj.weight")),
+            input_norm=policy.vector(take(w, f"{p}input_layernorm.weight")),
+            qkv=policy.linear(fused_rows(sh, qkv), bias),
+            o_proj=policy.linear(sh.cols(take(w, f"{p}self_attn.o_proj.weight"))),
+            post_norm=policy.vector(take(w, f"{p}post_attention_layernorm.weight")),
+            gate_up=policy.linear(fused_rows(sh, gate_up)),
+            down=policy.linear(sh.cols(take(w, f"{p}mlp.down_proj.weight"))),
         )
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (a tied LM head counted once)."""
-        tensors = [self.embed, self.lm_head, self.norm]
+        """Bytes of the weights this rank holds, as held (packed blocks with their scales; a
+        tied LM head that shares the embedding's tensor counted once)."""
+        parts: list[Any] = [self.embed, self.lm_head]
         for layer in self.layers:
-            tensors += [t for t in (layer.qkv_bias,) if t is not None]
-            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm]
-            tensors += [layer.gate_up, layer.down]
-        unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-        return sum(unique.values())
+            parts += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        norms = [self.norm] + [t for ly in self.layers for t in (ly.input_norm, ly.post_norm)]
+        return held_bytes(parts) + sum(t.numel() * t.element_size() for t in norms)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] ids -> [T, Hd]; vocab-parallel: each rank looks up the ids it owns (zeros for
         the others) and one all-reduce sums the shares."""
         if self.shard.world_size == 1:
-            return self.embed[input_ids]
+            return self.embed(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_local)
-        x = self.embed[local.masked_fill(outside, 0)]
+        x = self.embed(local.masked_fill(outside, 0))
         x.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.group.all_reduce(x)
 
@@ -142,15 +161,12 @@ class LlamaModel:
         a, ops, group = self.args, self.ops, self.group
         t = step.input_ids.shape[0]
         h_q, h_kv = self.num_heads, self.num_kv_heads
-        q_size, kv_size = h_q * a.head_dim, h_kv * a.head_dim
+        q_size = h_q * a.head_dim
         x = self._embed(step.input_ids)  # [T, Hd]
         residual: Optional[torch.Tensor] = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers, strict=True):
             h, residual = ops.rms_norm(x, layer.input_norm, a.rms_norm_eps, residual)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
-            q = qkv[:, :q_size].view(t, h_q, a.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, h_kv, a.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, h_kv, a.head_dim)
+            q, k, v = split_qkv(layer.qkv(h), h_q, h_kv, a.head_dim)
             ops.rotary(q, k, step.positions, self.cos_sin)
             ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
             attn = ops.paged_attention(
@@ -162,12 +178,12 @@ class LlamaModel:
                 step.block_tables,
                 self.scale,
             )
-            x = group.all_reduce(F.linear(attn.reshape(t, q_size), layer.o_proj))  # [T, Hd]
+            x = group.all_reduce(layer.o_proj(attn.reshape(t, q_size)))  # [T, Hd]
             h, residual = ops.rms_norm(x, layer.post_norm, a.rms_norm_eps, residual)
-            x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
             x = group.all_reduce(x)  # [T, Hd]
         rows = step.logits_indices
         # only the sampled rows need the final norm and the LM head
         h, _ = ops.rms_norm(x[rows], self.norm, a.rms_norm_eps, residual[rows])  # type: ignore
-        logits = group.gather_to_first(F.linear(h, self.lm_head))  # [S, V_local * N] on rank 0
+        logits = group.gather_to_first(self.lm_head(h))  # [S, V_local * N] on rank 0
         return None if logits is None else logits[:, : a.vocab_size]

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize_rows, quantize_rows, scaled_kind
+
 
 @dataclass(frozen=True, slots=True)
 class _Group:
@@ -50,9 +52,12 @@ class TorchOps:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        hkv, row = k_cache.shape[2], k_cache.shape[3]
+        kind = scaled_kind(k_cache)  # 8-bit rows carry their scale (kernels/kv_quant.py)
+        k = quantize_rows(key, kind) if kind else key.to(k_cache.dtype)
+        v = quantize_rows(value, kind) if kind else value.to(v_cache.dtype)
+        k_cache.view(-1, hkv, row).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, hkv, row).index_copy_(0, slot_mapping, v)
 
     def paged_attention(
         self,
@@ -65,7 +70,8 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
         t, h, d = q.shape
-        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        bs, hkv, row = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        kind = scaled_kind(k_cache)
         group_size = h // hkv
         out = q.new_empty(t, h, d)
         for g in self._groups(query_start_loc, seq_lens, block_tables, bs, q.dtype):
@@ -75,8 +81,12 @@ class TorchOps:
             qg = qg.permute(0, 2, 3, 1, 4).reshape(bg, hkv, group_size * lq, d)
             # whole blocks are gathered as rows of a 2-D view: a few large row copies (3x faster
             # than index_select over the 4-D cache on this CPU), not one copy per token
-            kg = _gather_blocks(k_cache, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
-            vg = _gather_blocks(v_cache, g.blocks).view(bg, ctx, hkv, d).transpose(1, 2)
+            # a compact cache (bf16/fp16 storage) is widened to q's dtype after the gather
+            kg = _gather_blocks(k_cache, g.blocks).view(bg, ctx, hkv, row)
+            vg = _gather_blocks(v_cache, g.blocks).view(bg, ctx, hkv, row)
+            if kind:
+                kg, vg = dequantize_rows(kg, kind), dequantize_rows(vg, kind)
+            kg, vg = kg.to(q.dtype).transpose(1, 2), vg.to(q.dtype).transpose(1, 2)
             mask = g.mask.expand(bg, group_size, lq, ctx).reshape(bg, 1, group_size * lq, ctx)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             og = og.view(bg, hkv, group_size, lq, d).permute(0, 3, 1, 2, 4).reshape(bg * lq, h, d)

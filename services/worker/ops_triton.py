@@ -35,7 +35,7 @@ class TritonOps:
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
         """Store the step's new K/V in their slots; called once per layer before attention."""
-        if key.dtype != k_cache.dtype:  # TorchOps casts too; the kernel wants one dtype
+        if key.dtype != k_cache.dtype and k_cache.is_floating_point():  # as TorchOps casts
             key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 

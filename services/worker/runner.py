@@ -33,22 +33,22 @@ from typing import Any, Optional
 import structlog
 import torch
 
-from services.worker.backend import make_ops, set_threads
+from services.worker.backend import set_threads
 from services.worker.config import (
     ParallelConfig,
     WorkerConfig,
     check_divides,
-    max_model_len_for,
     pipelines_steps,
-    resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_quantization,
 )
 from services.worker.constraints import ConstraintMasks, PendingMasks, RowMasks
-from services.worker.dtype_probe import resolve_auto_dtype
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
+from services.worker.kv_sizing import kv_budget_bytes
+from services.worker.loading import load_model, max_model_len, own_dtype
 from services.worker.model import LlamaModel, StepTensors
-from services.worker.ops_cpu import cache_base
 from services.worker.parallel import Group, agree_dtype, join_group
 from services.worker.pipeline import (
     DeviceClock,
@@ -67,10 +67,11 @@ from services.worker.sampler import (
     reads_history,
     sample,
 )
-from services.worker.speculate import make_speculator
+from services.worker.speculate import make_speculator, sample_step
 from services.worker.steps import FatalWorkerError
-from services.worker.weights import ModelArgs, load_weights, model_args
-from shared.model_files import eos_token_ids, model_name, prepare_model
+from services.worker.warmup import CompileWatch, warm_up
+from services.worker.weights import ModelArgs, model_args
+from shared.model_files import eos_token_ids, model_name, prepare_model, source_gguf
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,21 +100,31 @@ class ModelRunner:
         self.parallel = parallel or ParallelConfig()
         self.folder: Path = prepare_model(config.model)
         self.args: ModelArgs = model_args(self.folder)
+        self.gguf = source_gguf(self.folder)
+        self.quantization = resolve_quantization(config, self.gguf is not None)
         a, world = self.args, self.parallel.world_size
         check_divides(world, a.num_heads, a.num_kv_heads, a.intermediate_size)
-        self.max_model_len = max_model_len_for(config, self.args.max_position_embeddings)
+        self.max_model_len = max_model_len(config, self.args)
         self.pipelining = pipelines_steps(config, world)  # before joining: fail fast
         self.overlap = overlap or OverlapRule(forced=config.pipeline_steps == "on")
         self.group: Group = join_group(self.parallel, config.device)
         set_threads(config, self.group.num_local_ranks)
-        self.dtype_name = agree_dtype(self.group, self._own_dtype(), tuple(TORCH_DTYPES))
+        rank_dtype = own_dtype(config, a, self.quantization, self.group.rank, self.log)
+        self.dtype_name = agree_dtype(self.group, rank_dtype, tuple(TORCH_DTYPES))
         self.dtype = TORCH_DTYPES[self.dtype_name]
         # this rank's KV pool holds its share of the KV heads
         local = dataclasses.replace(a, num_heads=a.num_heads // world,
                                     num_kv_heads=a.num_kv_heads // world)  # fmt: skip
-        num_blocks = num_blocks_for(local, config, self.dtype, self.max_model_len)
-        self.model = self._load_model()
-        self.kv_cache = KVCache(local, num_blocks, config.block_size, self.dtype, config.device)
+        kv_dtype = resolve_kv_cache_dtype(config, self.dtype_name)
+        self.model: LlamaModel = load_model(
+            config, a, self.folder, self.gguf, self.quantization, self.dtype, self.group,
+            self.max_model_len, self.log,
+        )  # fmt: skip
+        # sized once the weights are in memory (and, on CUDA, after a profiling forward)
+        budget = kv_budget_bytes(config, self.model, local, kv_dtype, self.max_model_len, self.log)
+        num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len, budget)
+        self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
+        self.compiles: Optional[CompileWatch] = self._compile_kernels()
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
@@ -127,23 +138,18 @@ class ModelRunner:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
         self.speculator = make_speculator(config, world, self.pipelining)
 
-    def _load_model(self) -> LlamaModel:
-        weights = load_weights(self.folder, self.dtype, self.config.device)
-        ops = make_ops(self.config, self.args, self.dtype, self.log)
-        self.log.info("worker_ops", ops=ops.name, threads=torch.get_num_threads(),
-                      rank=self.group.rank, world_size=self.group.world_size)  # fmt: skip
-        return LlamaModel(
-            self.args, weights, ops, self.max_model_len, self.config.device, self.group
-        )
-
-    def _own_dtype(self) -> Optional[str]:
-        """The dtype this rank would pick; only rank 0's counts (agree_dtype), so only rank 0
-        runs the `auto` probe."""
-        if self.group.rank != 0:
+    def _compile_kernels(self) -> Optional[CompileWatch]:
+        """On CUDA: every Triton variant compiled before the first step (warmup.py), and a
+        watch that logs any compile after it."""
+        if not self.config.device.startswith("cuda"):
             return None
-        return resolve_dtype(self.config) or resolve_auto_dtype(
-            self.args, cache_base() / "dtype", self.log
-        )
+        watch = CompileWatch(self.log)
+        warmed = warm_up(self.model, self.kv_cache.layers, self.config.block_size, self.dtype,
+                         self.max_model_len)  # fmt: skip
+        if warmed:
+            self.log.info("kernels_compiled", **warmed, num_compiled=watch.num_compiled)
+        watch.serving()
+        return watch
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
@@ -165,6 +171,8 @@ class ModelRunner:
             weight_bytes=self.model.weight_bytes(),
             kv_cache_bytes=self.kv_cache.num_bytes,
             proposer=None if self.speculator is None else self.config.speculative,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache.dtype_name,
         )
 
     def check_invariants(self, in_flight: Sequence[LaunchedStep] = ()) -> None:
@@ -199,7 +207,7 @@ class ModelRunner:
     def _run(self, step: ExpandedStep, start: float) -> StepResult:
         """Forward and sampling of an applied step; with several ranks any error is fatal."""
         try:
-            if self.speculator is not None and step.draft_limits:
+            if self.speculator is not None:
                 self.speculator.propose(self.held, step)
             tensors = self.inputs.tensors(step)
             masks = self.constraints and self.constraints.start(
@@ -229,15 +237,13 @@ class ModelRunner:
         rows = self._sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
+        outcome = None  # speculation: what was accepted (speculate.py)
         masks = self.constraints.wait(pending) if self.constraints and pending else None
-        outcome = None
-        if rows and logits is not None and step.drafts and self.speculator is not None:
-            token_ids, logprobs, outcome = self.speculator.verify(self.held, step, logits, masks)
-        elif rows and logits is not None:  # rank 0 samples
-            token_ids, logprobs = sample(logits, rows, masks)
-        # every rank holds the sampled tokens at the end of the step
+        if rows and logits is not None:  # rank 0 samples
+            token_ids, logprobs, outcome = sample_step(self.speculator, self.held, step, logits,
+                                                       rows, masks)  # fmt: skip
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
-        self.held.record_samples(sampled, token_ids)
+        self.held.record_samples(sampled, token_ids)  # every rank holds the step's tokens
         result = _step_result(step.step_id, sampled, token_ids, logprobs, start)
         return result if outcome is None else dataclasses.replace(result, drafts=outcome)
 

@@ -94,6 +94,8 @@ class Speculator:
         """Called after the plan is applied, before the inputs are built: each decode with a
         draft limit gets its drafts (constrained rows draft nothing yet)."""
         self.proposer.forget(step.released)
+        if not step.draft_limits:
+            return
         for b, limit in (step.draft_limits or {}).items():
             seq = step.seqs[b]
             if seq.sampling.constraint is None:
@@ -133,6 +135,22 @@ class Speculator:
             kept.append(logprobs[at + accepted])
             at += len(proposed) + 1
         return tokens, kept, outcome if outcome.rows else None
+
+
+def sample_step(
+    speculator: Optional[Speculator],
+    held: HeldBatch,
+    step: ExpandedStep,
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    masks: Optional[RowMasks],
+) -> tuple[list[int], list[Optional[TokenLogprobs]], Optional[DraftOutcome]]:
+    """The runner's sampling on rank 0: `verify` for a step with drafts, else the plain
+    sampler over one row per sampler."""
+    if step.drafts and speculator is not None:
+        return speculator.verify(held, step, logits, masks)
+    token_ids, logprobs = sample(logits, rows, masks)
+    return token_ids, logprobs, None
 
 
 def draft_logits_rows(step: ExpandedStep, query_start_loc: list[int]) -> list[int]:

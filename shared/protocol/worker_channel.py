@@ -10,6 +10,7 @@ Lists inside these frozen messages are read-only by convention.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +33,8 @@ class WorkerReady:
     world_size: int = 1  # ranks of its tensor-parallel group (the scheduler waits for all)
     weight_bytes: int = 0  # model weights this rank holds (its shard); 0: not reported
     kv_cache_bytes: int = 0  # this rank's KV pool (its share of the KV heads); 0: not reported
+    quantization: str = "none"  # what the weights are: "none", "gguf", "q4_1", "int8", ...
+    kv_cache_dtype: str = ""  # the KV pool's storage dtype ("": the compute dtype)
     # speculative decoding: the worker's proposer ("ngram", "sim"); None: it does not
     # speculate, so the scheduler gives no draft limits (docs/design/speculation.md)
     proposer: Optional[str] = None
@@ -205,6 +208,13 @@ def check_plan(plan: StepPlan) -> None:
             raise ValueError(f"new sequence {seq.rid!r}: num_computed_tokens out of range")
         if not 0 < seq.num_prompt_tokens <= len(seq.token_ids):
             raise ValueError(f"new sequence {seq.rid!r}: num_prompt_tokens out of range")
+
+
+def default_seed(rid: str) -> int:
+    """The seed of a request that has none: a stable function of its rid (crc32: the same in
+    every process and run, unlike Python's salted hash()). The frontend pins it on every
+    sampled request it submits, so that a resumption under another rid draws the same."""
+    return zlib.crc32(rid.encode("utf-8"))
 
 
 def worker_identity(rank: int) -> bytes:

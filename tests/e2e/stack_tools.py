@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from conveyor.launcher import LocalStack, StackSettings, gateway_available, probe_health
 from services.gateway.config import GatewayConfig
@@ -22,8 +22,12 @@ from tests.bounds import SLOW_HOST_MARGIN_S
 ROOT = Path(__file__).resolve().parents[2]
 
 # Small enough to allocate fast, large enough for 64 concurrent short requests (each block
-# holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens).
-ENGINE_WORKER = WorkerConfig(dtype="float32", kv_cache_memory=384 << 20, max_model_len=2048)
+# holds 16 tokens; 384 MiB in fp32 is ~540 blocks, ~8.6k tokens). The exact-greedy tests compare
+# tokens with fp32 transformers on the dequantized weights: fp32 and `--quantization none`
+# pinned (the quantized default has its own agreement tests: test_quant_quality.py).
+ENGINE_WORKER = WorkerConfig(
+    dtype="float32", quantization="none", kv_cache_memory=384 << 20, max_model_len=2048
+)
 
 
 READY_TIMEOUT_S = 180.0  # a cold start loads torch (and the model) in every process
@@ -142,14 +146,18 @@ class UpProcess:
         return self.proc.returncode, "".join(self.lines), err
 
 
-def start_up(tmp_path: Path, *flags: str, worker: str = "sim") -> tuple[UpProcess, str]:
+def start_up(
+    tmp_path: Path, *flags: str, worker: str = "sim", http_port: Optional[int] = None
+) -> tuple[UpProcess, str]:
     """`conveyor up` with the SIMULATED worker (or, `worker="model"`, the real one in fp32 with
-    ENGINE_WORKER) and no gateway, serving: (process, address)."""
+    ENGINE_WORKER) and no gateway (with `http_port`: the gateway on that port), serving:
+    (process, address). `flags` come last: they may override ENGINE_WORKER's."""
     address = f"tcp://127.0.0.1:{free_port()}"
     worker_flags = ["--worker", worker]
     if worker == "model":
         worker_flags += config_argv(ENGINE_WORKER, {})
-    argv = [sys.executable, "-m", "conveyor", "up", *worker_flags, "--no-gateway",
+    gateway = ["--no-gateway"] if http_port is None else ["--http-port", str(http_port)]
+    argv = [sys.executable, "-m", "conveyor", "up", *worker_flags, *gateway,
             "--frontend-addr", address, "--log-dir", str(tmp_path / "logs"), *flags]  # fmt: skip
     up = UpProcess(argv)
     up.wait_serving(timeout=600)

@@ -4,7 +4,8 @@ Eight mixed-length requests at 4 % of the mixed lengths (prompts 1-20 tokens, ou
 EOS ignored so every output length is known in advance. Checks the JSON (vLLM's field names,
 token totals exact), the pictures (valid PNGs; one timeline row per request), and the same
 workload through the OpenAI-compatible backend (the engine's gateway, or one started here).
-The last test runs `--compare-batching` itself on the simulated worker (two engine starts).
+The last two run `--compare-batching` and `--compare step_composition=...` on the simulated
+worker (two and three engine starts).
 Rough runtime: 60-150 s on the shared 2-core machine (process start-ups, real-model steps, plots).
 """
 
@@ -25,6 +26,7 @@ import orjson
 import pytest
 
 from conveyor.bench.cli import main
+from conveyor.bench.steplog import read_step_log
 from conveyor.bench.workloads import WorkloadConfig, generate
 
 pytestmark = pytest.mark.e2e
@@ -211,7 +213,7 @@ def test_compare_batching_runs_each_mode_on_its_own_engine(tmp_path: Path) -> No
     assert report["command"].startswith("conveyor bench --compare-batching --worker sim")
     assert report["config"]["sim_device"] == "h200"
     static, cont = report["table"]
-    assert (static["mode"], cont["mode"]) == ("static", "continuous")
+    assert (static["batching"], cont["batching"]) == ("static", "continuous")
     assert static["done"] == cont["done"] == 8
     assert static["x static"] == 1.0 and cont["x static"] > 0
     assert cont["model x"] > 0 and cont["packing x"] >= cont["model x"] * 0.5
@@ -223,3 +225,35 @@ def test_compare_batching_runs_each_mode_on_its_own_engine(tmp_path: Path) -> No
         assert (out / f"timeline-mixed-{mode}.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "cdf-mixed.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "compare.md").read_text().startswith("`conveyor bench --compare-batching")
+
+
+def test_compare_any_setting_runs_the_flags_workload_on_each_engine(tmp_path: Path) -> None:
+    """`--compare step_composition=...` on the SIMULATED worker: long prompts arriving into
+    running decodes, one engine per composition; the latency table, and each engine's step log
+    has its composition's shape (decode-first and prefill-first never mix prompt chunks with
+    decodes in one forward; mixed does here)."""
+    out = tmp_path / "compositions"
+    values = ["mixed", "prefill-first", "decode-first"]
+    rc = main(
+        ["--compare", "step_composition=" + ",".join(values), "--worker", "sim",
+         "--sim-device", "h200", "--sim-model", "llama-3-8b", "--workload", "uniform",
+         "--input-len", "1024", "--output-len", "24", "--num-prompts", "6",
+         "--request-rate", "40", "--ignore-eos", "--engine-flag", "max_num_batched_tokens=512",
+         "--engine-flag", "chunk_size=512", "--no-progress", "--engine-timeout", "180",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    report = orjson.loads((out / "compare.json").read_bytes())
+    assert [r["step_composition"] for r in report["table"]] == values
+    for row in report["table"]:
+        assert row["done"] == 6 and row["TTFT p50 s"] > 0 and row["ITL max ms"] >= row["ITL p99 ms"]
+    assert report["table"][0]["x mixed"] == 1.0
+    assert (out / "steps-uniform.png").read_bytes()[:8] == PNG_MAGIC
+    shapes = {}
+    for value in values:
+        steps = read_step_log(out / "logs" / value / "scheduler.log")
+        shapes[value] = {(not s.is_decode_only, not any(s.is_prefill) or all(s.is_prefill))
+                         for s in steps}  # fmt: skip
+        assert (out / f"timeline-uniform-{value}.png").read_bytes()[:8] == PNG_MAGIC
+    assert (True, False) in shapes["mixed"]  # a prompt chunk beside decodes
+    assert shapes["prefill-first"] == shapes["decode-first"] == {(True, True), (False, True)}

@@ -26,10 +26,10 @@ STAGES = [
     "install",
     "models",
     "gpu_check",
-    "correctness",
     "serve_smollm2",
     "serve_llama-1b",
     "hf_static",
+    "correctness",
 ]
 OUT_FILES = {"gpu_e2e.json", "gpu_e2e.md", "gpu_e2e.log", "gpu_check.json", "logs.tar.gz"}
 
@@ -59,6 +59,7 @@ def test_dry_run_lists_every_stage_ok(tmp_path: Path) -> None:
     assert not failed, f"{failed}\n{proc.stdout[-3000:]}\n{log[-6000:]}"
     assert [s["name"] for s in report["stages"]] == STAGES
     assert report["ok"] and proc.returncode == 0 and report["mode"] == "dry-run"
+    assert not report["partial"]
     # what comes back from a device is at most 8 files: these
     assert {p.name for p in out.iterdir()} == OUT_FILES
 

@@ -2,10 +2,11 @@
 
 `conveyor up` with the real worker and a KV pool too small for the batch (8 MiB: ~180 tokens
 for 8 requests of ~60): constrained requests are preempted and recomputed, and their worker
-rebuilds each matcher from the token history. Then the same requests again, and the worker is
-killed (SIGKILL) once every stream has its first chunk: `up` restarts it, the scheduler replays
-every request on it, and the new worker's matchers are rebuilt the same way. Every reply is the
-undisturbed run's, token for token, and validates against its schema.
+rebuilds each matcher from the token history; every reply validates against its schema. Then
+the same requests again, and the worker is killed (SIGKILL) once every stream has its first
+chunk: `up` restarts it, the scheduler replays them on it (some were preempted before: the
+scheduler's own bookkeeping of that must not outlive the old worker), and the new worker's
+matchers are rebuilt the same way: the replies are the first run's, token for token.
 Rough runtime: 60-120 s on the shared 2-core machine (two model loads, ~40 decode steps x 3).
 """
 

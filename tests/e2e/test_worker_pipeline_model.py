@@ -50,8 +50,8 @@ def _run(runner: ModelRunner, pipelined: bool, prompts: list[list[int]], stops: 
 
 
 def test_pipelined_real_model_gives_the_same_greedy_tokens() -> None:
-    config = WorkerConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512,
-                          pipeline_steps="on")  # fmt: skip
+    config = WorkerConfig(dtype="float32", quantization="none", kv_cache_memory=64 << 20,
+                          max_model_len=512, pipeline_steps="on")  # fmt: skip
     runner = ModelRunner(config)
     tokenizer = Tokenizer.from_file(str(runner.folder / "tokenizer.json"))
     prompts = [tokenizer.encode(text).ids for text in TEXTS]

@@ -43,6 +43,7 @@ def test_dry_run_covers_every_section_and_imports_only_torch_and_triton(tmp_path
     for kernel in ("write_kv", "rms_norm", "rotary", "silu_and_mul", "attention"):
         assert any(n.startswith(kernel) for n in names), kernel
     assert any("split" in n for n in names)
+    assert all(c["seconds"] >= 0 for c in report["checks"])  # per check, for the device run
     assert report["copy"]["gb_s"] > 0
     assert len(report["decode_attention"]) == 2 and len(report["prefill_attention"]) == 1
     assert {r["kind"] for r in report["engine_step"]} == {"decode", "mixed"}

@@ -25,7 +25,15 @@ from test_scheduler_properties import (
     arrivals,
     configs,
 )
-from test_scheduler_support import CheckingWorker, FakeClock, Run, drive, make, submit
+from test_scheduler_support import (
+    CheckingWorker,
+    FakeClock,
+    Run,
+    check_composition,
+    drive,
+    make,
+    submit,
+)
 
 from services.scheduler import Scheduler, SchedulerConfig
 from shared.protocol.worker_channel import StepResult
@@ -50,6 +58,7 @@ def _run_out_of_phase(
         while sched.can_schedule() and (ahead or not results):
             plan = sched.schedule()
             sched.check_invariants()
+            check_composition(sched, plan)
             if plan is None:
                 break
             assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
@@ -126,6 +135,7 @@ def test_out_of_phase_results_keep_every_invariant(
     assert sched.pool.num_used == 0 and sched.pool.num_free == num_blocks  # no leak
     assert set(run.outputs) <= set(admitted)
     event(f"preempted: {sched.stats()['num_preemptions'] > 0}")
+    event(f"composition: {config.step_composition}")
     for rid, a in admitted.items():
         event(f"{config.batching} finish: {run.final(rid).finish_reason}")
         _check_final(run, rid, a, min(max_model_len, num_blocks * block_size + 1))

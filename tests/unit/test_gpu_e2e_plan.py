@@ -22,8 +22,8 @@ from bench.gpu import e2e_models as gpu_e2e_models
 from bench.gpu import e2e_pack as gpu_e2e_pack
 from bench.gpu import e2e_serve as gpu_e2e_serve
 from bench.gpu.check import parse_args as gpu_check_args
-from bench.gpu.e2e import MIN_STAGE_S, REPORT_RESERVE_S, Runner, Stage, stage_list
-from bench.gpu.e2e_plan import PLANS
+from bench.gpu.e2e import MIN_STAGE_S, REPORT_RESERVE_S, Runner, Stage, _report, stage_list
+from bench.gpu.e2e_plan import PLANS, sequential_limit_s
 from bench.gpu.e2e_report import markdown, summarize
 from conveyor.cli import build_parser
 from tests.bounds import SLOW_HOST_MARGIN_S
@@ -79,6 +79,29 @@ def test_device_plan_serves_the_issue_bursts() -> None:
     assert plan.serving["llama-1b"].bursts == "256,1024"
     # gpu_check stops itself (soft limit + its 20 s alarm) inside its stage limit
     assert plan.check_soft_limit_s + 20 < plan.limits["gpu_check"]
+
+
+def test_device_plan_fits_its_deadline() -> None:
+    # the stages run one after another fit the overall limit with the report's reserve (the
+    # pipelining comparison runs last on what is left), and each stack is ready in its stage
+    plan = PLANS["device"]
+    assert sequential_limit_s(plan) + REPORT_RESERVE_S <= plan.time_limit_s
+    for served in plan.serving.values():
+        args = served.serve_args
+        assert float(args[args.index("--ready-timeout") + 1]) < served.serve_limit_s
+
+
+def test_partial_report_lists_the_stages_that_ended(tmp_path: Path) -> None:
+    runner = Runner(120.0, tmp_path / "log", dict(os.environ))
+    done = Stage("first", [sys.executable, "-c", "pass"], limit_s=60.0)
+    later = Stage("second", [sys.executable, "-c", "pass"], limit_s=60.0)
+    runner.run(done)
+    runner.stages.append(later)  # started, not ended: left out of the partial report
+    runner.close()
+    report = _report({"mode": "test"}, runner, {"first": done, "second": later}, partial=True)
+    assert report["partial"] and not report["ok"]
+    assert [s["name"] for s in report["stages"]] == ["first"]
+    assert report["stages"][0]["ok"] and set(report["results"]) == {"first"}
 
 
 def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path: Path) -> None:

@@ -18,10 +18,18 @@ from typing import Optional
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import CheckingWorker, FakeClock, Run, last_record, token_for
+from test_scheduler_support import (
+    CheckingWorker,
+    FakeClock,
+    Run,
+    check_composition,
+    last_record,
+    token_for,
+)
 
 from services.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.composition import STEP_COMPOSITIONS
 from services.scheduler.policy import WaitingQueue
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
@@ -76,6 +84,8 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
         batching=draw(st.sampled_from(["continuous", "continuous", "dynamic", "static"])),
         watermark=draw(st.sampled_from([0.0, 0.1])),
         enable_prefix_caching=True,
+        step_composition=draw(st.sampled_from(STEP_COMPOSITIONS)),
+        max_prefill_chunks=draw(st.integers(1, 3)),
     )
 
 
@@ -126,6 +136,7 @@ def test_shared_prefix_workloads_keep_every_invariant(
             assert sched.reset_prefix_cache() >= 0
         plan = sched.schedule()
         sched.check_invariants()
+        check_composition(sched, plan)
         if plan is not None:
             if after_plan:
                 sched.after_plan()
@@ -143,6 +154,7 @@ def test_shared_prefix_workloads_keep_every_invariant(
     event(f"hits: {stats['prefix_cache_hits'] > 0}")
     event(f"evictions: {stats['num_prefix_cache_evictions'] > 0}")
     event(f"preempted: {stats['num_preemptions'] > 0}")
+    event(f"composition: {config.step_composition}")
     for rid, a in admitted.items():
         final = run.final(rid)
         tokens = run.tokens(rid)

@@ -33,6 +33,8 @@ from shared.protocol.worker_channel import StepResult, TokenLogprobs
         {"batching": "greedy"},
         {"watermark": 1.0},
         {"max_waiting": True},
+        {"step_composition": "alternate"},
+        {"max_prefill_chunks": 0},
     ],
 )
 def test_config_rejects_bad_values(kw: dict[str, Any]) -> None:

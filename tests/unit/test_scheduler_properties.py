@@ -1,8 +1,11 @@
 """Property tests over random configs, workloads, worker results and aborts (~10-20 s).
 
 After every step: the scheduler passes `check_invariants()` (and the checking worker saw no
-request read another's KV), tokens scheduled <= budget, running <= max_num_seqs. At the end:
-every admitted request finished exactly once, within its limits, and no block leaked.
+request read another's KV), tokens scheduled <= budget, running <= max_num_seqs, and the plan
+has its step composition's shape (prefill-first and decode-first never mix prompt chunks with
+decodes in one forward; decode-first runs at most `max_prefill_chunks` chunks in one). At the
+end: every admitted request finished exactly once, within its limits, and no block leaked.
+Every composition runs under each of these properties (drawn with the rest of the config).
 """
 
 from __future__ import annotations
@@ -12,9 +15,17 @@ from typing import Optional
 
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from test_scheduler_support import CheckingWorker, FakeClock, Run, submit, token_for
+from test_scheduler_support import (
+    CheckingWorker,
+    FakeClock,
+    Run,
+    check_composition,
+    submit,
+    token_for,
+)
 
 from services.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.composition import STEP_COMPOSITIONS
 from shared.protocol.errors import ErrorCode
 
 EOS = 0
@@ -58,6 +69,8 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
         policy=draw(st.sampled_from(["fcfs", "priority", "short-first"])),
         batching=draw(st.sampled_from(["continuous", "continuous", "dynamic", "static"])),
         watermark=draw(st.sampled_from([0.0, 0.05, 0.2])),
+        step_composition=draw(st.sampled_from(STEP_COMPOSITIONS)),
+        max_prefill_chunks=draw(st.integers(1, 3)),
     )
 
 
@@ -161,6 +174,7 @@ def test_random_workloads_keep_every_invariant(
         admitted.update(_arrive_and_abort(sched, workload, step, False, run))
         plan = sched.schedule()
         _check_plan_limits(sched, 0 if plan is None else plan.num_scheduled_tokens)
+        check_composition(sched, plan)
         if plan is not None:
             _arrive_and_abort(sched, workload, step, True, run)  # aborts while in flight
             run.add(sched.update(worker.execute(plan)))
@@ -173,6 +187,7 @@ def test_random_workloads_keep_every_invariant(
     sched.check_invariants()
     assert set(run.outputs) <= set(admitted)
     event(f"preempted: {sched.stats()['num_preemptions'] > 0}")
+    event(f"composition: {config.step_composition}")
     for rid, a in admitted.items():
         event(f"{config.batching} finish: {run.final(rid).finish_reason}")
         _check_final(run, rid, a, min(max_model_len, num_blocks * block_size + 1))

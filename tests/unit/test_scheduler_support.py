@@ -242,6 +242,21 @@ def last_record(sched: Scheduler) -> StepRecord:
     return flight.record
 
 
+def check_composition(sched: Scheduler, plan: Optional[StepPlan]) -> None:
+    """The plan just built has its step composition's shape (its step record says which of its
+    requests computed prompt chunks and which decoded)."""
+    if plan is None:
+        return
+    flight = sched.in_flight.newest()
+    assert flight is not None and flight.step_id == plan.step_id
+    is_prefill = flight.record.is_prefill
+    composition = sched.config.step_composition
+    if composition != "mixed":
+        assert all(is_prefill) or not any(is_prefill), f"{composition}: a mixed forward"
+    if composition == "decode-first":
+        assert sum(is_prefill) <= sched.config.max_prefill_chunks
+
+
 def drive(
     sched: Scheduler,
     worker: CheckingWorker,

@@ -199,3 +199,23 @@ def test_dynamic_batching_fails_the_whole_step() -> None:
     outs = sched.bisect_failed_step(ErrorCode.WORKER_FAILED, "boom")
     assert sorted(o.rid for o in outs) == sorted(record.rids) and sched.faults.num_held == 0
     sched.check_invariants()
+
+
+def test_a_request_preempted_before_the_worker_is_lost_keeps_every_token() -> None:
+    """Its preemption was noted at a version of the old core's running set; the new core's
+    versions start again from 0, so the note must go, or the new core's samples for it are
+    dropped while the worker keeps them (found by tests/e2e/test_structured_faults.py)."""
+    want = _undisturbed()
+    sched, worker, clock = make(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
+    _submit_all(sched)
+    run = Run()
+    for _ in range(40):
+        _steps(sched, worker, run, 1)
+        if sched.stats()["num_preemptions"] > 0:
+            break
+    assert sched.stats()["num_preemptions"] > 0  # the pool is too small for the batch
+    _steps(sched, worker, run, 2)
+    assert sched.requeue_all(3, ErrorCode.WORKER_FAILED, "lost") == []
+    drive(sched, worker, clock, run=run)
+    for rid in RIDS:
+        assert run.tokens(rid) == want.tokens(rid), rid

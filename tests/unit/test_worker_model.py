@@ -48,6 +48,7 @@ def runner(folder) -> ModelRunner:
         WorkerConfig(
             model=str(folder),
             dtype="float32",
+            quantization="none",  # token-exact against transformers on the dequantized weights
             block_size=16,
             kv_cache_memory=256 << 20,
             max_model_len=2048,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from services.worker.config import WorkerConfig
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVCache, free_memory_bytes
+from services.worker.kv_sizing import profile_step
 from services.worker.plan_writer import PlanWriter
 from services.worker.runner import ModelRunner
 from shared.protocol.sampling import SamplingParams
@@ -71,7 +72,30 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="block_size"):
         WorkerConfig(block_size=0)
     with pytest.raises(ValueError, match="not both"):
-        WorkerConfig(kv_cache_memory=1 << 20, kv_cache_fraction=0.1)
+        WorkerConfig(kv_cache_memory=1 << 20, gpu_memory_utilization=0.1)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        WorkerConfig(gpu_memory_utilization=1.5)
+
+
+def test_memory_utilization_sizes_the_pool_after_the_weights(tiny: Path) -> None:
+    # On CPU: the share of the memory available once the weights are loaded (kv_sizing.py);
+    # the pool is that many bytes' worth of whole blocks, within what the host has.
+    available = free_memory_bytes("cpu")
+    r = make_runner(tiny, kv_cache_memory=None, gpu_memory_utilization=0.001)
+    per_block = r.kv_cache.num_bytes // r.kv_cache.num_blocks
+    assert r.kv_cache.num_bytes <= 0.001 * available * 1.5  # the host's memory moves a little
+    assert r.kv_cache.num_bytes >= 0.001 * available * 0.5 - per_block
+
+
+def test_profile_step_is_a_valid_step(tiny: Path) -> None:
+    # The profiling forward's step (CUDA sizing, and the warm-up's forwards): sequences of at
+    # most max_model_len tokens, each in blocks of its own, run like a served step.
+    r = make_runner(tiny, kv_cache_memory=64 * 8192)
+    step, num_blocks = profile_step(100, 48, 16, torch.device("cpu"))
+    assert step.seq_lens.tolist() == [48, 48, 4] and num_blocks == 3 + 3 + 1
+    assert sorted(step.slot_mapping.tolist()) == step.slot_mapping.tolist()
+    logits = r.model.forward(step, r.kv_cache.layers)
+    assert logits is not None and logits.shape[0] == 100 and torch.isfinite(logits).all()
 
 
 def _run_script(
@@ -309,11 +333,11 @@ def test_dtype_probe_measures_then_caches(tiny: Path, tmp_path: Path) -> None:
     from services.worker.weights import model_args
 
     args = model_args(tiny)
-    first = decide_cpu_dtype(args, tmp_path)
+    first = decide_cpu_dtype(args, tmp_path, load_fn=lambda: 0.0)
     assert first.source == "probe"
     assert all(rate > 0 for rate in first.gflops.values())
     assert first.dtype == choose(first.gflops)
-    again = decide_cpu_dtype(args, tmp_path)
+    again = decide_cpu_dtype(args, tmp_path, load_fn=lambda: 0.0)
     assert (again.source, again.gflops, again.dtype) == ("cache", first.gflops, first.dtype)
     assert choose({"float32": 10.0, "bfloat16": 14.9}) == "float32"
     assert choose({"float32": 10.0, "bfloat16": 15.0}) == "bfloat16"

@@ -17,7 +17,13 @@ from services.worker.sim.profiles import (
     load_device,
 )
 
-WEIGHT_DTYPE_BYTES = {"bfloat16": 2, "float8": 1}
+# Bytes per weight a step reads: float formats, and the quantized ones the real worker serves
+# (services/worker/linear.py; GGUF blocks of 32 weights with their fp16 scales: q4_0 18 bytes,
+# q4_1 20, q8_0 34; int8 per output channel).
+WEIGHT_DTYPE_BYTES: dict[str, float] = {
+    "float32": 4.0, "bfloat16": 2.0, "float8": 1.0, "int8": 1.0,
+    "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32,
+}  # fmt: skip
 
 # Emitted token ids stay below this by default: ordinary BPE tokens in both Llama-3's and
 # SmolLM2's vocabularies, so the stack's real tokenizer can detokenize them whatever model the

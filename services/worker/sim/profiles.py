@@ -119,7 +119,7 @@ class ModelShape:
     tie_embeddings: bool
     max_position: int
     eos_token_ids: list[int] = field(default_factory=list)
-    weight_bytes_per_param: int = 2  # bf16
+    weight_bytes_per_param: float = 2.0  # bf16; a quantized format's bytes (q4_1: 0.625)
     kv_bytes_per_elem: int = 2  # bf16 KV cache
 
     def __post_init__(self) -> None:
@@ -132,11 +132,12 @@ class ModelShape:
             self.head_dim,
             self.vocab_size,
             self.max_position,
-            self.weight_bytes_per_param,
             self.kv_bytes_per_elem,
         )
         if any(not isinstance(s, int) or s <= 0 for s in sizes):
             raise ValueError(f"model {self.name}: every size must be a positive integer")
+        if not self.weight_bytes_per_param > 0:
+            raise ValueError(f"model {self.name}: weight_bytes_per_param must be > 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model {self.name}: num_heads must be a multiple of num_kv_heads")
 
@@ -161,13 +162,13 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.weight_bytes_per_param
+        return int(self.num_params * self.weight_bytes_per_param)
 
     @property
     def step_weight_bytes(self) -> int:
         """Weights one step reads: every layer's linear weights and the LM head."""
         params = self.num_layers * self.linear_params_per_layer + self.lm_head_params
-        return params * self.weight_bytes_per_param
+        return int(params * self.weight_bytes_per_param)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -17,7 +17,7 @@ MAX_ID_BYTES = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
-CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache")
+CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache", "drain")
 
 
 class ClientMessageError(DecodeError):
@@ -51,6 +51,10 @@ class GenerateCommand:
     priority: int = 0
     add_generation_prompt: bool = True
     tools: Optional[list[dict[str, Any]]] = None  # OpenAI's {"type": "function", "function"}
+    # `resume`: a stream the client resumes here (its frontend was lost): the token ids and
+    # the text it received; None: a new request
+    resume_token_ids: Optional[list[int]] = None
+    resume_text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,20 @@ class ResetPrefixCacheCommand:
     id: Optional[str] = None
 
 
+@dataclass(frozen=True, slots=True)
+class DrainCommand:
+    """Maintenance: stop (`drain` True) or start again (False) admitting to one engine."""
+
+    engine: str  # the engine's name ("0", "1", ...: as in `health`)
+    drain: bool = True
+    id: Optional[str] = None
+
+
 ClientCommand = Union[
-    GenerateCommand, AbortCommand, HealthCommand, StatsCommand, ResetPrefixCacheCommand
+    GenerateCommand,
+    AbortCommand,
+    HealthCommand,
+    StatsCommand,
+    ResetPrefixCacheCommand,
+    DrainCommand,
 ]

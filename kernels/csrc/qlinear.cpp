@@ -1,0 +1,285 @@
+// Weight-only quantized linear layers: y[M, N] = x[M, K] @ dequant(W)[N, K]^T, with W in one of
+// GGUF's 32-weight block formats, dequantized in registers and multiplied in fp32. Torch
+// reference: kernels.quant.quant_linear_ref; packing and launcher: kernels/quant.py.
+//
+// Every format is read as w = q * d + m per block of 32 weights along K: Q4_1 (q in 0..15, its
+// own d and m), Q4_0 (q in 0..15, m = -8 d), Q8_0 (q in -128..127, m = 0). d and m come from the
+// file's fp16 and q * d is exact in fp32, so each dequantized weight is the very fp32 number the
+// dequantized reference holds: the outputs differ from it only by summation order.
+//
+// Packed layout (kernels/quant.py `pack`): columns (output features) in tiles of kTile = 2
+// vectors; per tile and k the tile's kTile codes are contiguous (4-bit: byte j holds column j in
+// its low nibble and column j + kTile/2 in its high one; 8-bit: one byte per column); d and m
+// per tile, group and column as fp32. So a k step loads one short run of bytes and two vectors of
+// scales, whatever the instruction set.
+//
+// Two schedules, the same arithmetic: few rows dequantize each k step in registers and use it
+// for all rows (memory-bound decode); more rows dequantize the tile once into a thread-local
+// fp32 panel [K, kTile] and run a register-blocked GEMM over it (compute-bound). Threads split
+// the column tiles. The vectors are GCC generic vectors: 16 lanes where the compiler targets
+// AVX-512 (__AVX512F__), else 8 (AVX2, or two SSE registers); FMA where __FMA__ or AVX-512 say so.
+
+#include "cpu_ops.h"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace conveyor {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kPanelRows = 8;  // rows per register block: 16 accumulators of 32 registers
+#else
+constexpr int kLanes = 8;
+constexpr int kPanelRows = 6;  // 12 accumulators of 16 registers
+#endif
+constexpr int kTile = 2 * kLanes;  // columns per tile
+constexpr int kGroup = 32;         // weights per quantization block along K
+constexpr int kDirectRows = 4;     // up to this many rows: dequantize in registers each k step
+
+typedef float fvec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
+
+inline fvec fmadd(fvec a, fvec b, fvec c) {  // a * b + c, fused where the CPU has FMA
+#if defined(__AVX512F__)
+  return (fvec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (fvec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline fvec load(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline fvec splat(float v) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_set1_ps(v);
+#elif defined(__AVX__)
+  return (fvec)_mm256_set1_ps(v);
+#else
+  fvec out;
+  for (int i = 0; i < kLanes; ++i) out[i] = v;
+  return out;
+#endif
+}
+
+// kLanes bytes from p widened to int32 lanes, zero- or sign-extended (GCC's generic
+// __builtin_convertvector does this byte by byte, so the widening is an intrinsic where one
+// exists).
+template <bool Signed>
+inline ivec widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (ivec)(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (ivec)(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  ivec out;
+  for (int i = 0; i < kLanes; ++i) {
+    out[i] = Signed ? static_cast<int32_t>(static_cast<int8_t>(p[i])) : static_cast<int32_t>(p[i]);
+  }
+  return out;
+#endif
+}
+
+enum Format : int64_t { kQ4 = 0, kQ8 = 1 };  // 4-bit unsigned codes, 8-bit signed codes
+
+// The codes of one tile at one k as floats: two vectors of kLanes columns.
+template <int F>
+inline void codes(const uint8_t* qs, int64_t k, fvec& lo, fvec& hi) {
+  if constexpr (F == kQ4) {
+    const ivec v = widen<false>(qs + k * (kTile / 2));
+    lo = __builtin_convertvector(v & 15, fvec);
+    hi = __builtin_convertvector(v >> 4, fvec);
+  } else {
+    lo = __builtin_convertvector(widen<true>(qs + k * kTile), fvec);
+    hi = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec);
+  }
+}
+
+struct Tile {
+  const uint8_t* qs;  // codes of the tile [K, kTile] (packed as above)
+  const float* d;     // [G, kTile]
+  const float* m;     // [G, kTile], or nullptr (Q8_0: no offset)
+};
+
+// The tile's weights at group g, k steps [k0, k0 + 32): w = q * d + m, in two vectors per k.
+template <int F>
+inline void dequant_group(const Tile& t, int64_t g, float* panel) {
+  const fvec d0 = load(t.d + g * kTile), d1 = load(t.d + g * kTile + kLanes);
+  const fvec m0 = t.m ? load(t.m + g * kTile) : fvec{};
+  const fvec m1 = t.m ? load(t.m + g * kTile + kLanes) : fvec{};
+  for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+    fvec lo, hi;
+    codes<F>(t.qs, k, lo, hi);
+    store(panel + k * kTile, fmadd(lo, d0, m0));
+    store(panel + k * kTile + kLanes, fmadd(hi, d1, m1));
+  }
+}
+
+// Rows [0, R) of x (fp32, leading dimension ldx) times the tile, dequantized in registers at
+// every k step; out [R, kTile] (fp32, leading dimension kTile).
+template <int F, int R>
+void direct_rows(const float* x, int64_t ldx, int64_t K, const Tile& t, float* out) {
+  fvec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const fvec d0 = load(t.d + g * kTile), d1 = load(t.d + g * kTile + kLanes);
+    const fvec m0 = t.m ? load(t.m + g * kTile) : fvec{};
+    const fvec m1 = t.m ? load(t.m + g * kTile + kLanes) : fvec{};
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      fvec lo, hi;
+      codes<F>(t.qs, k, lo, hi);
+      const fvec w0 = fmadd(lo, d0, m0), w1 = fmadd(hi, d1, m1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const fvec xv = splat(x[r * ldx + k]);
+        acc[r][0] = fmadd(xv, w0, acc[r][0]);
+        acc[r][1] = fmadd(xv, w1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store(out + r * kTile, acc[r][0]);
+    store(out + r * kTile + kLanes, acc[r][1]);
+  }
+}
+
+// Rows [0, R) of x times a dequantized panel [K, kTile]; out as direct_rows.
+template <int R>
+void panel_rows(const float* x, int64_t ldx, int64_t K, const float* panel, float* out) {
+  fvec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
+  for (int64_t k = 0; k < K; ++k) {
+    const fvec w0 = load(panel + k * kTile), w1 = load(panel + k * kTile + kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const fvec xv = splat(x[r * ldx + k]);
+      acc[r][0] = fmadd(xv, w0, acc[r][0]);
+      acc[r][1] = fmadd(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store(out + r * kTile, acc[r][0]);
+    store(out + r * kTile + kLanes, acc[r][1]);
+  }
+}
+
+template <int F>
+void direct_any(int64_t rows, const float* x, int64_t ldx, int64_t K, const Tile& t, float* out) {
+  switch (rows) {
+    case 1: direct_rows<F, 1>(x, ldx, K, t, out); break;
+    case 2: direct_rows<F, 2>(x, ldx, K, t, out); break;
+    case 3: direct_rows<F, 3>(x, ldx, K, t, out); break;
+    default: direct_rows<F, 4>(x, ldx, K, t, out); break;
+  }
+}
+
+void panel_any(int64_t rows, const float* x, int64_t ldx, int64_t K, const float* panel,
+               float* out) {
+  switch (rows) {
+    case 1: panel_rows<1>(x, ldx, K, panel, out); break;
+    case 2: panel_rows<2>(x, ldx, K, panel, out); break;
+    case 3: panel_rows<3>(x, ldx, K, panel, out); break;
+    case 4: panel_rows<4>(x, ldx, K, panel, out); break;
+    case 5: panel_rows<5>(x, ldx, K, panel, out); break;
+#if defined(__AVX512F__)
+    case 6: panel_rows<6>(x, ldx, K, panel, out); break;
+    case 7: panel_rows<7>(x, ldx, K, panel, out); break;
+#endif
+    default: panel_rows<kPanelRows>(x, ldx, K, panel, out); break;
+  }
+}
+
+// out [rows, kTile] -> y columns [n0, n0 + width) of `rows` rows (width < kTile on the last tile)
+template <typename T>
+void write_out(const float* out, int64_t rows, int64_t width, T* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < width; ++j) y[r * ldy + j] = from_f<T>(out[r * kTile + j]);
+  }
+}
+
+template <int F, typename T>
+void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qs,
+                  const float* d, const float* m, T* y) {
+  const int64_t num_tiles = (N + kTile - 1) / kTile;
+  const int64_t G = K / kGroup;
+  const int64_t tile_bytes = F == kQ4 ? K * kTile / 2 : K * kTile;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(static_cast<size_t>(kPanelRows * kTile));
+    std::vector<float> panel(M > kDirectRows ? static_cast<size_t>(K * kTile) : 0);
+    for (int64_t i = begin; i < end; ++i) {
+      const Tile t{qs + i * tile_bytes, d + i * G * kTile, m ? m + i * G * kTile : nullptr};
+      const int64_t width = std::min<int64_t>(kTile, N - i * kTile);
+      if (M <= kDirectRows) {
+        direct_any<F>(M, x, K, K, t, out.data());
+        write_out(out.data(), M, width, y + i * kTile, N);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) dequant_group<F>(t, g, panel.data());
+      for (int64_t r0 = 0; r0 < M; r0 += kPanelRows) {
+        const int64_t rows = std::min<int64_t>(kPanelRows, M - r0);
+        panel_any(rows, x + r0 * K, K, K, panel.data(), out.data());
+        write_out(out.data(), rows, width, y + r0 * N + i * kTile, N);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+int64_t qlinear_tile() { return kTile; }
+
+// x [M, K] (float32 or bfloat16, contiguous) @ W^T -> [M, N] in x's dtype. qs: uint8 codes packed
+// per tile; d, m: float32 [num_tiles, G, kTile] (m undefined for 8-bit codes); bits 4 or 8.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                   const c10::optional<at::Tensor>& m, int64_t n, int64_t bits) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK_VALUE(K % kGroup == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t num_tiles = (n + kTile - 1) / kTile;
+  const int64_t code_bytes = num_tiles * K * kTile * bits / 8;
+  TORCH_CHECK_VALUE(qs.scalar_type() == at::kByte && qs.is_contiguous() &&
+                        qs.numel() == code_bytes,
+                    "qs must be contiguous uint8 of ", code_bytes, " bytes");
+  const int64_t scale_numel = num_tiles * (K / kGroup) * kTile;
+  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == scale_numel,
+                    "d must be contiguous float32 of ", scale_numel, " elements");
+  if (bits == 4) {
+    TORCH_CHECK_VALUE(m.has_value() && m->scalar_type() == at::kFloat && m->is_contiguous() &&
+                          m->numel() == scale_numel,
+                      "4-bit codes need m: contiguous float32 like d");
+  }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  at::Tensor xf = bf16 ? x.to(at::kFloat) : x;  // the products are fp32 either way
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = bits == 4 ? m->data_ptr<float>() : nullptr;
+  if (bits == 4 && bf16) {
+    qlinear_impl<kQ4>(xp, M, K, n, qp, dp, mp, reinterpret_cast<uint16_t*>(y.data_ptr()));
+  } else if (bits == 4) {
+    qlinear_impl<kQ4>(xp, M, K, n, qp, dp, mp, y.data_ptr<float>());
+  } else if (bf16) {
+    qlinear_impl<kQ8>(xp, M, K, n, qp, dp, mp, reinterpret_cast<uint16_t*>(y.data_ptr()));
+  } else {
+    qlinear_impl<kQ8>(xp, M, K, n, qp, dp, mp, y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace conveyor
