@@ -27,6 +27,12 @@ from starlette.responses import Response
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import (
+    EmbeddingRequest,
+    embeddings_body,
+    plan_embeddings,
+    run_embeddings,
+)
 from services.gateway.errors import ApiError, from_engine_error, from_validation_errors
 from services.gateway.events import ChoiceEnd
 from services.gateway.fanout import ChoiceRuns
@@ -82,6 +88,18 @@ class Gateway:
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         return await self._serve("chat", plan_chat(body, self.limits), request)
+
+    async def embeddings(self, body: EmbeddingRequest) -> Response:
+        plan = plan_embeddings(body, self.limits)
+        if isinstance(plan, ApiError):
+            return error_response(plan)
+        rid = f"embd-{uuid.uuid4().hex}"
+        self.log.info("request", rid=rid, kind="embeddings", num_inputs=len(plan))
+        results = await run_embeddings(self.client, plan, rid)
+        if isinstance(results, ApiError):
+            return error_response(results)
+        model = self.config.served_model_name
+        return _json(embeddings_body(results, body.encoding_format, model))
 
     async def models(self) -> Response:
         name = self.config.served_model_name
@@ -317,6 +335,7 @@ def create_app(config: GatewayConfig, log: Any) -> FastAPI:
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
         ("/v1/completions", gw.completions, "POST"),
         ("/v1/chat/completions", gw.chat_completions, "POST"),
+        ("/v1/embeddings", gw.embeddings, "POST"),
         ("/v1/models", gw.models, "GET"),
         ("/health", gw.health, "GET"),
         ("/metrics", gw.metrics_text, "GET"),

@@ -22,6 +22,7 @@ from shared.protocol.client_channel import (
     Usage,
     chunk_reply,
     done_reply,
+    embedding_reply,
     error_reply,
 )
 from shared.protocol.engine_channel import RequestOutput, RequestTimings, SubmitRequest
@@ -76,6 +77,7 @@ class ClientRequest:
     engine: int = 0  # the engine it was sent to (index in the frontend's scheduler list)
     submit: Optional[SubmitRequest] = None  # what was sent: resubmitted if that engine is lost
     num_ids_detokenized: int = 0  # token ids already given to the detokenizer
+    embedding: Optional[list[float]] = None  # an `embed`'s pooled state, from its final output
     # Not streamed, no stop strings, no logprobs: nobody reads anything of it before its final
     # output, so a token that does not end it only needs appending to `token_ids` (and
     # `last_token_at` set). Once its first token came (`first_token_at` set through
@@ -90,6 +92,7 @@ class ClientRequest:
     def on_output(self, out: RequestOutput, now: float) -> Progress:
         """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
         self.num_cached_tokens = out.num_cached_tokens
+        self.embedding = out.embedding
         if out.new_token_ids:
             self._take(out.new_token_ids, out.logprobs, now)
         if out.finish_reason == "error":
@@ -190,6 +193,8 @@ class ClientRequest:
         engine_timings: Optional[RequestTimings],
         now: float,
     ) -> list[bytes]:
+        if self.sampling.pooling is not None and reason != "abort":
+            return [self._embedding_frame()]
         frames: list[bytes] = []
         whole = None
         if self.stream:
@@ -202,6 +207,16 @@ class ClientRequest:
         timings = self.timings(engine_timings, now)
         frames.append(done_reply(self.client_id, reason, stop_reason, usage, timings, whole))
         return frames
+
+    def _embedding_frame(self) -> bytes:
+        """An `embed`'s answer: its embedding (its sampled token is not shown), or an error
+        when the worker computed none (the simulated worker does not)."""
+        if self.embedding is None:
+            msg = "the engine's worker returned no embedding (a simulated worker computes none)"
+            return error_reply(ErrorCode.EMBEDDINGS_UNSUPPORTED, msg, self.client_id)
+        usage = Usage(self.num_prompt_tokens, 0, self.num_cached_tokens)
+        pooling = self.sampling.pooling or "last"
+        return embedding_reply(self.client_id, self.embedding, pooling, usage)
 
     def timings(self, engine: Optional[RequestTimings], now: float) -> Timings:
         """Durations seen by the frontend; the queue time comes from the scheduler's clock."""

@@ -17,9 +17,17 @@ from typing import Any, Optional, Union
 import zmq
 import zmq.asyncio
 
-from shared.client.core import ABORT_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
+from shared.client.core import ABORT_KINDS, EMBED_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
 from shared.client.sync_client import DEFAULT_ADDRESS
-from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
+from shared.client.types import (
+    Chunk,
+    Completion,
+    Done,
+    Embedding,
+    EngineError,
+    completion_from_chunks,
+    embedding_from_reply,
+)
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 from shared.protocol.errors import ErrorCode
 
@@ -106,6 +114,26 @@ class AsyncClient:
             request_id, prompt, messages, prompt_token_ids, True, priority, params
         )
         return AsyncStream(self, rid, frame)
+
+    async def embed(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        prompt_token_ids: Optional[list[int]] = None,
+        pooling: str = "last",
+        priority: int = 0,
+        request_id: Optional[str] = None,
+    ) -> Embedding:
+        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error."""
+        rid, frame = self._core.embed(request_id, prompt, prompt_token_ids, pooling, priority)
+        await self._start(rid, frame)
+        try:
+            msg = await self._next_for(rid, EMBED_KINDS)
+        except BaseException:
+            self._abandon(rid)  # cancelled or timed out: don't leave it running
+            raise
+        self._forget(rid)
+        return embedding_from_reply(msg)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True when it was in flight. Idempotent.

@@ -42,6 +42,7 @@ from shared.protocol.codec import DecodeError
 from shared.protocol.errors import ErrorCode
 
 RESULT_KINDS = ("done", "error")  # what ends a non-streaming request
+EMBED_KINDS = ("embedding", "done", "error")  # what ends an `embed` (done: it was aborted)
 STREAM_KINDS = ("chunk", "done", "error")  # what a stream reads
 ABORT_KINDS = ("aborted",)
 
@@ -99,6 +100,20 @@ class ClientCore:
         rid = request_id or uuid.uuid4().hex
         fields = request_fields(prompt, messages, prompt_token_ids, stream, priority, params)
         return rid, generate_frame(rid, fields, self.max_frame_bytes)
+
+    def embed(
+        self,
+        request_id: Optional[str],
+        prompt: Optional[str],
+        prompt_token_ids: Optional[list[int]],
+        pooling: str,
+        priority: int,
+    ) -> tuple[str, bytes]:
+        """(request id, `embed` frame); the id is made up when not given."""
+        rid = request_id or uuid.uuid4().hex
+        fields = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "pooling": pooling,
+                  "priority": priority}  # fmt: skip
+        return rid, encode_client_message("embed", rid, **fields)
 
     def query(self, kind: str) -> tuple[str, bytes]:
         """(query id, frame) of a `health` or `stats` query; its box is open."""

@@ -16,8 +16,16 @@ from typing import Any, Optional, Union
 import zmq
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR
-from shared.client.core import ABORT_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
-from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
+from shared.client.core import ABORT_KINDS, EMBED_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
+from shared.client.types import (
+    Chunk,
+    Completion,
+    Done,
+    Embedding,
+    EngineError,
+    completion_from_chunks,
+    embedding_from_reply,
+)
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 from shared.protocol.errors import ErrorCode
 
@@ -96,6 +104,27 @@ class Client:
             raise
         self._core.forget(rid)
         return self._core.completion(msg)
+
+    def embed(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        prompt_token_ids: Optional[list[int]] = None,
+        pooling: str = "last",
+        priority: int = 0,
+        request_id: Optional[str] = None,
+    ) -> Embedding:
+        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error."""
+        rid = self._start(
+            *self._core.embed(request_id, prompt, prompt_token_ids, pooling, priority)
+        )
+        try:
+            msg = self._next_for(rid, EMBED_KINDS)
+        except EngineError:
+            self._abandon(rid)  # timed out: don't leave it running
+            raise
+        self._core.forget(rid)
+        return embedding_from_reply(msg)
 
     def stream(
         self,

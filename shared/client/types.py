@@ -60,6 +60,25 @@ class Completion:
     stop_reason: Union[str, int, None] = None
 
 
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """An `embed`'s answer: the prompt's pooled hidden state, L2-normalised."""
+
+    id: str
+    embedding: list[float]  # [hidden size]
+    pooling: str  # "last" | "mean"
+    usage: dict[str, int]  # prompt_tokens (completion_tokens 0)
+
+
+def embedding_from_reply(msg: dict[str, Any]) -> Embedding:
+    """An `embed`'s last reply; EngineError on `error` (or a `done`: it was aborted)."""
+    if msg["type"] == "error":
+        raise error_from_wire(msg)
+    if msg["type"] != "embedding":
+        raise EngineError(ErrorCode.INTERNAL, f"embed ended with {msg['type']!r}")
+    return Embedding(msg["id"], msg["embedding"], msg["pooling"], msg["usage"])
+
+
 def chunk_from_wire(msg: dict[str, Any]) -> Chunk:
     return Chunk(
         id=msg["id"],

@@ -121,6 +121,7 @@ class RequestOutput:
     error_message: Optional[str] = None
     # prompt tokens whose KV came from the prefix cache when the request was first scheduled
     num_cached_tokens: int = 0
+    embedding: Optional[list[float]] = None  # an embedding request's pooled state (final)
 
 
 @dataclass(frozen=True, slots=True)

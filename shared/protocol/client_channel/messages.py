@@ -17,7 +17,7 @@ MAX_ID_BYTES = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
-CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache")
+CLIENT_MESSAGE_TYPES = ("generate", "embed", "abort", "health", "stats", "reset_prefix_cache")
 
 
 class ClientMessageError(DecodeError):
@@ -39,7 +39,8 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class GenerateCommand:
-    """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set."""
+    """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set. An
+    `embed` is one too: its sampling names a pooling (answered with `embedding`)."""
 
     id: str
     sampling: SamplingParams
