@@ -49,6 +49,7 @@ from services.gateway.responses import ChoiceState, Kind, ResponseMeta, full_bod
 from services.gateway.streaming import ClosingStreamingResponse, sse_body
 from shared.client import AsyncClient, EngineError
 from shared.protocol.errors import ErrorCode
+from shared.tracing import Tracing, open_span
 
 T = TypeVar("T")
 HEALTH_TIMEOUT_S = 5.0
@@ -59,9 +60,10 @@ CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, lo
 class Gateway:
     """Route handlers and the live objects they share (engine client, metrics)."""
 
-    def __init__(self, config: GatewayConfig, log: Any) -> None:
+    def __init__(self, config: GatewayConfig, log: Any, tracing: Optional[Tracing] = None) -> None:
         self.config = config
         self.log = log
+        self.tracing = tracing  # a span per request (shared/tracing.py); None: off
         self.client = AsyncClient(
             config.engine_addr,
             timeout=config.engine_timeout_s,
@@ -89,13 +91,19 @@ class Gateway:
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         return await self._serve("chat", plan_chat(body, self.limits), request)
 
-    async def embeddings(self, body: EmbeddingRequest) -> Response:
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         plan = plan_embeddings(body, self.limits)
         if isinstance(plan, ApiError):
             return error_response(plan)
         rid = f"embd-{uuid.uuid4().hex}"
         self.log.info("request", rid=rid, kind="embeddings", num_inputs=len(plan))
-        results = await run_embeddings(self.client, plan, rid)
+        span = open_span(self.tracing, "gateway.embeddings", request, rid)
+        try:
+            tp = self.tracing.traceparent(span) if self.tracing and span else None
+            results = await run_embeddings(self.client, plan, rid, tp)
+        finally:
+            if span is not None:
+                span.end()
         if isinstance(results, ApiError):
             return error_response(results)
         model = self.config.served_model_name
@@ -167,13 +175,17 @@ class Gateway:
         async def close_and_release() -> None:
             await runs.aclose()
             slot.release()
+            if span is not None:
+                span.end()
 
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         meta = ResponseMeta(
             kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
         )
+        span = open_span(self.tracing, f"gateway.{kind}", request, meta.id)
+        trace = {"traceparent": self.tracing.traceparent(span)} if self.tracing and span else {}
         calls = [
-            replace(c, kwargs={**c.kwargs, "request_id": f"{meta.id}-{c.index}"})
+            replace(c, kwargs={**c.kwargs, "request_id": f"{meta.id}-{c.index}", **trace})
             for c in plan.calls
         ]
         plan = replace(plan, calls=calls)
@@ -309,9 +321,10 @@ def _json(body: dict[str, Any]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def create_app(config: GatewayConfig, log: Any) -> FastAPI:
-    """The ASGI app; the engine client connects lazily, the stats poller runs while it serves."""
-    gw = Gateway(config, log)
+def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = None) -> FastAPI:
+    """The ASGI app; the engine client connects lazily, the stats poller runs while it serves.
+    `tracing`: a span per request (None: tracing off)."""
+    gw = Gateway(config, log, tracing)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -322,6 +335,8 @@ def create_app(config: GatewayConfig, log: Any) -> FastAPI:
             poll.cancel()
             await asyncio.gather(poll, return_exceptions=True)
             await gw.client.close()
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(title="Conveyor OpenAI-compatible gateway", lifespan=lifespan)
     app.state.gateway = gw

@@ -66,11 +66,16 @@ def plan_embeddings(
 
 
 async def run_embeddings(
-    client: AsyncClient, calls: list[dict[str, object]], request_id: str
+    client: AsyncClient,
+    calls: list[dict[str, object]],
+    request_id: str,
+    traceparent: Optional[str] = None,
 ) -> Union[list[Embedding], ApiError]:
     """Every input's embedding, in order; the first engine error cancels the others."""
     tasks = [
-        asyncio.ensure_future(client.embed(**call, request_id=f"{request_id}-{i}"))  # type: ignore[arg-type]
+        asyncio.ensure_future(
+            client.embed(**call, request_id=f"{request_id}-{i}", traceparent=traceparent)  # type: ignore[arg-type]
+        )
         for i, call in enumerate(calls)
     ]
     try:

@@ -26,6 +26,7 @@ from services.tokenizer.request_state import ClientRequest
 from services.tokenizer.request_table import RequestTable
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
+from services.tokenizer.tracing import request_trace
 from shared.protocol import client_channel as cc
 from shared.protocol.engine_channel import (
     AbortRequest,
@@ -34,6 +35,7 @@ from shared.protocol.engine_channel import (
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
+from shared.tracing import Tracing
 from shared.transport import Drain
 
 LOST = "scheduler_unreachable"  # the not-ready reason of a lost engine
@@ -55,8 +57,11 @@ class RequestFlow:
         clients: ClientLink,
         drain: Drain,
         log: Any,
+        tracing: Optional[Tracing] = None,
     ) -> None:
+        """`tracing`: spans of each request (services/tokenizer/tracing.py); None: off."""
         self._config = config
+        self._tracing = tracing
         self._codec = codec
         self._table = table
         self._engines = engines
@@ -101,13 +106,22 @@ class RequestFlow:
             return
         rid = f"{self._config.frontend_id}-{self._next_seq}"
         self._next_seq += 1
-        submit = SubmitRequest(rid, checked, cmd.sampling, cmd.priority, time.time())
+        trace = request_trace(self._tracing, cmd.traceparent, now, cmd.id)
+        traceparent = None
+        if trace is not None:
+            trace.submitted(rid)
+            traceparent = trace.traceparent
+        submit = SubmitRequest(rid, checked, cmd.sampling, cmd.priority, time.time(), traceparent)
         engine = self._engines.submit(submit, exclude=None)
         if engine is None:
             msg = "no scheduler is connected"
             self._clients.reply_error(ident, ErrorCode.ENGINE_UNREACHABLE, msg, cmd.id)
+            if trace is not None:
+                trace.end(None, None)
             return
-        self._table.add(self._new_request(ident, cmd, submit, engine, now))
+        state = self._new_request(ident, cmd, submit, engine, now)
+        state.trace = trace
+        self._table.add(state)
         self._num_requests_total += 1
         self._log.info(
             "request_received", rid=rid, client_id=cmd.id, num_prompt_tokens=len(checked),
@@ -164,6 +178,8 @@ class RequestFlow:
         """Called once a request ended, whichever way: out of the table, off its engine."""
         state = self._table.pop(rid)
         self._engines.release(state.engine)
+        if state.trace is not None:
+            state.trace.end(state.first_token_at, state.last_token_at)
         return state
 
     def on_abort(self, ident: bytes, cmd: cc.AbortCommand) -> None:

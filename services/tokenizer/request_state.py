@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.stop_strings import StopStrings
+from services.tokenizer.tracing import RequestTrace
 from shared.protocol.client_channel import (
     Timings,
     Usage,
@@ -78,6 +79,7 @@ class ClientRequest:
     submit: Optional[SubmitRequest] = None  # what was sent: resubmitted if that engine is lost
     num_ids_detokenized: int = 0  # token ids already given to the detokenizer
     embedding: Optional[list[float]] = None  # an `embed`'s pooled state, from its final output
+    trace: Optional[RequestTrace] = None  # its spans (tracing on): tracing.py
     # Not streamed, no stop strings, no logprobs: nobody reads anything of it before its final
     # output, so a token that does not end it only needs appending to `token_ids` (and
     # `last_token_at` set). Once its first token came (`first_token_at` set through

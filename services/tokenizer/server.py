@@ -46,6 +46,7 @@ from shared.protocol.engine_channel import (
     RequestRejected,
     StatsReply,
 )
+from shared.tracing import Tracing
 from shared.transport import Drain, guarded, one_turn
 
 # Receive turns are bounded (shared/transport.py): a backlog of output batches must not delay
@@ -67,7 +68,9 @@ class FrontendServer:
         codec: TextCodec,
         log: Any,
         context: Optional[zmq.Context] = None,
+        tracing: Optional[Tracing] = None,
     ) -> None:
+        """`tracing`: request spans (shared/tracing.py); None: tracing off."""
         self.config = config
         self.log = log
         ctx = context or zmq.Context.instance()
@@ -77,7 +80,7 @@ class FrontendServer:
         self._clients = ClientLink(config, ctx, log, lambda i, r: self._flow.client_gone(i, r))
         self._engines = Engines(config, ctx, log, lambda e: self._flow.scheduler_gone(e))
         self._flow = RequestFlow(
-            config, codec, self._table, self._engines, self._clients, self._drain, log
+            config, codec, self._table, self._engines, self._clients, self._drain, log, tracing
         )
         self._output = OutputPath(self._table, self._flow, self._engines, self._clients, log)
         self._reports = Reports(

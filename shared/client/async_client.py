@@ -123,9 +123,13 @@ class AsyncClient:
         pooling: str = "last",
         priority: int = 0,
         request_id: Optional[str] = None,
+        traceparent: Optional[str] = None,
     ) -> Embedding:
-        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error."""
-        rid, frame = self._core.embed(request_id, prompt, prompt_token_ids, pooling, priority)
+        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error.
+        `traceparent`: the caller's span (W3C), the parent of the request's trace."""
+        rid, frame = self._core.embed(
+            request_id, prompt, prompt_token_ids, pooling, priority, traceparent
+        )
         await self._start(rid, frame)
         try:
             msg = await self._next_for(rid, EMBED_KINDS)

@@ -108,11 +108,12 @@ class ClientCore:
         prompt_token_ids: Optional[list[int]],
         pooling: str,
         priority: int,
+        traceparent: Optional[str] = None,
     ) -> tuple[str, bytes]:
         """(request id, `embed` frame); the id is made up when not given."""
         rid = request_id or uuid.uuid4().hex
         fields = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "pooling": pooling,
-                  "priority": priority}  # fmt: skip
+                  "priority": priority, "traceparent": traceparent}  # fmt: skip
         return rid, encode_client_message("embed", rid, **fields)
 
     def query(self, kind: str) -> tuple[str, bytes]:

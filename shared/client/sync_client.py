@@ -113,10 +113,12 @@ class Client:
         pooling: str = "last",
         priority: int = 0,
         request_id: Optional[str] = None,
+        traceparent: Optional[str] = None,
     ) -> Embedding:
-        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error."""
+        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error.
+        `traceparent`: the caller's span (W3C), the parent of the request's trace."""
         rid = self._start(
-            *self._core.embed(request_id, prompt, prompt_token_ids, pooling, priority)
+            *self._core.embed(request_id, prompt, prompt_token_ids, pooling, priority, traceparent)
         )
         try:
             msg = self._next_for(rid, EMBED_KINDS)

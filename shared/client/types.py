@@ -134,6 +134,9 @@ def completion_from_parts(
     )
 
 
+_OWN_FIELDS = ("tools", "traceparent")  # keyword parameters that are not sampling params
+
+
 def request_fields(
     prompt: Optional[str],
     messages: Optional[list[dict[str, Any]]],
@@ -143,17 +146,19 @@ def request_fields(
     params: dict[str, Any],
 ) -> dict[str, Any]:
     """The fields of a `generate` map (nil params are left out: the engine's defaults apply).
-    `tools` given among the keyword parameters is the map's own `tools` field (a chat's)."""
+    `tools` and `traceparent` given among the keyword parameters are the map's own fields (a
+    chat's tools; the W3C trace context of the caller's span)."""
     fields = {
         "prompt": prompt,
         "messages": messages,
         "prompt_token_ids": prompt_token_ids,
         "stream": stream,
         "priority": priority,
-        "params": {k: v for k, v in params.items() if v is not None and k != "tools"},
+        "params": {k: v for k, v in params.items() if v is not None and k not in _OWN_FIELDS},
     }
-    if params.get("tools") is not None:
-        fields["tools"] = params["tools"]
+    for name in _OWN_FIELDS:
+        if params.get(name) is not None:
+            fields[name] = params[name]
     return fields
 
 

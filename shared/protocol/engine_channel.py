@@ -30,6 +30,7 @@ class SubmitRequest:
     sampling: SamplingParams
     priority: int = 0  # lower runs first under the `priority` policy
     arrival_time: float = 0.0  # frontend's wall clock (time.time()) at receipt
+    traceparent: Optional[str] = None  # the frontend's request span (tracing on), W3C
 
 
 @dataclass(frozen=True, slots=True)

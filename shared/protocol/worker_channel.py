@@ -64,6 +64,7 @@ class NewSequence:
     sampling: SamplingParams
     slot: int  # its place in the worker's batch until released
     num_computed_tokens: int = 0  # tokens of token_ids whose KV its blocks hold already
+    traceparent: Optional[str] = None  # its request's frontend span (tracing on): step links
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ class GenerateCommand:
     priority: int = 0
     add_generation_prompt: bool = True
     tools: Optional[list[dict[str, Any]]] = None  # OpenAI's {"type": "function", "function"}
+    traceparent: Optional[str] = None  # W3C trace context of the client's span (tracing)
 
 
 @dataclass(frozen=True, slots=True)

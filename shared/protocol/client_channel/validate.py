@@ -43,6 +43,7 @@ from shared.protocol.sampling import (
     POOLING_KINDS,
     SamplingParams,
 )
+from shared.tracing import valid_traceparent
 
 _INT, _NUM, _BOOL = "int", "number", "bool"
 # params key -> (wire type, may be nil). Defaults live in SamplingParams.
@@ -180,6 +181,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         priority=priority,
         add_generation_prompt=add_gen,
         tools=tools,
+        traceparent=valid_traceparent(wire.get("traceparent")),
     )
 
 
@@ -198,7 +200,9 @@ def _embed(wire: dict, rid: str) -> GenerateCommand:
     text = _prompt_text(wire["prompt"], rid) if given[0] == "prompt" else None
     ids = _token_ids(wire["prompt_token_ids"], rid) if text is None else None
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=pooling)
-    return GenerateCommand(rid, sampling, prompt=text, prompt_token_ids=ids, priority=priority)
+    trace = valid_traceparent(wire.get("traceparent"))
+    return GenerateCommand(rid, sampling, prompt=text, prompt_token_ids=ids, priority=priority,
+                           traceparent=trace)  # fmt: skip
 
 
 def _prompt_text(value: Any, rid: str) -> str:
