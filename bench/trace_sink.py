@@ -4,6 +4,7 @@ export thread's cost in the process is)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -31,3 +32,14 @@ def sink_tracing() -> Tracing:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         _TRACING = Tracing("bench", f"127.0.0.1:{server.server_address[1]}")
     return _TRACING
+
+
+def main() -> None:
+    """`python -m bench.trace_sink PORT`: a sink on 127.0.0.1:PORT until killed (for
+    `conveyor bench --compare otlp_endpoint=none,127.0.0.1:PORT`)."""
+    server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), _Sink)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ Idle for `POLL_MS` after steps, the loop trims the heap (heap.py): RSS stays bou
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -100,11 +101,7 @@ def serve_worker(
     sock.connect(plan_address)
     greeter = _Greeter(runner, rank, plan_address, log, ready_file)
 
-    def send(msg: Any) -> None:
-        sock.send(encode(msg))
-        if trace is not None and isinstance(msg, StepResult):
-            trace.on_result(msg)
-
+    send = _sender(sock, trace)
     steps = (
         PipelinedSteps(send, cast(PipelinedRunner, runner), log)
         if pipeline
@@ -118,6 +115,19 @@ def serve_worker(
         sock.disable_monitor()
         monitor.close()
         sock.close()
+
+
+def _sender(sock: zmq.Socket, trace: Optional[StepTrace]) -> Callable[[Any], None]:
+    """How the steps send their results (and failures); traced, each closes its step span."""
+
+    def send(msg: Any) -> None:
+        sock.send(encode(msg))
+        if trace is not None and isinstance(msg, StepResult):
+            trace.on_result(msg)
+        elif trace is not None and isinstance(msg, WorkerFailure) and msg.step_id is not None:
+            trace.on_failure(msg.step_id)
+
+    return send
 
 
 class _Greeter:

@@ -59,5 +59,4 @@ def test_a_span_carries_its_parents_trace() -> None:
     link = tracing.start("step", None, links=[passed_on])
     assert [ln.context.span_id for ln in link.links] == [context.span_id]
     assert link.get_span_context().trace_id != context.trace_id  # a trace of its own
-    span.end()
-    link.end()
+    # not ended: nothing is exported to the address no one listens on
