@@ -84,6 +84,7 @@ class Scheduler:
         self._clock = clock
         self._rules = BatchingRules.from_config(config)
         self.counters = Counters()
+        self._trace = trace
         self.live = LiveRequests(eos_token_ids, self._max_len, self.counters, trace)
         self.in_flight = InFlightSteps(config.max_plans_in_flight)
         self._step_id = 0
@@ -206,8 +207,10 @@ class Scheduler:
 
     def after_plan(self) -> None:
         """Called once the plan has left and the step's outputs were sent, while the worker
-        computes: work kept off the result -> plan path (prefix-cache registrations, and
-        evicting ahead the cached blocks the next step will allocate)."""
+        computes: work kept off the result -> plan path (prefix-cache registrations, evicting
+        ahead the cached blocks the next step will allocate, traced requests' spans)."""
+        if self._trace is not None:
+            self._trace.flush()
         if self.config.enable_prefix_caching:
             # the most blocks one step can allocate: its tokens' blocks, plus one per request
             # for a partly filled block (decodes: their one token may need a new block)

@@ -4,8 +4,10 @@ Under the frontend's request span (the request's `traceparent`): `scheduler.requ
 arrival to finish, with `scheduler.waiting` (arrival -> first scheduled) and
 `scheduler.running` (first scheduled -> finished) under it; events mark when it was admitted,
 each preemption (on the running span: it went back to wait and recomputed) and its finish.
-Nothing is done per step: the request keeps its times (and, traced, its preemption times), and
-`LiveRequests.finish` hands it here once.
+Nothing is done per step: the request keeps its times (and, traced, its preemption times),
+`LiveRequests.finish` hands it here once (a list append), and its spans are built in
+`Scheduler.after_plan`, off the result -> plan path (built there, on the path, they cost ~7% of
+a mixed step at 256 running: docs/PERFORMANCE.md §13).
 """
 
 from __future__ import annotations
@@ -27,9 +29,22 @@ class SchedulerTrace:
 
     def __init__(self, tracing: Tracing) -> None:
         self._tracing = tracing
+        self._finished: list[Request] = []  # finished, spans not built yet
 
     def finished(self, req: Request) -> None:
-        """Called once by LiveRequests.finish for a request with a traceparent."""
+        """Called once by LiveRequests.finish for a request with a traceparent (finished: its
+        fields no longer change)."""
+        self._finished.append(req)
+
+    def flush(self) -> None:
+        """Build the spans of the requests finished since the last call (Scheduler.after_plan,
+        while the worker computes)."""
+        if self._finished:
+            done, self._finished = self._finished, []
+            for req in done:
+                self._spans(req)
+
+    def _spans(self, req: Request) -> None:
         t = self._tracing
         end = req.finished if req.finished is not None else req.arrival_time
         attrs = {"conveyor.rid": req.rid, "conveyor.num_prompt_tokens": req.num_prompt_tokens,
