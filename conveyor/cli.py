@@ -5,6 +5,7 @@ conveyor demo                     up + answer one sample prompt, then keep servi
 conveyor generate "text" ...      raw completion streamed to stdout
 conveyor chat                     interactive chat with the model's chat template
 conveyor stats                    the frontend's and the engine's counters (JSON)
+conveyor drain --engine I         move engine I's requests elsewhere, stop admitting to it
 conveyor top                      a live view of running engines (q quits)
 conveyor logs --rid ID            one request's journey across the services
 conveyor model prepare [MODEL]    convert the model once into the cache

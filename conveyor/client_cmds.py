@@ -1,4 +1,5 @@
-"""`conveyor generate`, `conveyor chat`, `conveyor stats`: thin commands over the client.
+"""`conveyor generate`, `conveyor chat`, `conveyor stats`, `conveyor drain`: thin commands over
+the client.
 
 With no `--address`, they reach the engine `conveyor up` started (tcp://127.0.0.1:5557, or
 CONVEYOR_FRONTEND_ADDR). Engine errors and an unreachable engine go to stderr with exit code 1.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from shared.addresses import default_frontend_address
@@ -29,6 +31,18 @@ def add_client_commands(sub: Any) -> None:
     stats = sub.add_parser("stats", help="frontend and engine counters as JSON")
     _add_address(stats)
     stats.set_defaults(func=cmd_stats)
+    drain = sub.add_parser("drain", help="take an engine out for maintenance: its requests "
+                           "move to the other engines (docs/RELIABILITY.md)")  # fmt: skip
+    drain.add_argument("--engine", required=True, help="the engine's name, as in `health`")
+    drain.add_argument("--undo", action="store_true", help="let the engine admit again")
+    drain.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait until the engine holds no request (0: do not)",
+    )
+    _add_address(drain)
+    drain.set_defaults(func=cmd_drain)
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
@@ -132,6 +146,38 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"conveyor: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_ENGINE_ERROR
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Drain (or undo): then wait until the engine holds no live request. Exit 0 when it is
+    empty (or was undone), 1 on an engine error or when it still holds requests."""
+    from shared.client import EngineError
+
+    try:
+        with _client(args) as client:
+            reply = client.drain(args.engine, drain=not args.undo)
+            print(json.dumps({k: reply.get(k) for k in ("engine", "draining", "num_moved")}))
+            if args.undo or args.wait <= 0:
+                return 0
+            return 0 if _wait_empty(client, args.engine, args.wait) else EXIT_ENGINE_ERROR
+    except EngineError as exc:
+        print(f"conveyor: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_ENGINE_ERROR
+
+
+def _wait_empty(client: Any, engine: str, wait_s: float) -> bool:
+    """Poll the engine's stats until it holds no live request (True) or `wait_s` passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        stats = (client.stats().get("engines") or {}).get(engine) or {}
+        live = stats.get("num_live_requests")
+        if live == 0:
+            print(json.dumps({"engine": engine, "drained": True}))
+            return True
+        if time.monotonic() > deadline:
+            print(f"conveyor: engine {engine} still holds {live} requests", file=sys.stderr)
+            return False
+        time.sleep(0.5)
 
 
 def _print_usage(done: Any) -> None:

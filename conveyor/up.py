@@ -28,9 +28,10 @@ from shared.logging import resolve_log_format
 
 SAMPLE_PROMPT = "What is continuous batching in LLM serving? Answer in two sentences."
 DEATH_GRACE_S = 3.0  # a dead service, not restarted: let the others fail requests first
-# what `--restart on-failure` brings back: the scheduler, and the worker ranks (always as a
-# whole group: see LocalStack.restart_workers)
-RESTARTABLE = ("scheduler", "worker")
+# what `--restart on-failure` brings back: the frontend (clients and the gateway resume their
+# streams on it), the scheduler (the frontend resumes its requests on it), and the worker
+# ranks (always as a whole group: see LocalStack.restart_workers)
+RESTARTABLE = ("tokenizer", "scheduler", "worker")
 # Back-off between restarts of one service: 0.5 s, doubling up to 10 s; a service that stayed up
 # for STABLE_S starts again from the shortest delay.
 FIRST_DELAY_S, MAX_DELAY_S, STABLE_S = 0.5, 10.0, 30.0

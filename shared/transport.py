@@ -31,16 +31,20 @@ R = TypeVar("R")
 
 
 def one_turn(
-    sock: zmq.Socket, max_messages: int = MAX_MESSAGES_PER_TURN, max_turn_s: float = MAX_TURN_S
-) -> Iterator[list[bytes]]:
+    sock: zmq.Socket,
+    max_messages: int = MAX_MESSAGES_PER_TURN,
+    max_turn_s: float = MAX_TURN_S,
+    copy: bool = True,
+) -> Iterator[list[Any]]:
     """The messages waiting on `sock` that one turn handles: at most `max_messages`, and none
-    started after `max_turn_s` of work. Never blocks."""
+    started after `max_turn_s` of work. Never blocks. `copy=False` yields zmq.Frame parts
+    (which also tell the connection a message came on: `frame.get(zmq.SRCFD)`)."""
     deadline = time.monotonic() + max_turn_s
     for _ in range(max_messages):
         if time.monotonic() > deadline or not sock.poll(0, zmq.POLLIN):
             return
         try:
-            parts = sock.recv_multipart(flags=zmq.NOBLOCK)
+            parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             return
         yield parts

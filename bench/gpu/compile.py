@@ -27,13 +27,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 INT_POINTERS = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"}
 I64_POINTERS = {"slot_mapping_ptr", "positions_ptr"}
-FP32_POINTERS = {"part_out_ptr", "part_ml_ptr", "cos_sin_ptr"}
+FP32_POINTERS = {"part_out_ptr", "part_ml_ptr", "cos_sin_ptr", "lut_ptr"}
+KV_POINTERS = {"k_cache_ptr", "v_cache_ptr"}
+# an 8-bit KV cache's storage type by the attention's KV_CODES (kernels/kv_quant.py)
+KV_CODE_TYPES = {1: "*i8", 2: "*u8"}
 FLOAT_SCALARS = {"scale_log2", "eps"}
 
 
 def _attention(group: int, head_dim: int, block_m: int, tile_n: int, splits: int,
-               upcast: bool) -> dict[str, Any]:  # fmt: skip
-    return dict(
+               upcast: bool, kv_codes: int = 0) -> dict[str, Any]:  # fmt: skip
+    return dict(KV_CODES=kv_codes,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, BLOCK_M=block_m,
         BLOCK_Q=block_m // group, TILE_N=tile_n, SEQS_PAD=64, NUM_SPLITS=splits,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
@@ -49,10 +52,16 @@ CASES: list[tuple[str, tuple[str, str], str, dict[str, Any], int]] = [
     ("attention prefill d128 bf16", ATTN, "bf16", _attention(4, 128, 64, 64, 1, False), 8),
     ("attention prefill d64 g3 bf16", ATTN, "bf16", _attention(3, 64, 64, 64, 1, False), 4),
     ("attention decode d64 g8 fp32", ATTN, "fp32", _attention(8, 64, 16, 64, 1, True), 4),
+    ("attention decode d64 bf16 kv int8", ATTN, "bf16", _attention(4, 64, 16, 64, 1, False, 1), 4),
+    ("attention prefill d64 bf16 kv fp8", ATTN, "bf16", _attention(4, 64, 64, 64, 1, False, 2), 4),
     ("merge splits d128", ("kernels.paged_attention", "_merge_splits_kernel"), "fp16",
      dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4), 4),
     ("write_kv", ("kernels.write_kv", "_write_kv_kernel"), "bf16",
-     dict(NUM_KV_HEADS=8, HEAD_DIM=64, HEADS_PAD=8, HEAD_DIM_PAD=64, BLOCK_SIZE=16), 4),
+     dict(NUM_KV_HEADS=8, HEAD_DIM=64, HEADS_PAD=8, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+          KV_CODES=0), 4),
+    ("write_kv kv int8", ("kernels.write_kv", "_write_kv_kernel"), "bf16",
+     dict(NUM_KV_HEADS=8, HEAD_DIM=64, HEADS_PAD=8, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+          KV_CODES=1), 4),
     ("rms_norm +residual 2048", ("kernels.rms_norm", "_rms_norm_kernel"), "bf16",
      dict(HAS_RESIDUAL=True, BLOCK=2048), 4),
     ("rotary 32/8 heads d64", ("kernels.rotary", "_rotary_kernel"), "bf16",
@@ -73,6 +82,8 @@ def _signature(fn: Any, dtype: str, constexprs: dict[str, Any]) -> dict[str, str
             signature[name] = "*i64"
         elif name in FP32_POINTERS:
             signature[name] = "*fp32"
+        elif name in KV_POINTERS and constexprs.get("KV_CODES"):
+            signature[name] = KV_CODE_TYPES[constexprs["KV_CODES"]]
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
         else:
@@ -84,10 +95,14 @@ def _attrs(fn: Any, constexprs: dict[str, Any]) -> dict[tuple[int, ...], list]:
     # What Triton's JIT specializes at launch: 16-byte-aligned pointers and integers that are
     # multiples of 16 (strides of [.., heads, head_dim] tensors, hidden sizes) are marked
     # divisible by 16, which lets the compiler vectorize loads. Row counts and the block-table
-    # stride are left unmarked: they are arbitrary at run time.
+    # stride are left unmarked: they are arbitrary at run time, and so are an 8-bit cache's
+    # strides (rows of head_dim codes and a 4-byte scale).
     marked = []
+    kv_rows = ("stride_k", "stride_v") if constexprs.get("KV_CODES") else ()
     for i, name in enumerate(fn.arg_names):
         if name in constexprs or name in ("stride_bt", "num_seqs", "num_slots", "max_pos"):
+            continue
+        if kv_rows and name.startswith(kv_rows):
             continue
         if name.endswith("_ptr") or name.startswith("stride_") or name in ("hidden", "inter"):
             marked.append(i)

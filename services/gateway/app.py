@@ -65,12 +65,13 @@ class Gateway:
         self.log = log
         self.tracing = tracing  # a span per request (shared/tracing.py); None: off
         self.client = AsyncClient(
-            config.engine_addr,
+            [config.engine_addr, *config.more_frontend_addrs],  # a lost one: the next resumes
             timeout=config.engine_timeout_s,
             max_frame_bytes=config.max_frame_bytes,
             routing_id=f"gateway-{uuid.uuid4().hex}".encode(),  # exempt from the frontend's cap
             server_key=config.server_key,
             client_key=config.client_key,
+            resume_timeout=config.frontend_resume_timeout_s,
         )
         self._per_client: Counter[str] = Counter()  # client key -> engine requests in flight
         self.registry = CollectorRegistry()

@@ -32,6 +32,18 @@ class GatewayConfig:
         metadata={"env": "FRONTEND_ADDR", "aliases": ("--frontend-addr",),
                   "help": "the frontend (tokenizer service) address"},
     )  # fmt: skip
+    # resumption (docs/design/resumption.md): a lost frontend's open streams go on at the next
+    # address in turn (or at the same one, restarted), from the tokens they have
+    more_frontend_addrs: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "more frontends, tried in turn when the one in use is lost (repeat "
+                  "the flag or separate them by commas)"},
+    )  # fmt: skip
+    frontend_resume_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds to look for a frontend after the one in use was lost, "
+                  "before its open requests fail (0: no resumption)"},
+    )  # fmt: skip
     http_host: str = field(
         default=DEFAULT_HTTP_HOST,
         metadata={"aliases": ("--host",), "help": "address the HTTP API listens on"},
@@ -105,6 +117,8 @@ class GatewayConfig:
             raise ValueError("max_requests_per_client must be >= 0 (0: no cap)")
         if self.max_body_bytes < 1 or self.max_frame_bytes < 1:
             raise ValueError("max_body_bytes and max_frame_bytes must be >= 1")
+        if self.frontend_resume_timeout_s < 0 or not all(self.more_frontend_addrs):
+            raise ValueError("frontend_resume_timeout_s must be >= 0, frontend addresses set")
         if self.engine_timeout_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("engine_timeout_s and stats_interval_s must be > 0")
 

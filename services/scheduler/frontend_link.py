@@ -13,6 +13,7 @@ come from the loop (`FrontendHost`, services/scheduler/server.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
@@ -25,6 +26,7 @@ from shared.curve import FRONTENDS_DOMAIN
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import (
     AbortRequest,
+    DrainEngine,
     EngineNotReady,
     EngineReady,
     FrontendBye,
@@ -52,6 +54,7 @@ class FrontendHost(Protocol):
     def ready_message(self) -> EngineReady | EngineNotReady: ...
     def submit_refusal(self) -> Optional[tuple[str, str]]: ...  # (code, message): drain, ...
     def stats(self) -> dict[str, float]: ...
+    def drain_for_maintenance(self, drain: bool) -> None: ...  # DrainEngine
 
 
 class FrontendLink:
@@ -71,13 +74,15 @@ class FrontendLink:
             curve_keys=config.curve_keys, zap_domain=FRONTENDS_DOMAIN,
         )  # fmt: skip
         self.sock.bind(config.frontend_address)
+        self._idents: dict[str, bytes] = {}  # frontend id -> its process's socket identity
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {
             SubmitRequest: self._on_submit,
-            AbortRequest: lambda _ident, msg: self.abort(msg.rid, msg.reason),
-            FrontendHello: lambda ident, _msg: self.send(ident, host.ready_message()),
+            AbortRequest: self._on_abort,
+            FrontendHello: self._on_hello,
             StatsQuery: lambda ident, msg: self.send(ident, StatsReply(msg.query_id, host.stats())),
             FrontendBye: lambda ident, _msg: self.frontend_gone(ident, "frontend said bye"),
             ResetPrefixCache: self._on_reset_prefix_cache,
+            DrainEngine: lambda _ident, msg: host.drain_for_maintenance(msg.drain),
         }
 
     def close(self) -> None:
@@ -105,9 +110,27 @@ class FrontendLink:
             self.frontends.heard(ident, time.monotonic())
         handler = self._handlers.get(type(msg))
         if handler is None:
-            self.log.warning("unexpected_frontend_message", type=type(msg).__name__)
+            self.log.warning("unexpected_frontend_message", code="unexpected_type",
+                             type=type(msg).__name__)  # fmt: skip
             return
         handler(ident, msg)
+
+    def _on_hello(self, ident: bytes, msg: FrontendHello) -> None:
+        """A frontend's heartbeat, answered with the engine's state. The first hello of a
+        restarted frontend (its id, a new socket identity) ends what the old process left."""
+        old = self._idents.get(msg.frontend_id)
+        if old is not None and old != ident:
+            self.frontend_gone(old, "the frontend restarted")
+        self._idents[msg.frontend_id] = ident
+        self.send(ident, self._host.ready_message())
+
+    def _on_abort(self, ident: bytes, msg: AbortRequest) -> None:
+        """Only the frontend that submitted a request may abort it (others: a logged drop)."""
+        owner = self.owners.get(msg.rid)
+        if owner is not None and owner != ident:
+            self.log.warning("abort_from_another_frontend", rid=msg.rid, code="not_owner")
+            return
+        self.abort(msg.rid, msg.reason)
 
     def _on_submit(self, ident: bytes, req: SubmitRequest) -> None:
         rejection = self._host.submit_refusal()  # drain, no worker: None implies a core
@@ -123,7 +146,8 @@ class FrontendLink:
             self._reject(ident, refused)
             return
         self.owners[req.rid] = ident
-        self.log.info("request_admitted", rid=req.rid, num_prompt_tokens=len(req.prompt_token_ids))
+        self.log.info("request_admitted", rid=req.rid, num_prompt_tokens=len(req.prompt_token_ids),
+                      num_output_tokens=len(req.output_token_ids), attempt=req.attempt)  # fmt: skip
 
     def _on_reset_prefix_cache(self, ident: bytes, msg: ResetPrefixCache) -> None:
         sched = self._host.sched
@@ -151,6 +175,7 @@ class FrontendLink:
     def frontend_gone(self, ident: bytes, reason: str) -> None:
         """Its requests are aborted; it is watched again when it next says hello."""
         self.frontends.forget(ident)
+        self._idents = {fid: i for fid, i in self._idents.items() if i != ident}
         rids = [rid for rid, owner in self.owners.items() if owner == ident]
         self.log.warning("frontend_gone", frontend=ident, reason=reason, num_aborted=len(rids))
         sched = self._host.sched
@@ -158,6 +183,28 @@ class FrontendLink:
             self.owners.pop(rid, None)  # first, so the final output is not sent back
             if sched is not None:
                 sched.abort_request(rid, "frontend_gone")
+
+    def fail_all(self, code: str, message: str) -> None:
+        """Every live request ends with the error `code` (a maintenance drain's time-out)."""
+        sched = self._host.sched
+        for rid in list(self.owners):
+            final = sched.abort_request(rid, code) if sched is not None else None
+            if final is not None:
+                error = dataclasses.replace(final, finish_reason="error", error_code=code,
+                                            error_message=message)  # fmt: skip
+                self.emit_finals([error])
+            self.owners.pop(rid, None)
+
+    def drop_all(self, reason: str) -> None:
+        """Every live request is aborted here without a final output (the frontends resume
+        them elsewhere: the engine stops)."""
+        sched, rids = self._host.sched, list(self.owners)
+        for rid in rids:
+            self.owners.pop(rid)
+            if sched is not None:
+                sched.abort_request(rid, reason)
+        if rids:
+            self.log.info("requests_dropped", reason=reason, num_dropped=len(rids))
 
     def check_silence(self, now: float) -> None:
         """Housekeeping: frontends silent for `frontend_timeout_s` are gone."""

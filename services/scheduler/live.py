@@ -51,20 +51,22 @@ class LiveRequests:
 
     def admit(self, req: SubmitRequest, now: float) -> Request:
         """Called by add_request once the admission checks passed: the new live request (the
-        caller queues it)."""
+        caller queues it). A resumption's earlier outputs follow its prompt: they count
+        towards `max_tokens` and the penalties, and are computed as prefill."""
         stop_ids = set(req.sampling.stop_token_ids)
         if not req.sampling.ignore_eos:
             stop_ids |= self._eos_ids
         self._seq_no += 1
+        num_prompt = len(req.prompt_token_ids)
         request = Request(
             rid=req.rid,
-            token_ids=list(req.prompt_token_ids),
-            num_prompt_tokens=len(req.prompt_token_ids),
+            token_ids=[*req.prompt_token_ids, *req.output_token_ids],
+            num_prompt_tokens=num_prompt,
             sampling=req.sampling,
             priority=req.priority,
             seq_no=self._seq_no,
             arrival_time=now,
-            max_len=min(self._max_len, len(req.prompt_token_ids) + req.sampling.max_tokens),
+            max_len=min(self._max_len, num_prompt + req.sampling.max_tokens),
             stop_ids=frozenset(stop_ids),
             traceparent=req.traceparent,
         )

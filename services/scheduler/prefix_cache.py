@@ -255,8 +255,8 @@ class PrefixCache:
         """One lookup that led to scheduling `req`: counters, step log, and the request's
         `num_cached_tokens` when it is scheduled for the first time."""
         num_cached = req.num_computed_tokens
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = num_cached
+        if req.num_cached_tokens is None:  # a resumption's hit may reach past its prompt
+            req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
         self.counters.num_queries += len(req.token_ids)
         self.counters.num_hits += num_cached
         step.num_cache_queries += len(req.token_ids)

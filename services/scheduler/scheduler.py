@@ -53,6 +53,7 @@ from shared.protocol.engine_channel import (
     RequestRejected,
     SubmitRequest,
 )
+from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import StepPlan, StepResult
 
 
@@ -125,13 +126,15 @@ class Scheduler:
         """Called for each SubmitRequest; None when queued, else why it was refused."""
         problem = admission_problem(
             req.rid,
-            len(req.prompt_token_ids),
+            len(req.prompt_token_ids) + len(req.output_token_ids),
             is_duplicate=req.rid in self.live or req.rid in self._batch,
             max_model_len=self.max_model_len,
             kv_capacity=self.pool.num_blocks * self.block_size,
             num_waiting=len(self._waiting),
             max_waiting=self.config.max_waiting,
         )
+        if problem is None and len(req.output_token_ids) >= req.sampling.max_tokens:
+            problem = (ErrorCode.INVALID_PARAMS, "the resumed request has max_tokens already")
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
@@ -139,6 +142,7 @@ class Scheduler:
         self.prefix_cache.prepare(request)
         self._waiting.add(request)
         self.counters.num_admitted += 1
+        self.counters.num_resumptions_admitted += req.attempt > 0
         return None
 
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]:

@@ -30,6 +30,7 @@ import zmq
 from services.scheduler.dispatch import DispatchPolicy
 from services.scheduler.frontend_link import FrontendLink
 from services.scheduler.inflight import InFlightStep
+from services.scheduler.maintenance import MaintenanceDrain
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
 from services.scheduler.step_log import StepLogColumns
 from services.scheduler.summary import EngineSummary
@@ -46,6 +47,7 @@ from shared.protocol.worker_channel import (
 )
 from shared.transport import Drain
 
+DRAINING = "draining"  # the not-ready reason while drained for maintenance
 HOUSEKEEPING_S = 0.5  # longest poll: frontend liveness and drain checks run at least this often
 MIN_POLL_S = 0.002  # floor for the core's timers, so a zero timeout never spins
 HOLD_RESOLUTION_S = 0.001  # the poll's unit: a plan due within it leaves now
@@ -88,6 +90,7 @@ class SchedulerServer:
         self.last_step_id = 0
         self._num_steps = 0
         self._drain = Drain(config.drain_timeout_s, log)
+        self._maintenance = MaintenanceDrain(config.drain_timeout_s, log)
         self._stopped = False
         self._summary = EngineSummary(config.summary_interval_s, log)
         self._step_columns = StepLogColumns()  # the step log's compact columns (_log_step)
@@ -144,11 +147,20 @@ class SchedulerServer:
     def submit_refusal(self) -> Optional[tuple[str, str]]:
         if self._drain.requested:
             return (ErrorCode.SHUTTING_DOWN, "the engine is shutting down")
+        if self._maintenance.active:
+            return (ErrorCode.NOT_READY, "the engine is draining")
         if self.sched is None or not self._workers_up():
             return (ErrorCode.NOT_READY, "the worker is not ready")
         return None
 
+    def drain_for_maintenance(self, drain: bool) -> None:
+        """DrainEngine: stop (or resume) admitting; every frontend hears the new state."""
+        if self._maintenance.set(drain, time.monotonic(), len(self.frontends.owners)):
+            self.frontends.broadcast(self.ready_message())
+
     def ready_message(self) -> EngineReady | EngineNotReady:
+        if self._maintenance.active:
+            return EngineNotReady(reason=DRAINING)
         if not self._workers_up():
             return EngineNotReady(reason="waiting for the worker")
         first = self.workers.first()
@@ -170,7 +182,7 @@ class SchedulerServer:
         stats = dict(self.sched.stats()) if self.sched is not None else {}
         stats.update(
             ready=float(self._workers_up()),
-            draining=float(self._drain.draining),
+            draining=float(self._drain.draining or self._maintenance.active),
             num_frontends=float(len(self.frontends.frontends)),
             num_workers_ready=float(self.workers.num_ready()),
             num_live_requests=float(len(self.frontends.owners)),
@@ -330,12 +342,15 @@ class SchedulerServer:
         self._summary.maybe_emit(now, lambda: None if self.sched is None else self.sched.stats())
         self._check_requeue_timeout(now)
         self.frontends.check_silence(now)
+        if self._maintenance.overdue(now, len(self.frontends.owners)):
+            self.frontends.fail_all(ErrorCode.SHUTTING_DOWN, "the engine was drained")
         if self._drain.due(now, len(self.frontends.owners)):
             self._finish_drain()
 
     def _finish_drain(self) -> None:
-        for rid in list(self.frontends.owners):
-            self.frontends.abort(rid, "shutdown")
+        """What is left is dropped without a final output: the frontends hear EngineShutdown
+        and resume those requests on another engine (or on this one when it is back)."""
+        self.frontends.drop_all("shutdown")
         self.workers.send_all(encode(WorkerShutdown("drained")))
         self.sched = None
         self.frontends.broadcast(EngineShutdown(reason="scheduler stopped"))

@@ -65,6 +65,7 @@ class Counters:
     num_decode_tokens: int = 0
     num_output_tokens: int = 0
     num_admitted: int = 0
+    num_resumptions_admitted: int = 0  # admitted with outputs of an earlier attempt
     num_rejected: int = 0
     num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
@@ -84,6 +85,7 @@ class Counters:
             "num_decode_tokens": self.num_decode_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_admitted": self.num_admitted,
+            "num_resumptions_admitted": self.num_resumptions_admitted,
             "num_rejected": self.num_rejected,
         }
         for reason, n in self.num_finished.items():

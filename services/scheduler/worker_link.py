@@ -50,7 +50,12 @@ class WorkerLink:
     def __init__(self, ctx: zmq.Context, config: ServerConfig, host: WorkerHost, log: Any) -> None:
         self._host = host
         self.log = log
+        self._num_workers = config.num_workers
         self.ranks: dict[int, WorkerReady] = {}
+        # the connection (file descriptor) each rank said WorkerReady on: only the loss of one
+        # of these is a lost worker, not that of any other peer (a probe, a stray client)
+        self._rank_fds: dict[int, int] = {}
+        self._rank_idents: dict[bytes, int] = {}  # identity -> rank, for the ranks ready
         self._events = LinkEvents()  # a refused peer's disconnect is no worker lost
         self.sock = router_socket(
             ctx, log, curve_keys=config.curve_keys, heartbeat=True, zap_domain=WORKERS_DOMAIN
@@ -58,7 +63,6 @@ class WorkerLink:
         self.monitor = self.sock.get_monitor_socket(PEER_LINK_EVENTS)  # before bind: no event lost
         self.sock.bind(config.worker_address)
         self._handlers: dict[type, Callable[[Any, float], None]] = {
-            WorkerReady: lambda msg, _at: self._on_ready(msg),
             StepResult: host.on_result,
             WorkerFailure: lambda msg, _at: host.on_step_failed(msg),
         }
@@ -85,6 +89,8 @@ class WorkerLink:
     def forget_ranks(self) -> None:
         """The workers are lost: none counts as ready until it says WorkerReady again."""
         self.ranks.clear()
+        self._rank_fds.clear()
+        self._rank_idents.clear()
 
     # ---- sending -----------------------------------------------------------------------------
 
@@ -114,32 +120,46 @@ class WorkerLink:
 
     def on_readable(self) -> None:
         """Called when the worker socket is readable: one bounded turn of messages."""
-        for parts in one_turn(self.sock, max_messages=1024, max_turn_s=1.0):
+        for parts in one_turn(self.sock, max_messages=1024, max_turn_s=1.0, copy=False):
             guarded(self.log, "worker_message_failed", self._on_parts, parts)
 
-    def _on_parts(self, parts: list[bytes]) -> None:
+    def _on_parts(self, parts: list[zmq.Frame]) -> None:
         """One worker message: [identity, frame]. Called inside the boundary: a frame that
-        raises is a logged drop, the loop goes on."""
-        ident, frame = parts[0], parts[-1]
+        raises, or one that is not a rank's to send, is a logged drop (with its code), and the
+        loop goes on."""
+        ident, frame = parts[0].bytes, parts[-1]
         received_at = time.time()  # the result -> next plan gap starts here, before decode
         try:
-            msg = decode(frame)
+            msg = decode(frame.buffer)
         except DecodeError as exc:  # logged drop: a garbled frame is no verdict on a step
             self.log.error("bad_worker_frame", code=exc.code, message=exc.message, ident=ident)
             return
-        if isinstance(msg, StepResult) and ident != worker_identity(0):
-            self.log.warning("result_from_unknown_identity", ident=ident)
+        if isinstance(msg, WorkerReady):
+            if ident == worker_identity(msg.rank) and msg.rank < self._num_workers:
+                self._on_ready(msg, frame.get(zmq.SRCFD))
+            else:
+                self.log.warning("worker_frame_dropped", code="unexpected_rank", ident=ident,
+                                 rank=msg.rank)  # fmt: skip
+            return
+        rank = self._rank_idents.get(ident)  # only a rank that said WorkerReady may answer
+        if rank is None or (rank != 0 and isinstance(msg, StepResult)):
+            self.log.warning("worker_frame_dropped", code="unknown_identity", ident=ident,
+                             type=type(msg).__name__)  # fmt: skip
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
-            self.log.warning("unexpected_worker_message", type=type(msg).__name__, ident=ident)
+            self.log.warning("unexpected_worker_message", code="unexpected_type",
+                             type=type(msg).__name__, ident=ident)  # fmt: skip
             return
         handler(msg, received_at)
 
-    def _on_ready(self, ready: WorkerReady) -> None:
+    def _on_ready(self, ready: WorkerReady, fd: int) -> None:
+        """A rank's handshake, on the connection `fd`."""
         if ready.rank in self.ranks:  # it came back without us seeing it go
             self._host.on_worker_lost(f"rank {ready.rank} said ready again")
         self.ranks[ready.rank] = ready
+        self._rank_fds[ready.rank] = fd
+        self._rank_idents[worker_identity(ready.rank)] = ready.rank
         self.log.info("worker_ready", **dataclasses.asdict(ready))
         self._host.on_workers_ready()
 
@@ -147,7 +167,10 @@ class WorkerLink:
         """Called when the monitor socket is readable."""
         while self.monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self.monitor)
-            if self._events.counts_as_lost(event["event"]) and self.ranks:
+            lost = self._events.counts_as_lost(event["event"])
+            if lost and self.ranks and int(event["value"]) in self._rank_fds.values():
                 self._host.on_worker_lost("worker connection lost")
+            elif lost:
+                self.log.info("peer_disconnected", code="not_a_rank")
             elif event["event"] == zmq.EVENT_ACCEPTED:
                 self.log.info("worker_connected")

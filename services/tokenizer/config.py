@@ -69,8 +69,20 @@ class FrontendConfig:
     )
     scheduler_timeout_s: float = field(
         default=10.0,
-        metadata={"help": "seconds of scheduler silence before in-flight requests fail with "
-                  "engine_unreachable"},
+        metadata={"help": "seconds of scheduler silence before its engine counts as lost (its "
+                  "requests resume on another engine, or wait for one)"},
+    )  # fmt: skip
+    # Resumption (docs/design/resumption.md): a request whose engine is lost, drained or
+    # refuses it goes on elsewhere from the tokens it has.
+    max_resumes: int = field(
+        default=3,
+        metadata={"help": "times one request may resume after its engine was lost or refused "
+                  "it; past it engine_unreachable"},
+    )  # fmt: skip
+    resume_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds a request whose engine was lost waits for an engine to take "
+                  "it (a restarted or another one) before engine_unreachable"},
     )  # fmt: skip
     stats_timeout_s: float = field(
         default=2.0, metadata={"internal": True, "help": "wait for the scheduler's StatsReply"}
@@ -120,7 +132,9 @@ class FrontendConfig:
             raise ValueError("max_frame_bytes must be > 0")
         if self.hard_cap_bytes < self.max_frame_bytes:
             raise ValueError("the hard cap must be >= max_frame_bytes")
-        for name in ("heartbeat_s", "scheduler_timeout_s", "stats_timeout_s"):
+        if self.max_resumes < 0:
+            raise ValueError("max_resumes must be >= 0")
+        for name in ("heartbeat_s", "scheduler_timeout_s", "stats_timeout_s", "resume_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.drain_timeout_s < 0:

@@ -26,9 +26,11 @@ from shared.protocol.codec import encode
 from shared.protocol.engine_channel import EngineReady, FrontendHello
 from shared.transport import DisconnectWatch, guarded
 
-# Why an engine is not ready: no handshake yet, its worker went away after one, or its
-# scheduler was lost (closed the connection, said EngineShutdown, or fell silent).
-NOT_READY_REASONS = ("waiting_for_worker", "worker_lost", "scheduler_unreachable")
+# Why an engine is not ready: no handshake yet, its worker went away after one, its scheduler
+# was lost (closed the connection, said EngineShutdown, or fell silent), or it is drained for
+# maintenance (`conveyor drain`).
+DRAINING = "draining"
+NOT_READY_REASONS = ("waiting_for_worker", "worker_lost", "scheduler_unreachable", DRAINING)
 
 
 class EngineLink:
@@ -43,17 +45,20 @@ class EngineLink:
         index: int,
         address: str,
         frontend_id: str,
+        identity: str,
         context: zmq.Context,
         on_gone: Callable[[int], None],
         curve_keys: Optional[Path] = None,
     ) -> None:
+        """`frontend_id`: the configured id (said in each hello); `identity`: this process's
+        socket identity (the id and a suffix of its own: a restarted frontend is a new peer)."""
         self.index = index
         self.name = str(index)  # the `engine` field of logs and labels
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         # CURVE with the frontend key pair (the scheduler admits authorized_frontends/)
         make_frontend_curve_client(self.socket, curve_keys)
-        self.socket.setsockopt(zmq.IDENTITY, frontend_id.encode())
+        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for an absent scheduler
         self.socket.setsockopt(zmq.LINGER, 1000)
         self._frontend_id = frontend_id
@@ -97,12 +102,21 @@ class EngineLink:
         self._ready, self._ever_ready = msg, True
         return not was_ready
 
-    def mark_not_ready(self) -> bool:
-        """Called on EngineNotReady (its worker is not there). True when it was ready."""
-        was_ready = self._ready is not None
+    def mark_not_ready(self, reason: str) -> bool:
+        """Called on EngineNotReady: its worker is not there, or (`reason` DRAINING) it is
+        drained. True when that changed its state."""
+        before = (self._ready is not None, self._not_ready_reason)
         self._ready = None
-        self._not_ready_reason = "worker_lost" if self._ever_ready else "waiting_for_worker"
-        return was_ready
+        if reason == DRAINING:
+            self._not_ready_reason = DRAINING
+        else:
+            self._not_ready_reason = "worker_lost" if self._ever_ready else "waiting_for_worker"
+        return before != (False, self._not_ready_reason)
+
+    @property
+    def draining(self) -> bool:
+        """True while the engine is drained for maintenance (until it says ready again)."""
+        return self._ready is None and self._not_ready_reason == DRAINING
 
     def mark_lost(self, reason: str) -> None:
         """Called when the scheduler is lost: out of rotation until it says EngineReady."""

@@ -38,11 +38,13 @@ class Engines:
         context: zmq.Context,
         log: Any,
         on_gone: Callable[[int], None],
+        identity: str,
     ) -> None:
+        """`identity`: this process's socket identity towards every scheduler."""
         self._config = config
         self._log = log
         self.links: tuple[EngineLink, ...] = tuple(
-            EngineLink(i, addr, config.frontend_id, context, on_gone, config.curve_keys)
+            EngineLink(i, addr, config.frontend_id, identity, context, on_gone, config.curve_keys)
             for i, addr in enumerate(config.scheduler_addresses)
         )
         self._router = Router(config.router, len(self.links))
@@ -85,9 +87,11 @@ class Engines:
             ready.remove(engine)
         return None
 
-    def release(self, engine: int) -> None:
-        """One of this frontend's requests left `engine` (it ended, or moved elsewhere)."""
-        self._router.request_done(engine)
+    def release(self, engine: Optional[int]) -> None:
+        """One of this frontend's requests left `engine` (it ended, or moved elsewhere; None:
+        it was waiting for an engine)."""
+        if engine is not None:
+            self._router.request_done(engine)
 
     def num_carried(self, engine: int) -> int:
         """This frontend's requests that `engine` carries now (submitted, not released)."""
@@ -136,10 +140,16 @@ class Engines:
         )
 
     def on_not_ready(self, link: EngineLink, msg: EngineNotReady) -> None:
-        """EngineNotReady: new requests go elsewhere until the worker is back; those in flight
-        stay (the scheduler restarts them by recompute, or ends them itself: worker_failed)."""
-        if link.mark_not_ready():
+        """EngineNotReady: new requests go elsewhere until the worker is back (those in flight
+        stay: the scheduler restarts them by recompute, or ends them itself: worker_failed),
+        or, when it is draining, until it says ready again (the request flow moves those in
+        flight)."""
+        if link.mark_not_ready(msg.reason):
             self._log.warning("engine_not_ready", engine=link.name, reason=msg.reason)
+
+    def index_of(self, name: str) -> Optional[int]:
+        """The engine called `name` (its index as text), if there is one."""
+        return next((link.index for link in self.links if link.name == name), None)
 
     def mark_lost(self, engine: int, reason: str, message: str, num_in_flight: int) -> bool:
         """Take a lost engine out of rotation (its cache picture goes with it). False when it

@@ -49,7 +49,8 @@ class OutputPath:
 
     def on_outputs(self, link: EngineLink, batch: OutputBatch) -> None:
         """One step's outputs: first the tokens of requests that go on, then final outputs.
-        Outputs for a request that now runs elsewhere (resubmitted) are dropped."""
+        Outputs of an earlier attempt of a request (it resumed: they carry the old attempt's
+        rid, which finds nothing) or of another engine are dropped."""
         now = time.monotonic()
         logprobs = batch.logprobs
         engine = link.index

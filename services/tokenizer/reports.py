@@ -23,6 +23,7 @@ from services.tokenizer.engines import Engines
 from services.tokenizer.output_path import OutputPath
 from services.tokenizer.request_flow import RequestFlow
 from services.tokenizer.request_table import RequestTable
+from services.tokenizer.resumption import Resumption
 from shared.protocol import client_channel as cc
 from shared.protocol.engine_channel import PrefixCacheReset, StatsReply
 
@@ -39,6 +40,7 @@ class Reports:
         engines: Engines,
         clients: ClientLink,
         flow: RequestFlow,
+        resumption: Resumption,
         output: OutputPath,
     ) -> None:
         self._config = config
@@ -46,6 +48,7 @@ class Reports:
         self._engines = engines
         self._clients = clients
         self._flow = flow
+        self._resumption = resumption
         self._output = output
         self._queries = PendingQueries(config.frontend_id, config.stats_timeout_s)
 
@@ -112,7 +115,8 @@ class Reports:
             "connections": float(len(self._table.connections())),
             "requests_total": float(self._flow.num_requests_total),
             "errors_total": float(self._clients.num_errors_total),
-            "requests_resubmitted_total": float(self._flow.num_resubmitted_total),
+            "requests_resumed_total": float(self._resumption.num_resumed_total),
+            "requests_waiting_for_engine": float(self._resumption.num_parked),
             "num_engines": float(len(self._engines.links)),
             "num_engines_ready": float(self._engines.num_ready),
             **self._output.latency_percentiles(time.monotonic()),

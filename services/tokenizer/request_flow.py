@@ -1,16 +1,19 @@
 """Where requests open and close: admission of a `generate`, and every way a request ends
-other than its final output (a client's abort, a client gone, the engine's refusal, the
-engine's loss, shutdown).
+other than its final output (a client's abort, a client gone, the engine's refusal, shutdown);
+and when a request must move to another engine (its engine lost, draining, or refusing it for
+a reason that is the engine's, not the request's), handing it to the resumption
+(resumption.py).
 
-Each request runs on one engine, chosen when it arrives. An engine that is lost (its scheduler
-closed the connection, said EngineShutdown, or was silent for `scheduler_timeout_s`) leaves the
-rotation at once; its requests that have not streamed a token yet are resubmitted to another
-ready engine, the others end with `engine_unreachable` (docs/protocol.md). The output path
-(output_path.py) closes the requests that finish through `close`.
+Each request runs on one engine at a time, chosen when it arrives. An engine that is lost (its
+scheduler closed the connection, said EngineShutdown, or was silent for `scheduler_timeout_s`)
+leaves the rotation at once; each of its requests resumes on another ready engine, or waits for
+one (docs/design/resumption.md). The output path (output_path.py) closes the requests that
+finish through `close`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from typing import Any, Optional, Union
@@ -20,25 +23,32 @@ from services.tokenizer.client_link import ClientLink
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.constraint_check import ConstraintCheck
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.engine_link import EngineLink
+from services.tokenizer.engine_link import DRAINING, EngineLink
 from services.tokenizer.engines import Engines
 from services.tokenizer.request_state import ClientRequest
 from services.tokenizer.request_table import RequestTable
+from services.tokenizer.resumption import Resumption
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
 from services.tokenizer.tracing import request_trace
 from shared.protocol import client_channel as cc
 from shared.protocol.engine_channel import (
     AbortRequest,
+    DrainEngine,
+    EngineNotReady,
+    EngineReady,
     EngineShutdown,
     RequestRejected,
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
+from shared.protocol.worker_channel import default_seed
 from shared.tracing import Tracing
 from shared.transport import Drain
 
 LOST = "scheduler_unreachable"  # the not-ready reason of a lost engine
+# Refusals that say the engine takes nothing now (not that the request is wrong): it moves.
+ENGINE_REFUSALS = frozenset({ErrorCode.NOT_READY, ErrorCode.SHUTTING_DOWN})
 
 
 class RequestFlow:
@@ -46,7 +56,8 @@ class RequestFlow:
     in step. Owns the rid counter and the request totals for `stats`.
 
     Invariant (`check_invariants`): every open request is known to exactly one engine, the one
-    it was last sent to, and each engine carries exactly the open requests sent to it."""
+    its current attempt was sent to, or waits for one in the resumption; each engine carries
+    exactly the open requests sent to it."""
 
     def __init__(
         self,
@@ -55,33 +66,33 @@ class RequestFlow:
         table: RequestTable,
         engines: Engines,
         clients: ClientLink,
+        resumption: Resumption,
         drain: Drain,
         log: Any,
+        rid_prefix: str,
         tracing: Optional[Tracing] = None,
     ) -> None:
-        """`tracing`: spans of each request (services/tokenizer/tracing.py); None: off."""
+        """`rid_prefix`: what every rid of this process starts with (its socket identity and
+        a dash: rids of a restarted frontend never meet an earlier process's). `tracing`:
+        spans of each request (services/tokenizer/tracing.py); None: off."""
         self._config = config
         self._tracing = tracing
         self._codec = codec
         self._table = table
         self._engines = engines
         self._clients = clients
+        self._resumption = resumption
         self._drain = drain  # read only: has SIGTERM asked to stop?
         self._log = log
         self._constraints = ConstraintCheck(codec)  # structured outputs, compiled at admission
+        self._rid_prefix = rid_prefix
         self._next_seq = 0  # the next rid's number
         self._num_requests_total = 0
-        self._num_resubmitted_total = 0
 
     @property
     def num_requests_total(self) -> int:
         """Requests admitted since start (`stats`)."""
         return self._num_requests_total
-
-    @property
-    def num_resubmitted_total(self) -> int:
-        """Requests moved to another engine after theirs was lost (`stats`)."""
-        return self._num_resubmitted_total
 
     def ready(self) -> bool:
         """Whether a `generate` may be admitted now (health's `ready`)."""
@@ -98,20 +109,33 @@ class RequestFlow:
     # ---- opening ---------------------------------------------------------------------------
 
     def on_generate(self, ident: bytes, cmd: cc.GenerateCommand) -> None:
-        """A client's `generate`: admitted and sent to an engine, or refused with an error."""
+        """A client's `generate`: admitted and sent to an engine, or refused with an error. A
+        `generate` that resumes a stream (its `resume` field) goes on from what the client
+        has; one complete already ends at once."""
         now = time.monotonic()
         checked = self._admit(ident, cmd)
         if isinstance(checked, Rejection):
             self._clients.reply_error(ident, checked.code, checked.message, cmd.id)
             return
-        rid = f"{self._config.frontend_id}-{self._next_seq}"
+        rid = f"{self._rid_prefix}{self._next_seq}"
         self._next_seq += 1
         trace = request_trace(self._tracing, cmd.traceparent, now, cmd.id)
         traceparent = None
         if trace is not None:
             trace.submitted(rid)
             traceparent = trace.traceparent
-        submit = SubmitRequest(rid, checked, cmd.sampling, cmd.priority, time.time(), traceparent)
+        sampling = cmd.sampling  # a sampled request's seed is pinned: resumption draws alike
+        if not sampling.greedy and sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=default_seed(rid))
+        resumed = cmd.resume_token_ids or []
+        submit = SubmitRequest(rid, checked, sampling, cmd.priority, time.time(), list(resumed),
+                               traceparent=traceparent)  # fmt: skip
+        state = self._new_request(ident, cmd, submit, now)
+        state.trace = trace
+        if cmd.resume_token_ids is not None and not self._resumed(state, cmd, now):
+            if trace is not None:
+                trace.end(None, None)
+            return
         engine = self._engines.submit(submit, exclude=None)
         if engine is None:
             msg = "no scheduler is connected"
@@ -119,14 +143,13 @@ class RequestFlow:
             if trace is not None:
                 trace.end(None, None)
             return
-        state = self._new_request(ident, cmd, submit, engine, now)
-        state.trace = trace
+        state.route_to(engine)
         self._table.add(state)
         self._num_requests_total += 1
         self._log.info(
             "request_received", rid=rid, client_id=cmd.id, num_prompt_tokens=len(checked),
             max_tokens=cmd.sampling.max_tokens, stream=cmd.stream, num_stop=len(cmd.stop),
-            engine=self._engines.name_of(engine),
+            num_resumed_tokens=len(resumed), engine=self._engines.name_of(engine),
         )  # fmt: skip
 
     def _admit(self, ident: bytes, cmd: cc.GenerateCommand) -> Union[list[int], Rejection]:
@@ -146,41 +169,67 @@ class RequestFlow:
         ids = prompt_ids(cmd, self._codec, engine)
         if isinstance(ids, Rejection):
             return ids
+        if cmd.resume_token_ids is not None:
+            if (problem := resume_problem(cmd, engine)) is not None:
+                return problem
         return self._constraints.problem(cmd.sampling, engine) or ids
 
+    def _resumed(self, state: ClientRequest, cmd: cc.GenerateCommand, now: float) -> bool:
+        """Take what a resuming client has; False when the request ended here already (a text
+        that does not match, or a request that is complete)."""
+        if not state.take_resumed(cmd.resume_token_ids or [], cmd.resume_text, now):
+            msg = "`resume.text` is not the text of `resume.token_ids`"
+            self._clients.reply_error(state.identity, ErrorCode.INVALID_FIELD, msg, cmd.id)
+            return False
+        reference = self._engines.reference()
+        eos = frozenset(reference.eos_token_ids if reference is not None else ())
+        stop_ids = frozenset(cmd.sampling.stop_token_ids) | (
+            frozenset() if cmd.sampling.ignore_eos else eos
+        )
+        ended = state.ended_already(stop_ids, now)
+        if ended is None:
+            return True
+        self._log.info("request_finished", rid=state.rid, finish_reason=ended.finish_reason,
+                       num_output_tokens=len(state.token_ids), resumed=True)  # fmt: skip
+        for frame in ended.frames:
+            if not self._clients.send(state.identity, frame):
+                break
+        return False
+
     def _new_request(
-        self,
-        ident: bytes,
-        cmd: cc.GenerateCommand,
-        submit: SubmitRequest,
-        engine: int,
-        now: float,
+        self, ident: bytes, cmd: cc.GenerateCommand, submit: SubmitRequest, now: float
     ) -> ClientRequest:
-        """The state of a request that `engine` took."""
+        """The state of a new request (not yet on an engine)."""
         ids = submit.prompt_token_ids
         return ClientRequest(
             rid=submit.rid,
             client_id=cmd.id,
             identity=ident,
             stream=cmd.stream,
-            sampling=cmd.sampling,
+            sampling=submit.sampling,
             num_prompt_tokens=len(ids),
             detokenizer=IncrementalDetokenizer(self._codec.decode, ids),
             stops=StopStrings(cmd.stop),
             received_at=now,
-            engine=engine,
+            engine=None,
             submit=submit,
         )
 
     # ---- closing ---------------------------------------------------------------------------
 
     def close(self, rid: str) -> ClientRequest:
-        """Called once a request ended, whichever way: out of the table, off its engine."""
+        """Called once a request ended, whichever way (`rid`: its current attempt's): out of
+        the table, off its engine (or out of the resumption's wait)."""
         state = self._table.pop(rid)
         self._engines.release(state.engine)
         if state.trace is not None:
             state.trace.end(state.first_token_at, state.last_token_at)
+        self._resumption.forget(rid)
         return state
+
+    def _abort_in_engine(self, state: ClientRequest, reason: str) -> None:
+        if state.engine is not None:
+            self._engines.send(state.engine, AbortRequest(state.engine_rid, reason))
 
     def on_abort(self, ident: bytes, cmd: cc.AbortCommand) -> None:
         """A client's `abort`: the request's `done` (reason abort), then `aborted`."""
@@ -189,8 +238,8 @@ class RequestFlow:
             self._clients.send(ident, cc.aborted_reply(cmd.id, False))
             return
         state = self.close(rid)
-        self._engines.send(state.engine, AbortRequest(rid, "abort"))
-        self._log.info("request_aborted", rid=rid, client_id=cmd.id, reason="client")
+        self._abort_in_engine(state, "abort")
+        self._log.info("request_aborted", rid=state.rid, client_id=cmd.id, reason="client")
         for frame in [*state.abort(time.monotonic()), cc.aborted_reply(cmd.id, True)]:
             if not self._clients.send(ident, frame):
                 return
@@ -199,16 +248,71 @@ class RequestFlow:
         """Called by the client link when a send to `ident` failed: its requests end."""
         for rid in self._table.rids_of(ident):
             state = self.close(rid)
-            self._engines.send(state.engine, AbortRequest(rid, "client_gone"))
-            self._log.info("request_aborted", rid=rid, reason="client_gone", detail=reason)
+            self._abort_in_engine(state, "client_gone")
+            self._log.info("request_aborted", rid=state.rid, reason="client_gone", detail=reason)
 
     def on_rejected(self, link: EngineLink, msg: RequestRejected) -> None:
-        """The engine refused a request (ignored when it runs elsewhere by now)."""
+        """The engine refused a request (ignored when it runs elsewhere by now): one the engine
+        takes nothing now moves (resumption), any other ends with the engine's code."""
         state = self._table.get(msg.rid)
-        if state is not None and state.engine == link.index:
-            self.close(msg.rid)
-            self._log.info("request_rejected", rid=msg.rid, code=msg.code, engine=link.name)
-            self._clients.send_error(state.identity, state.error(msg.code, msg.message))
+        if state is None or state.engine != link.index:
+            return
+        if msg.code in ENGINE_REFUSALS:  # a drain's refusal (a race) is no fault
+            reason = f"refused: {msg.code}"
+            self._resumption.resume(state, reason, not link.draining, time.monotonic())
+            return
+        self.close(msg.rid)
+        self._log.info("request_rejected", rid=state.rid, code=msg.code, engine=link.name)
+        self._clients.send_error(state.identity, state.error(msg.code, msg.message))
+
+    # ---- engines coming and going ----------------------------------------------------------
+
+    def on_engine_ready(self, link: EngineLink, msg: EngineReady) -> None:
+        """EngineReady: the engine takes requests (again); those waiting for one go now."""
+        self._engines.on_ready(link, msg)
+        self._resumption.on_engine_ready()
+
+    def on_engine_not_ready(self, link: EngineLink, msg: EngineNotReady) -> None:
+        """EngineNotReady: no new requests there. Those in flight stay (the engine recomputes
+        them when its worker is back), unless it is draining: then they move to the other
+        ready engines, if there are any (else they finish where they are)."""
+        self._engines.on_not_ready(link, msg)
+        if link.draining:
+            self._move_off(link.index, "drained")
+
+    def on_drain(self, ident: bytes, cmd: cc.DrainCommand) -> None:
+        """A client's `drain`: the engine is told to stop (or start again) admitting; this
+        frontend moves its own requests off it at once (the others do when the engine tells
+        them). Answered with the engine's name and what this frontend moved."""
+        engine = self._engines.index_of(cmd.engine)
+        if engine is None:
+            msg = f"no engine {cmd.engine!r} (engines: {', '.join(self._engines.names)})"
+            self._clients.reply_error(ident, ErrorCode.INVALID_FIELD, msg, cmd.id)
+            return
+        if not self._engines.send(engine, DrainEngine(cmd.drain)):
+            msg = f"engine {cmd.engine} is not connected"
+            self._clients.reply_error(ident, ErrorCode.ENGINE_UNREACHABLE, msg, cmd.id)
+            return
+        moved = 0
+        link = self._engines.links[engine]
+        if cmd.drain:
+            self._engines.on_not_ready(link, EngineNotReady(DRAINING))
+            moved = self._move_off(engine, "drained")
+        self._log.info("engine_drain", engine=cmd.engine, drain=cmd.drain, num_moved=moved)
+        self._clients.send(ident, cc.drain_reply(cmd.id, cmd.engine, cmd.drain, moved))
+
+    def _move_off(self, engine: int, reason: str) -> int:
+        """Every request on `engine` resumes on another ready engine (no fault); none moves
+        when no other engine is ready. How many moved."""
+        if not any(link.ready for link in self._engines.links if link.index != engine):
+            return 0
+        rids = self._table.rids_on(engine)
+        now = time.monotonic()
+        for rid in rids:
+            state = self._table.get(rid)
+            if state is not None:
+                self._resumption.resume(state, reason, False, now)
+        return len(rids)
 
     def on_shutdown(self, link: EngineLink, msg: EngineShutdown) -> None:
         """The scheduler said it stops: the engine is lost."""
@@ -219,40 +323,16 @@ class RequestFlow:
         self.engine_lost(engine, LOST, "the connection to the scheduler was lost")
 
     def engine_lost(self, engine: int, reason: str, message: str) -> None:
-        """Out of rotation; its requests that streamed nothing yet run on another ready engine,
-        the others end with `engine_unreachable`."""
+        """Out of rotation; each of its requests resumes on another ready engine or waits for
+        one (resumption.py)."""
         mine = self._table.rids_on(engine)
         if not self._engines.mark_lost(engine, reason, message, len(mine)):
             return
+        now = time.monotonic()
         for rid in mine:
             state = self._table.get(rid)
-            if state is None:
-                continue  # a failed send already dropped it with its connection
-            self._engines.send(engine, AbortRequest(rid, "engine_lost"))  # a hung one may wake
-            if not self._resubmitted(state, engine):
-                self._fail(state, engine, message)
-
-    def _resubmitted(self, state: ClientRequest, lost: int) -> bool:
-        """Run a request that streamed nothing on another ready engine; False when it cannot."""
-        if not state.streamed_nothing() or state.submit is None:
-            return False
-        engine = self._engines.submit(state.submit, exclude=lost)
-        if engine is None:
-            return False
-        self._engines.release(lost)
-        state.route_to(engine)
-        self._num_resubmitted_total += 1
-        name_of = self._engines.name_of
-        self._log.info("request_resubmitted", rid=state.rid, from_engine=name_of(lost),
-                       engine=name_of(engine))  # fmt: skip
-        return True
-
-    def _fail(self, state: ClientRequest, lost: int, message: str) -> None:
-        self.close(state.rid)
-        self._log.info("request_failed", rid=state.rid, code=ErrorCode.ENGINE_UNREACHABLE,
-                       engine=self._engines.name_of(lost))  # fmt: skip
-        error = state.error(ErrorCode.ENGINE_UNREACHABLE, message)
-        self._clients.send_error(state.identity, error)
+            if state is not None:  # else a failed send already dropped it with its connection
+                self._resumption.resume(state, "engine_lost", True, now)
 
     def shut_down(self) -> None:
         """Called when the drain's grace period is over: every open request fails with
@@ -262,23 +342,37 @@ class RequestFlow:
             if rid not in self._table:
                 continue  # a failed send already dropped it with its connection
             state = self.close(rid)
-            self._log.info("request_failed", rid=rid, code=ErrorCode.SHUTTING_DOWN)
-            self._engines.send(state.engine, AbortRequest(rid, "shutdown"))
+            self._log.info("request_failed", rid=state.rid, code=ErrorCode.SHUTTING_DOWN)
+            self._abort_in_engine(state, "shutdown")
             self._clients.send(state.identity, state.error(ErrorCode.SHUTTING_DOWN, msg))
 
     def check_invariants(self) -> None:
         """Read-only; raises AssertionError when an open request is unknown to its engine's
-        count, or the table, the engines or a request break their own invariants."""
+        count, or the table, the engines, the resumption or a request break their own."""
         self._table.check_invariants()
         self._engines.check_invariants()
+        self._resumption.check_invariants()
         num_engines = len(self._engines.links)
-        on = Counter(state.engine for state in self._table)
+        on = Counter(state.engine for state in self._table if state.engine is not None)
         assert all(0 <= e < num_engines for e in on), on
         carried = {e: self._engines.num_carried(e) for e in range(num_engines)}
         assert carried == {e: on[e] for e in range(num_engines)}, (carried, on)
-        prefix = f"{self._config.frontend_id}-"
         for state in self._table:
-            assert state.rid.startswith(prefix), state.rid
-            assert int(state.rid[len(prefix) :]) < self._next_seq, state.rid
+            assert state.rid.startswith(self._rid_prefix), state.rid
+            assert int(state.rid[len(self._rid_prefix) :]) < self._next_seq, state.rid
             assert state.submit is not None and state.submit.rid == state.rid, state.rid
         assert len(self._table) <= self._num_requests_total
+
+
+def resume_problem(cmd: cc.GenerateCommand, engine: EngineReady) -> Optional[Rejection]:
+    """Why a `generate`'s `resume` cannot go on (a token outside the vocabulary, more tokens
+    than max_tokens), or None."""
+    ids = cmd.resume_token_ids or []
+    bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+    if bad:
+        message = f"resume token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})"
+        return Rejection(ErrorCode.INVALID_TOKEN_ID, message)
+    if len(ids) > cmd.sampling.max_tokens:
+        message = f"resume holds {len(ids)} tokens, more than max_tokens"
+        return Rejection(ErrorCode.INVALID_PARAMS, message)
+    return None

@@ -75,8 +75,15 @@ class ClientRequest:
     # prompt tokens the engine found in its prefix cache; known from the engine's final output
     # (0 when the frontend ends the request first: a stop string, an abort)
     num_cached_tokens: int = 0
-    engine: int = 0  # the engine it was sent to (index in the frontend's scheduler list)
-    submit: Optional[SubmitRequest] = None  # what was sent: resubmitted if that engine is lost
+    # the engine running its current attempt (index in the frontend's scheduler list); None
+    # while it waits for one (resumption.py)
+    engine: Optional[int] = 0
+    submit: Optional[SubmitRequest] = None  # its first attempt as sent: prompt, pinned sampling
+    # Resumption (docs/design/resumption.md): each attempt runs under a rid of its own, so an
+    # earlier attempt's late outputs find no request (fencing). Attempt 0 runs under `rid`.
+    engine_rid: str = ""  # the current attempt's rid ("": `rid`)
+    attempt: int = 0
+    num_faults: int = 0  # attempts ended by an engine's loss or refusal (max_resumes)
     num_ids_detokenized: int = 0  # token ids already given to the detokenizer
     embedding: Optional[list[float]] = None  # an `embed`'s pooled state, from its final output
     trace: Optional[RequestTrace] = None  # its spans (tracing on): tracing.py
@@ -90,6 +97,7 @@ class ClientRequest:
 
     def __post_init__(self) -> None:
         self.quiet = not self.stream and not self.stops.stops and self.sampling.logprobs is None
+        self.engine_rid = self.engine_rid or self.rid
 
     def on_output(self, out: RequestOutput, now: float) -> Progress:
         """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
@@ -156,14 +164,57 @@ class ClientRequest:
         """The client aborted: the `done` that ends the request (text so far, usage so far)."""
         return self._final_frames("abort", None, None, now)
 
-    def streamed_nothing(self) -> bool:
-        """True until the engine's first token arrived: the request may run elsewhere."""
-        return self.first_token_at is None
-
-    def route_to(self, engine: int) -> None:
-        """Called once the engine `engine` took the request (at admission, or when it is
-        resubmitted after its engine was lost): its outputs count from there only."""
+    def route_to(self, engine: Optional[int]) -> None:
+        """Called once the engine `engine` took the request's current attempt (None: it waits
+        for an engine): its outputs count from there only."""
         self.engine = engine
+
+    def next_attempt(self, fault: bool) -> SubmitRequest:
+        """Called when the current attempt is over on its engine (resumption.py): the next
+        attempt, under a rid of its own, carrying every token received so far apart from the
+        prompt. `fault`: the attempt ended by a loss or refusal (counted against the limit)."""
+        self.attempt += 1
+        self.num_faults += fault
+        self.engine_rid = f"{self.rid}.{self.attempt}"
+        self.engine = None
+        return self.attempt_submit()
+
+    def attempt_submit(self) -> SubmitRequest:
+        """The current attempt as an engine gets it (sent again while it waits for one)."""
+        first = self.submit
+        assert first is not None, self.rid
+        return SubmitRequest(self.engine_rid, first.prompt_token_ids, first.sampling,
+                             first.priority, first.arrival_time, list(self.token_ids),
+                             self.attempt)  # fmt: skip
+
+    def take_resumed(self, token_ids: list[int], text: str, now: float) -> bool:
+        """A client resumed this request here (its `resume` field): the tokens and text it has
+        count as generated and streamed. False when `text` is not what those tokens make."""
+        for tok in token_ids:  # one at a time: text is released where the first frontend could
+            self.text += self.detokenizer.push([tok])
+        if not self.text.startswith(text):
+            return False
+        self.token_ids = list(token_ids)
+        self.num_ids_detokenized = self.num_ids_sent = len(token_ids)
+        self.num_text_sent = len(text)
+        if token_ids:
+            self.first_token_at = self.last_token_at = now
+            self.in_place = self.quiet
+        return True
+
+    def ended_already(self, stop_ids: frozenset[int], now: float) -> Optional[Progress]:
+        """For a request resumed by its client: the final frames when what it has is complete
+        already (the frontend it left died between its last chunk and its `done`)."""
+        match = self.stops.find(self.text, 0)
+        if match is not None:
+            self.text = self.text[: match.start]
+            return Progress(self._final_frames("stop", match.stop, None, now), True, False, "stop")
+        if self.token_ids and self.token_ids[-1] in stop_ids:
+            frames = self._final_frames("stop", self._stop_token("stop"), None, now)
+            return Progress(frames, True, False, "stop")
+        if len(self.token_ids) >= self.sampling.max_tokens:
+            return Progress(self._final_frames("length", None, None, now), True, False, "length")
+        return None
 
     def error(self, code: str, message: str) -> bytes:
         """The `error` reply that ends this request when the frontend or engine fails it."""
@@ -244,3 +295,5 @@ class ClientRequest:
             not self.stream and not self.stops.stops and self.sampling.logprobs is None
         )
         assert self.in_place == (self.quiet and self.first_token_at is not None), self.rid
+        assert self.engine_rid == (self.rid if self.attempt == 0 else f"{self.rid}.{self.attempt}")
+        assert 0 <= self.num_faults <= self.attempt, (self.rid, self.num_faults, self.attempt)

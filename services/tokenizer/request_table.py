@@ -1,9 +1,11 @@
-"""The frontend's open requests: by rid, and by (connection, client id) with a count per
-connection.
+"""The frontend's open requests: by the rid of their current attempt on an engine, and by
+(connection, client id) with a count per connection.
 
 A request is open from the moment an engine took it until its terminal reply: the request flow
-(request_flow.py) `add`s it at admission and `pop`s it once it ends, whichever way; everyone
-else only reads. The output path looks a request up once per token (`get`).
+(request_flow.py) `add`s it at admission and `pop`s it once it ends, whichever way; the
+resumption (resumption.py) `rekey`s it when it moves to its next attempt; everyone else only
+reads. The output path looks a request up once per token (`get`), by the rid the engine sends:
+an earlier attempt's rid finds nothing (fencing).
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ class RequestTable:
 
     def add(self, state: ClientRequest) -> None:
         """Called at admission, once the request's engine took it."""
-        self._by_rid[state.rid] = state
-        self._by_client[(state.identity, state.client_id)] = state.rid
+        self._by_rid[state.engine_rid] = state
+        self._by_client[(state.identity, state.client_id)] = state.engine_rid
         self._num_per_conn[state.identity] += 1
 
+    def rekey(self, state: ClientRequest, old_rid: str) -> None:
+        """Called when the request moved to its next attempt (its `engine_rid` changed from
+        `old_rid`): from now on only the new attempt's outputs find it."""
+        del self._by_rid[old_rid]
+        self._by_rid[state.engine_rid] = state
+        self._by_client[(state.identity, state.client_id)] = state.engine_rid
+
     def pop(self, rid: str) -> ClientRequest:
-        """Called once the request ended (any way); KeyError when it is not open."""
+        """Called once the request ended (any way), with its current attempt's rid; KeyError
+        when it is not open."""
         state = self._by_rid.pop(rid)
         self._by_client.pop((state.identity, state.client_id), None)
         self._num_per_conn[state.identity] -= 1
@@ -64,8 +74,9 @@ class RequestTable:
         """The open requests of one connection."""
         return [rid for (owner, _), rid in self._by_client.items() if owner == identity]
 
-    def rids_on(self, engine: int) -> list[str]:
-        """The open requests running on engine `engine`, oldest first."""
+    def rids_on(self, engine: Optional[int]) -> list[str]:
+        """The open requests running on engine `engine` (None: waiting for one), oldest
+        first."""
         return [rid for rid, state in self._by_rid.items() if state.engine == engine]
 
     def rids(self) -> list[str]:
@@ -87,5 +98,5 @@ class RequestTable:
         counts = Counter(state.identity for state in self._by_rid.values())
         assert counts == self._num_per_conn, (counts, self._num_per_conn)
         for rid, state in self._by_rid.items():
-            assert state.rid == rid
+            assert state.engine_rid == rid
             state.check_invariants()

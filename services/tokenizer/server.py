@@ -10,7 +10,9 @@ The parts, each the one owner of its state (its own methods change it):
 * `RequestTable` (request_table.py): the open requests; each `ClientRequest`
   (request_state.py) owns its text, tokens, timings and engine;
 * `RequestFlow` (request_flow.py): opens and closes requests (admission, abort, client gone,
-  engine refusal or loss, shutdown), keeping the engines' counts in step;
+  engine refusal or loss, drain, shutdown), keeping the engines' counts in step;
+* `Resumption` (resumption.py): moves a request to its next attempt on another engine (or
+  the same one, restarted), and keeps those waiting for an engine;
 * `OutputPath` (output_path.py): each step's outputs -> client frames; recent latencies;
 * `Reports` (reports.py): health, stats and reset_prefix_cache, and the open queries;
 * `Engines` / `ClientLink`: the sockets, the engines' readiness and the router.
@@ -20,6 +22,7 @@ This module only wires them: messages go to their handler through one table per 
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -34,6 +37,7 @@ from services.tokenizer.output_path import OutputPath
 from services.tokenizer.reports import Reports
 from services.tokenizer.request_flow import LOST, RequestFlow
 from services.tokenizer.request_table import RequestTable
+from services.tokenizer.resumption import Resumption
 from services.tokenizer.text_codec import TextCodec
 from shared.protocol import client_channel as cc
 from shared.protocol.codec import DecodeError, decode
@@ -74,30 +78,40 @@ class FrontendServer:
         self.config = config
         self.log = log
         ctx = context or zmq.Context.instance()
+        # This process's identity towards the schedulers, and the start of its rids: the
+        # configured id plus a suffix of its own, so a restarted frontend is a new peer whose
+        # rids never meet those of the process it replaces (docs/design/resumption.md).
+        self.identity = f"{config.frontend_id}.{secrets.token_hex(2)}"
         self._drain = Drain(config.drain_timeout_s, log)
         self._table = RequestTable()
         # The links report a lost peer to the request flow, made after them (it sends on them).
         self._clients = ClientLink(config, ctx, log, lambda i, r: self._flow.client_gone(i, r))
-        self._engines = Engines(config, ctx, log, lambda e: self._flow.scheduler_gone(e))
-        self._flow = RequestFlow(
-            config, codec, self._table, self._engines, self._clients, self._drain, log, tracing
+        self._engines = Engines(
+            config, ctx, log, lambda e: self._flow.scheduler_gone(e), self.identity
         )
+        self._resumption = Resumption(config, self._table, self._engines, self._clients, log)
+        self._flow = RequestFlow(
+            config, codec, self._table, self._engines, self._clients, self._resumption,
+            self._drain, log, f"{self.identity}-", tracing,
+        )  # fmt: skip
         self._output = OutputPath(self._table, self._flow, self._engines, self._clients, log)
         self._reports = Reports(
-            config, self._table, self._engines, self._clients, self._flow, self._output
-        )
+            config, self._table, self._engines, self._clients, self._flow, self._resumption,
+            self._output,
+        )  # fmt: skip
         self._client_handlers: dict[type, ClientHandler] = {
             cc.GenerateCommand: self._flow.on_generate,
             cc.AbortCommand: self._flow.on_abort,
             cc.HealthCommand: self._reports.on_health,
             cc.StatsCommand: self._reports.on_stats,
             cc.ResetPrefixCacheCommand: self._reports.on_reset_prefix_cache,
+            cc.DrainCommand: self._flow.on_drain,
         }
         self._engine_handlers: dict[type, EngineHandler] = {
             OutputBatch: self._output.on_outputs,
             RequestRejected: self._flow.on_rejected,
-            EngineReady: self._engines.on_ready,
-            EngineNotReady: self._engines.on_not_ready,
+            EngineReady: self._flow.on_engine_ready,
+            EngineNotReady: self._flow.on_engine_not_ready,
             EngineShutdown: self._flow.on_shutdown,
             StatsReply: self._reports.on_stats_reply,
             PrefixCacheReset: self._reports.on_prefix_cache_reset,
@@ -123,6 +137,7 @@ class FrontendServer:
             schedulers=list(self.config.scheduler_addresses),
             router_policy=self.config.router.policy,
             frontend_id=self.config.frontend_id,
+            identity=self.identity,
         )
 
     def request_drain(self) -> None:
@@ -210,6 +225,7 @@ class FrontendServer:
                 self._flow.engine_lost(link.index, LOST, msg)
         self._clients.heartbeat(self._table.connections(), now)
         self._reports.expire(now)
+        self._resumption.expire(now)
         if self._drain.due(now, len(self._table)):
             self._flow.shut_down()
             self._engines.say_bye()

@@ -16,13 +16,12 @@ never computes garbage for a batch it does not hold.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan, check_plan
+from shared.protocol.worker_channel import NewSequence, StepPlan, check_plan, default_seed
 
 # A sampled token still only on the device (pipelined steps, services/worker/pipeline.py): it
 # keeps a history's length right until the token lands. Far outside any vocabulary (not -1,
@@ -32,9 +31,9 @@ PENDING_TOKEN = 1 << 62
 
 
 def request_seed(rid: str, seed: Optional[int]) -> int:
-    """A sequence's sampling seed: the client's, else a stable function of the rid (crc32, the
-    same in every process and run, unlike Python's salted hash())."""
-    return seed if seed is not None else zlib.crc32(rid.encode("utf-8"))
+    """A sequence's sampling seed: the client's, else a stable function of the rid
+    (worker_channel.default_seed, which the frontend pins on the requests it submits)."""
+    return seed if seed is not None else default_seed(rid)
 
 
 @dataclass(slots=True, eq=False)

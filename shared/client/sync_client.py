@@ -1,22 +1,34 @@
 """The blocking Python client: one DEALER connection to a frontend (docs/protocol.md).
 
 Several requests may be in flight on one Client (e.g. two streams iterated in turns): replies
-for ids other than the one being waited for are kept per id. A Client is not thread-safe
-(ZeroMQ sockets are not); use one per thread. What frames mean is `ClientCore`'s business
-(shared/client/core.py, shared with AsyncClient); this class only sends, polls and receives.
+for ids other than the one being waited for are kept per id. When the connection drops while a
+request is open (the frontend died), the client connects again (to its next address, or the
+same one restarted) and resumes its open requests (shared/client/resume.py). A Client is not
+thread-safe (ZeroMQ sockets are not); use one per thread. What frames mean is `ClientCore`'s
+business (shared/client/core.py, shared with AsyncClient); this class only sends, polls and
+receives.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shared.addresses import DEFAULT_FRONTEND_ADDR
-from shared.client.core import ABORT_KINDS, EMBED_KINDS, RESULT_KINDS, STREAM_KINDS, ClientCore
+from shared.client.core import (
+    ABORT_KINDS,
+    DEFAULT_RESUME_TIMEOUT_S,
+    EMBED_KINDS,
+    RESULT_KINDS,
+    STREAM_KINDS,
+    ClientCore,
+)
+from shared.client.resume import RETRY_S
 from shared.client.types import (
     Chunk,
     Completion,
@@ -42,28 +54,46 @@ class Client:
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: Union[str, Sequence[str]] = DEFAULT_ADDRESS,
         timeout: float = 60.0,
         context: Optional[zmq.Context] = None,
         connect_timeout: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         server_key: Optional[Union[str, Path]] = None,
         client_key: Optional[Union[str, Path]] = None,
+        resume_timeout: float = DEFAULT_RESUME_TIMEOUT_S,
     ) -> None:
-        self._core = ClientCore(
-            address, timeout, connect_timeout, max_frame_bytes, server_key, client_key
-        )
-        self.address = address
+        self._core = ClientCore(address, timeout, connect_timeout, max_frame_bytes, server_key,
+                                client_key, resume_timeout)  # fmt: skip
         self.timeout = timeout
         self.connect_timeout = self._core.connect_timeout
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._ctx = context or zmq.Context.instance()
+        self._closed = False
+        self._connect(self._core.address)
+
+    @property
+    def address(self) -> str:
+        """The frontend in use now."""
+        return self._core.address
+
+    def _connect(self, address: str) -> None:
+        """A DEALER to `address` and the monitor that tells when its connection drops."""
+        self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Queue nothing while not connected: a request to an absent frontend fails at once
         # (after connect_timeout) instead of waiting in a queue for the full timeout.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._core.secure(self._sock)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
-        self._closed = False
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _disconnect(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -118,7 +148,7 @@ class Client:
         """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error.
         `traceparent`: the caller's span (W3C), the parent of the request's trace."""
         rid = self._start(
-            *self._core.embed(request_id, prompt, prompt_token_ids, pooling, priority, traceparent)
+            *self._core.embed(prompt, prompt_token_ids, pooling, priority, request_id, traceparent)
         )
         try:
             msg = self._next_for(rid, EMBED_KINDS)
@@ -172,10 +202,15 @@ class Client:
         """Empty the engine's prefix cache; the number of cached blocks dropped."""
         return int(self._query("reset_prefix_cache")["num_blocks_dropped"])
 
+    def drain(self, engine: str, drain: bool = True) -> dict[str, Any]:
+        """Maintenance: stop (or, `drain=False`, start again) admitting to engine `engine`
+        (its name in `health`); the `drain` reply (`num_moved`: requests moved off it)."""
+        return self._query("drain", engine=engine, drain=drain)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._sock.close(linger=0)
+            self._disconnect()
 
     def __enter__(self) -> Client:
         return self
@@ -185,8 +220,8 @@ class Client:
 
     # ---- transport ---------------------------------------------------------------------------
 
-    def _query(self, kind: str) -> dict[str, Any]:
-        qid, frame = self._core.query(kind)
+    def _query(self, kind: str, **fields: Any) -> dict[str, Any]:
+        qid, frame = self._core.query(kind, **fields)
         try:
             self._send(frame)
             msg = self._next_for(qid, (kind, "error"))
@@ -196,7 +231,7 @@ class Client:
 
     def _start(self, rid: str, frame: bytes) -> str:
         """Open `rid`'s box, then send its first frame."""
-        self._core.open(rid)
+        self._core.open(rid, frame)
         try:
             self._send(frame)
         except EngineError:
@@ -222,10 +257,45 @@ class Client:
             wait = last_rx + self.timeout - time.monotonic()
             if wait <= 0:
                 raise self._core.silence_error()
-            if not self._sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
+            if self._core.open_requests.retrying():  # resumed ones to send again
+                wait = min(wait, RETRY_S / 2)
+                for _rid, frame in self._core.retry_frames():
+                    self._sock.send(frame)
+            events = dict(self._poller.poll(int(wait * 1000) + 1))
+            if self._monitor in events and self._dropped() and self._core.open_ids():
+                self._resume()
+                last_rx = time.monotonic()
                 continue
-            last_rx = time.monotonic()
-            self._core.receive(self._sock.recv())
+            if self._sock in events:
+                last_rx = time.monotonic()
+                self._core.receive(self._sock.recv())
+
+    def _dropped(self) -> bool:
+        """Whether the monitor says the connection dropped (reads its events)."""
+        dropped = False
+        while self._monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._monitor)
+            dropped |= event["event"] == zmq.EVENT_DISCONNECTED
+        return dropped
+
+    def _resume(self) -> None:
+        """The frontend was lost: connect to the next one (or the same, restarted) until one
+        takes frames or `resume_timeout` passes, then send every open request again (streams
+        resumed, shared/client/resume.py); when none came back, they fail."""
+        core = self._core
+        deadline = time.monotonic() + core.resume_timeout
+        while True:
+            self._disconnect()
+            self._connect(core.next_address())
+            wait_s = max(0.0, min(self.connect_timeout, deadline - time.monotonic()))
+            if self._sock.poll(int(wait_s * 1000), zmq.POLLOUT):
+                for _rid, frame in core.resume_frames():
+                    self._sock.send(frame)
+                return
+            if time.monotonic() >= deadline:
+                for rid in core.open_ids():
+                    core.fail(rid, f"no frontend answered within {core.resume_timeout:g} s")
+                return
 
     def _abandon(self, rid: str) -> None:
         """Abort without waiting (a stream closed early); its late replies are dropped."""

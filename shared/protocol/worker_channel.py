@@ -10,6 +10,7 @@ Lists inside these frozen messages are read-only by convention.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -168,6 +169,13 @@ def check_plan(plan: StepPlan) -> None:
             raise ValueError(f"new sequence {seq.rid!r}: num_computed_tokens out of range")
         if not 0 < seq.num_prompt_tokens <= len(seq.token_ids):
             raise ValueError(f"new sequence {seq.rid!r}: num_prompt_tokens out of range")
+
+
+def default_seed(rid: str) -> int:
+    """The seed of a request that has none: a stable function of its rid (crc32: the same in
+    every process and run, unlike Python's salted hash()). The frontend pins it on every
+    sampled request it submits, so that a resumption under another rid draws the same."""
+    return zlib.crc32(rid.encode("utf-8"))
 
 
 def worker_identity(rank: int) -> bytes:

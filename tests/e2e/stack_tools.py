@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from conveyor.launcher import LocalStack, StackSettings, gateway_available, probe_health
 from services.gateway.config import GatewayConfig
@@ -146,14 +146,18 @@ class UpProcess:
         return self.proc.returncode, "".join(self.lines), err
 
 
-def start_up(tmp_path: Path, *flags: str, worker: str = "sim") -> tuple[UpProcess, str]:
+def start_up(
+    tmp_path: Path, *flags: str, worker: str = "sim", http_port: Optional[int] = None
+) -> tuple[UpProcess, str]:
     """`conveyor up` with the SIMULATED worker (or, `worker="model"`, the real one in fp32 with
-    ENGINE_WORKER) and no gateway, serving: (process, address)."""
+    ENGINE_WORKER) and no gateway (with `http_port`: the gateway on that port), serving:
+    (process, address). `flags` come last: they may override ENGINE_WORKER's."""
     address = f"tcp://127.0.0.1:{free_port()}"
     worker_flags = ["--worker", worker]
     if worker == "model":
         worker_flags += config_argv(ENGINE_WORKER, {})
-    argv = [sys.executable, "-m", "conveyor", "up", *worker_flags, "--no-gateway",
+    gateway = ["--no-gateway"] if http_port is None else ["--http-port", str(http_port)]
+    argv = [sys.executable, "-m", "conveyor", "up", *worker_flags, *gateway,
             "--frontend-addr", address, "--log-dir", str(tmp_path / "logs"), *flags]  # fmt: skip
     up = UpProcess(argv)
     up.wait_serving(timeout=600)

@@ -31,11 +31,12 @@ from services.tokenizer.config import FrontendConfig
 from services.worker.sim.config import SimConfig
 from shared.client import Client
 from shared.protocol.errors import MAX_QUOTE_CHARS
+from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import free_port, running_stack
 
 pytestmark = pytest.mark.e2e
 
-ANSWER_WITHIN_S = 5.0
+ANSWER_WITHIN_S = 5.0 + SLOW_HOST_MARGIN_S  # promised: 5 s (docs/RELIABILITY.md)
 SIDE_PROMPT = "The conveyor belt carries parcels"
 SIDE_MAX_TOKENS = 120
 GATEWAY_MAX_BODY = 4 << 20  # above the frontend's 1 MiB frame limit: frame_too_large is reachable
@@ -419,7 +420,7 @@ def test_hostile_inputs_get_their_codes_while_normal_streams_run(
     assert not side.errors, side.errors
     for name, texts in side.texts.items():
         assert texts and all(t == alone[name] for t in texts), name
-    assert len(held) >= 30, held
+    assert len(held) == len(zmq_cases()) + len(http_cases()) + 2, held  # every case held
     print(f"\nhostile inputs held: {len(held)}")  # quoted in docs/RELIABILITY.md
 
 
@@ -490,4 +491,4 @@ def test_services_logged_no_crash(stack: LocalStack) -> None:
     for name in ("tokenizer", "scheduler", "worker", "gateway"):
         text = Path(stack.log_dir, f"{name}.log").read_text(errors="replace")
         assert "_message_failed" not in text and "Traceback" not in text, name
-    stack.is_ready()  # raises when a service exited
+    assert stack.is_ready()  # raises when a service exited, False when one is not ready

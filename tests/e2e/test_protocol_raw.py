@@ -33,6 +33,7 @@ from tests.bounds import SLOW_HOST_MARGIN_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0
+RESUME_TIMEOUT_S = 3.0  # the private engines' frontend: how long a request waits for an engine
 
 
 # ---- a hand-written client, as any language would have ---------------------------------------
@@ -303,7 +304,7 @@ class PrivateEngine:
                        "--sim-model", "smollm2-135m"],
             "tokenizer": [*py, "services.tokenizer", "--frontend-addr", self.frontend_address,
                           "--scheduler-addr", sched_addr, "--scheduler-timeout", "2",
-                          "--drain-timeout", "30"],
+                          "--drain-timeout", "30", "--resume-timeout", str(RESUME_TIMEOUT_S)],
         }  # fmt: skip
         self._commands, self._env, self._tmp = commands, env, tmp
         self.procs = {name: self._spawn(name) for name in commands}
@@ -403,17 +404,35 @@ def test_worker_lost_requeues_then_fails_after_the_requeue_timeout(private_engin
     conn.close()
 
 
-def test_scheduler_lost_is_engine_unreachable(private_engine: Any) -> None:
+def test_scheduler_lost_resumes_its_requests_or_ends_them_after_the_resume_timeout(
+    private_engine: Any,
+) -> None:
+    """A lost scheduler ends nothing at once: restarted, it takes the in-flight request back
+    and the stream goes on to its `done` (docs/protocol.md §4, docs/design/resumption.md); not
+    restarted, the request ends `engine_unreachable` after the frontend's --resume-timeout."""
     eng = private_engine()
     conn = Conn(eng.frontend_address)
-    rid = conn.generate(params=LONG, stream=True)
-    assert conn.recv(rid)["type"] == "chunk"
+    medium = {"max_tokens": 100, "ignore_eos": True}
+    rid = conn.generate(params=medium, stream=True)
+    first = conn.recv(rid)
+    assert first["type"] == "chunk"
     eng.procs["scheduler"].kill()
-    _, end = conn.until_end(rid)
-    assert end["type"] == "error" and end["code"] == "engine_unreachable"
     assert wait_health(conn, False, 5.0 + SLOW_HOST_MARGIN_S)["reason"] == "scheduler_unreachable"
     conn.generate("after", params={"max_tokens": 2})
     assert conn.error_code("after") == "not_ready"
+    eng.restart("scheduler")
+    chunks, end = conn.until_end(rid)
+    assert end["type"] == "done" and end["finish_reason"] == "length", end
+    assert end["usage"]["completion_tokens"] == medium["max_tokens"]
+    num_streamed = sum(len(c["token_ids"]) for c in [first, *chunks])
+    assert num_streamed == medium["max_tokens"]  # no chunk lost or repeated
+    rid = conn.generate(params=LONG, stream=True)
+    assert conn.recv(rid)["type"] == "chunk"
+    eng.procs["scheduler"].kill()
+    t0 = time.monotonic()
+    _, end = conn.until_end(rid)
+    assert end["type"] == "error" and end["code"] == "engine_unreachable"
+    assert time.monotonic() - t0 < RESUME_TIMEOUT_S + 2.0 + SLOW_HOST_MARGIN_S
     conn.send({"type": "stats", "v": 1, "id": "st"})
     stats = conn.recv("st", timeout=10)
     assert stats["type"] == "stats" and stats["ready"] is False and stats["engine"] is None

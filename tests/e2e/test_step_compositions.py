@@ -2,8 +2,8 @@
 
 `mixed` is the session engine's (test_engine_reference.py); here one engine per other
 composition, both started at once (one model load's time), with a small token budget and chunk
-so the four prompts, sent together, are prefilled in chunks beside other requests' decodes: a
-prompt forward between decode forwards (decode-first, at most `max_prefill_chunks` chunks), or
+so the four prompts, sent together while a long request decodes, are prefilled in chunks beside
+other requests' decodes: a prompt forward between decode forwards (decode-first, at most `max_prefill_chunks` chunks), or
 prefill-only forwards holding the decodes back (prefill-first). The engines' step logs must
 show that shape. Exact, except at a near-tie of the reference's own logits
 (tests/greedy_reference.py). Rough runtime: 30-60 s on the shared 2-core machine.
@@ -32,7 +32,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 COMPOSITIONS = ("prefill-first", "decode-first")
 # small enough that the prompts (9-14 tokens) take two chunks and share steps with decodes
-CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, chunk_size=8)
+CONFIG = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=16, chunk_size=8)
+# decoding while PROMPTS arrive: long enough to outlast their prefill on any host
+BACKGROUND_PROMPT = "Write a long story about a lighthouse keeper."
+BACKGROUND_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,22 @@ def hf_greedy(hf_reference) -> dict[str, tuple[list[int], str, list[Any]]]:
     return {prompt: hf_reference.greedy(prompt, MAX_TOKENS) for prompt in PROMPTS}
 
 
+def _beside_a_decoding_request(address: str) -> list[Completion]:
+    """PROMPTS' completions, sent once a long background request is decoding (its first chunk
+    came back), so their prompt forwards meet decodes however fast the host is."""
+    with Client(address, timeout=300.0) as client:
+        background = iter(
+            client.stream(BACKGROUND_PROMPT, max_tokens=BACKGROUND_TOKENS, temperature=0.0,
+                          ignore_eos=True)
+        )  # fmt: skip
+        next(background)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: _generate(address, p), PROMPTS))
+        for _ in background:  # its text is not compared: it only keeps decoding
+            pass
+    return results
+
+
 def _generate(address: str, prompt: str) -> Completion:
     with Client(address, timeout=300.0) as client:
         return client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
@@ -75,8 +94,7 @@ def test_each_composition_gives_transformers_greedy_text(
     composition: str, composition_engines: dict[str, LocalStack], hf_greedy
 ) -> None:
     stack = composition_engines[composition]
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda p: _generate(stack.frontend_address, p), PROMPTS))
+    results = _beside_a_decoding_request(stack.frontend_address)
     for prompt, got in zip(PROMPTS, results, strict=True):
         want_ids, want_text, want_logits = hf_greedy[prompt]
         if compare_greedy(got.token_ids, want_ids, want_logits, f"{composition}: {prompt}") is None:

@@ -4,11 +4,11 @@
   8 prompts x 32 tokens, run at once, equals the single-rank session `engine`'s, token for token
   except at a near-tie of the single-rank logits (tests/greedy_reference.py, from its top-2
   logprobs); the chosen tokens' logprobs agree within 1e-4 wherever the tokens agree.
-* `conveyor up --tensor-parallel-size 2` on a tiny model: `kill -9` of rank 1 mid-generation
-  ends with every stream complete and exact (its requests retried after `up` restarted the
-  whole group; the surviving rank exited by itself), or `worker_failed` (when the new group
-  takes longer than the 30 s requeue time-out to load, as on a busy host); the restarted group
-  serves; nothing hangs and no process is left after `up` stops.
+* `conveyor up --tensor-parallel-size 2` on a tiny model, whose greedy output equals the same
+  model at TP=1 (transformers): `kill -9` of rank 1 mid-generation ends with every stream
+  complete and exact (its requests retried after `up` restarted the whole group, with a requeue
+  time-out long enough for a reload on a busy host; the surviving rank exited by itself); the
+  restarted group serves; nothing hangs and no process is left after `up` stops.
 Rough runtime: 40-90 s on the shared 2-core machine (three SmolLM2 loads, one tiny stack).
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from conveyor.launcher import LocalStack
 from services.worker.config import WorkerConfig
-from shared.client import AsyncClient, Client, Completion, EngineError
+from shared.client import AsyncClient, Client, Completion
 from tests.e2e.stack_tools import descendants, engine_settings, start_up, wait_gone
 from tests.greedy_reference import compare_greedy
 from tests.support.tiny_model import write_tiny_model
@@ -50,6 +50,7 @@ TP_WORKER = WorkerConfig(
 )
 READY_TIMEOUT_S = 600.0  # three model loads on a busy 2-core machine; normally ~20-40 s
 WAIT_S = 180.0
+KILL_TOKENS = 64
 
 
 def _generate(address: str, prompt: str) -> Completion:
@@ -102,29 +103,51 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
-async def _streams_with_a_kill(address: str, pid: int) -> list:
-    async def one(prompt: str, started: asyncio.Event) -> list[int]:
+async def _streams_with_a_kill(address: str, pid: int, prompts: list[list[int]]) -> list:
+    async def one(ids: list[int], started: asyncio.Event) -> list[int]:
         tokens: list[int] = []
-        async for chunk in client.stream(prompt, max_tokens=64, temperature=0.0,
-                                         ignore_eos=True):  # fmt: skip
+        async for chunk in client.stream(prompt_token_ids=ids, max_tokens=KILL_TOKENS,
+                                         temperature=0.0, ignore_eos=True):  # fmt: skip
             tokens += chunk.token_ids
             started.set()
         return tokens
 
-    async with AsyncClient(address, timeout=60.0) as client:
-        events = [asyncio.Event() for _ in range(4)]
-        tasks = [asyncio.create_task(one(f"Belt {i} carries", ev)) for i, ev in enumerate(events)]
+    async with AsyncClient(address, timeout=WAIT_S) as client:
+        events = [asyncio.Event() for _ in prompts]
+        tasks = [asyncio.create_task(one(p, ev)) for p, ev in zip(prompts, events, strict=True)]
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), timeout=WAIT_S)
         os.kill(pid, signal.SIGKILL)
         return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S))
 
 
+def _tp1_greedy(model: Path, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    """The tiny model at TP=1: transformers' fp32 greedy continuation and the logits that chose
+    each token (the near-tie tolerance of tests/greedy_reference.py)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=KILL_TOKENS,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=2)  # fmt: skip
+        out.append((gen.sequences[0, len(ids) :].tolist(), [row[0] for row in gen.logits]))
+    return out
+
+
 def test_rank_killed_mid_generation_restarts_the_group(tmp_path: Path) -> None:
+    """TP=2 equals TP=1 (transformers) before the kill; after `kill -9` of rank 1 every stream
+    completes, exactly as before the kill (its requests recomputed by the restarted group: a
+    stream that fails is a failure here); the surviving rank exits by itself."""
     model = write_tiny_model(tmp_path / "tiny", num_attention_heads=4, num_key_value_heads=2)
+    prompts = [[40 + i, 50, 60 + i, 70] for i in range(4)]
+    reference = _tp1_greedy(model, prompts)
     up, address = start_up(
         tmp_path, "--model", str(model), "--tensor-parallel-size", "2", "--dtype", "float32",
         "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--attention-backend", "torch",
-        worker="model",
+        "--requeue-timeout", str(WAIT_S), worker="model",
     )  # fmt: skip
     try:
         ranks = {pid: cmd for pid, cmd in descendants(up.proc.pid).items()
@@ -133,21 +156,19 @@ def test_rank_killed_mid_generation_restarts_the_group(tmp_path: Path) -> None:
         rank1 = next(pid for pid, cmd in ranks.items() if "--rank 1" in cmd)
         rank0 = next(pid for pid in ranks if pid != rank1)
         with Client(address, timeout=WAIT_S) as c:
-            want = [c.generate(f"Belt {i} carries", max_tokens=64, temperature=0.0,
-                               ignore_eos=True).token_ids for i in range(4)]  # fmt: skip
-        results = asyncio.run(_streams_with_a_kill(address, rank1))
-        for got, ref in zip(results, want, strict=True):
-            if isinstance(got, EngineError):
-                assert got.code == "worker_failed", got
-            else:
-                assert got == ref  # retried by recompute: every token once, in order
+            want = [c.generate(prompt_token_ids=p, max_tokens=KILL_TOKENS, temperature=0.0,
+                               ignore_eos=True).token_ids for p in prompts]  # fmt: skip
+        for n, (ids, logits) in enumerate(reference):
+            compare_greedy(want[n], ids, logits, f"prompt {n}")  # TP=2 against TP=1
+        results = asyncio.run(_streams_with_a_kill(address, rank1, prompts))
+        assert results == want  # none failed; every token once, in order
         assert not wait_gone([rank0], 30.0 + 10.0), "rank 0 outlived its group"
         with Client(address, timeout=WAIT_S) as c:  # the restarted group serves
             deadline = time.monotonic() + WAIT_S  # (a load can take long on a busy host)
             while not c.health()["ready"] and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert c.generate("Belt 0 carries", max_tokens=64, temperature=0.0,
-                              ignore_eos=True).token_ids == want[0]  # fmt: skip
+            assert c.generate(prompt_token_ids=prompts[0], max_tokens=KILL_TOKENS,
+                              temperature=0.0, ignore_eos=True).token_ids == want[0]  # fmt: skip
         log = (tmp_path / "logs" / "worker.log").read_text()
         assert '"event":"worker_group_lost"' in log or "group lost" in log
     finally:

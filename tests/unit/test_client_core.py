@@ -26,7 +26,7 @@ def _done(rid: str) -> bytes:
 
 
 def test_generate_and_query_frames() -> None:
-    core = ClientCore("tcp://x:1", timeout=5, connect_timeout=9)
+    core = ClientCore("tcp://x:1", timeout=5, connect_timeout=9, resume_timeout=0)
     assert core.connect_timeout == 5  # never longer than the timeout
     rid, frame = core.generate(None, "hello", None, None, True, 2, {"max_tokens": 4, "seed": None})
     wire = _wire(frame)

@@ -257,9 +257,16 @@ def test_http_400_is_openai_shaped(http: TestClient) -> None:
 
 
 def test_http_401_without_the_key(http: TestClient) -> None:
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
-        r = http.post("/v1/completions", json={"prompt": "x"}, headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    """Every /v1 route refuses a request without the key (only /health and /metrics are
+    open)."""
+    routes = [("POST", "/v1/completions", {"prompt": "x"}),
+              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+              ("GET", "/v1/models", None)]  # fmt: skip
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = http.request(method, path, json=body, headers=headers)
+            assert r.status_code == 401, (method, path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key", (method, path)
     r = http.get("/v1/models", headers=AUTH)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2"
 

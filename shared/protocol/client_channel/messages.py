@@ -17,7 +17,8 @@ MAX_ID_BYTES = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
-CLIENT_MESSAGE_TYPES = ("generate", "embed", "abort", "health", "stats", "reset_prefix_cache")
+CLIENT_MESSAGE_TYPES = ("generate", "embed", "abort", "health", "stats", "reset_prefix_cache",
+                        "drain")  # fmt: skip
 
 
 class ClientMessageError(DecodeError):
@@ -52,6 +53,10 @@ class GenerateCommand:
     priority: int = 0
     add_generation_prompt: bool = True
     tools: Optional[list[dict[str, Any]]] = None  # OpenAI's {"type": "function", "function"}
+    # `resume`: a stream the client resumes here (its frontend was lost): the token ids and
+    # the text it received; None: a new request
+    resume_token_ids: Optional[list[int]] = None
+    resume_text: str = ""
     traceparent: Optional[str] = None  # W3C trace context of the client's span (tracing)
 
 
@@ -77,6 +82,20 @@ class ResetPrefixCacheCommand:
     id: Optional[str] = None
 
 
+@dataclass(frozen=True, slots=True)
+class DrainCommand:
+    """Maintenance: stop (`drain` True) or start again (False) admitting to one engine."""
+
+    engine: str  # the engine's name ("0", "1", ...: as in `health`)
+    drain: bool = True
+    id: Optional[str] = None
+
+
 ClientCommand = Union[
-    GenerateCommand, AbortCommand, HealthCommand, StatsCommand, ResetPrefixCacheCommand
+    GenerateCommand,
+    AbortCommand,
+    HealthCommand,
+    StatsCommand,
+    ResetPrefixCacheCommand,
+    DrainCommand,
 ]

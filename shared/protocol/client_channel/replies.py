@@ -153,3 +153,9 @@ def stats_reply(
     not answer in time)."""
     return encode_reply("stats", id, ready=ready, frontend=frontend, engine=engine,
                         engines=engines)  # fmt: skip
+
+
+def drain_reply(id: Optional[str], engine: str, draining: bool, num_moved: int) -> bytes:
+    """The answer to `drain`: the engine, whether it now drains, and how many of this
+    frontend's requests moved off it at once."""
+    return encode_reply("drain", id, engine=engine, draining=draining, num_moved=num_moved)

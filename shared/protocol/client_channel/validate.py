@@ -24,6 +24,7 @@ from shared.protocol.client_channel.messages import (
     ChatMessage,
     ClientCommand,
     ClientMessageError,
+    DrainCommand,
     GenerateCommand,
     HealthCommand,
     ResetPrefixCacheCommand,
@@ -98,6 +99,8 @@ def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES)
     if kind == "abort":
         return AbortCommand(_required_id(wire))
     optional_id = _optional_id(wire)
+    if kind == "drain":
+        return _drain(wire, optional_id)
     if kind == "reset_prefix_cache":
         return ResetPrefixCacheCommand(optional_id)
     return HealthCommand(optional_id) if kind == "health" else StatsCommand(optional_id)
@@ -170,6 +173,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         token_ids = _token_ids(wire["prompt_token_ids"], rid)
     sampling, stop = parse_params(params, rid)
     tools = tools_list(wire.get("tools"), rid)
+    resume_ids, resume_text = _resume(wire.get("resume"), rid)
     return GenerateCommand(
         id=rid,
         sampling=sampling,
@@ -181,6 +185,8 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         priority=priority,
         add_generation_prompt=add_gen,
         tools=tools,
+        resume_token_ids=resume_ids,
+        resume_text=resume_text,
         traceparent=valid_traceparent(wire.get("traceparent")),
     )
 
@@ -203,6 +209,28 @@ def _embed(wire: dict, rid: str) -> GenerateCommand:
     trace = valid_traceparent(wire.get("traceparent"))
     return GenerateCommand(rid, sampling, prompt=text, prompt_token_ids=ids, priority=priority,
                            traceparent=trace)  # fmt: skip
+
+
+def _resume(value: Any, rid: str) -> tuple[Optional[list[int]], str]:
+    """`resume`: nil, or {"token_ids": [int], "text": str} (what a resuming client has)."""
+    if value is None:
+        return None, ""
+    ids = value.get("token_ids") if isinstance(value, dict) else None
+    text = (value.get("text") or "") if isinstance(value, dict) else None
+    ok_ids = isinstance(ids, list) and all(type(t) is int for t in ids)
+    if not ok_ids or not isinstance(text, str) or set(value) - {"token_ids", "text"}:
+        msg = "`resume` must be a map with `token_ids` (a list of integers) and `text`"
+        raise ClientMessageError(ErrorCode.INVALID_FIELD, msg, rid)
+    return ids, text
+
+
+def _drain(wire: dict, optional_id: Optional[str]) -> DrainCommand:
+    engine = wire.get("engine")
+    drain = True if wire.get("drain") is None else wire["drain"]
+    if not isinstance(engine, str) or not engine or type(drain) is not bool:
+        msg = "`drain` needs `engine` (a name, as in health) and `drain` (a bool)"
+        raise ClientMessageError(ErrorCode.INVALID_FIELD, msg, optional_id)
+    return DrainCommand(engine, drain, optional_id)
 
 
 def _prompt_text(value: Any, rid: str) -> str:
