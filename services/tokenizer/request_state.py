@@ -185,7 +185,7 @@ class ClientRequest:
         assert first is not None, self.rid
         return SubmitRequest(self.engine_rid, first.prompt_token_ids, first.sampling,
                              first.priority, first.arrival_time, list(self.token_ids),
-                             self.attempt)  # fmt: skip
+                             self.attempt, first.traceparent)  # fmt: skip
 
     def take_resumed(self, token_ids: list[int], text: str, now: float) -> bool:
         """A client resumed this request here (its `resume` field): the tokens and text it has
