@@ -60,6 +60,7 @@ from services.worker.pipeline import (
     known_step,
     wait_for_tokens,
 )
+from services.worker.pooling import Pooler
 from services.worker.sampler import (
     SampleRow,
     apply_token_masks,
@@ -127,6 +128,7 @@ class ModelRunner:
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
+        self.pooler = Pooler()  # embedding requests' pooled hidden states
         self.last_tool_step: Optional[ExpandedStep] = None  # compute_logits' last plan
         self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
         self.model_name = model_name(self.folder)
@@ -181,6 +183,7 @@ class ModelRunner:
         tables = [(s.block_ids, s.num_computed) for s in self.held.seqs.values()]
         self.kv_cache.check_invariants(tables)
         check_pending(self.held, in_flight)
+        self.pooler.check_invariants()
 
     # --- one step at a time (the loop's `Steps`, tools) ------------------------------------------
 
@@ -209,7 +212,7 @@ class ModelRunner:
                 step.sampled(), self.held.seqs.values()
             )
             begin = self.clock.mark()
-            logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V] on rank 0
+            logits = self._forward(step, tensors)  # [S, V] on rank 0
             end = self.clock.mark()
             result = self._sample_and_record(step, logits, start, masks)
             self.clock.on_step(begin, end)
@@ -238,7 +241,17 @@ class ModelRunner:
         # every rank holds the sampled tokens at the end of the step
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         self.held.record_samples(sampled, token_ids)
-        return _step_result(step.step_id, sampled, token_ids, logprobs, start)
+        embeddings = self.pooler.take(step.step_id)
+        return _step_result(step.step_id, sampled, token_ids, logprobs, start, embeddings)
+
+    def _forward(self, step: ExpandedStep, tensors: StepTensors) -> Optional[torch.Tensor]:
+        """The model's forward; a step that computes embedding requests pools their hidden
+        states on the way (Pooler: taken when the step's result is built)."""
+        if not self.pooler.begin(step, self.held.seqs.values()):
+            return self.model.forward(tensors, self.kv_cache.layers)
+        x, residual = self.model.hidden_states(tensors, self.kv_cache.layers)
+        self.pooler.pool(step, x, residual, self.model.final_norm)
+        return self.model.logits(x, residual, tensors.logits_indices)
 
     def _sample_rows(self, sampled: list[HeldSeq]) -> list[SampleRow]:
         return [
@@ -319,7 +332,7 @@ class ModelRunner:
         prev: Optional[LaunchedStep],
     ) -> LaunchedStep:
         begin = self.clock.mark()
-        logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V]
+        logits = self._forward(step, tensors)  # [S, V]
         marks = (begin, self.clock.mark())
         queued_s = time.perf_counter() - start
         sampled = step.sampled()
@@ -357,9 +370,9 @@ class ModelRunner:
             self.held.fail()
             raise
         self.overlap.on_step(launched.queued_s, self.clock.on_step(*launched.marks))
-        return _step_result(
-            launched.step_id, launched.sampled, token_ids, launched.logprobs, launched.start
-        )
+        embeddings = self.pooler.take(launched.step_id)
+        return _step_result(launched.step_id, launched.sampled, token_ids, launched.logprobs,
+                            launched.start, embeddings)  # fmt: skip
 
     def discard(self, launched: LaunchedStep) -> None:
         """Drop a launched step that read a failed step's tokens: nothing of it is reported,
@@ -381,13 +394,16 @@ def _step_result(
     token_ids: list[int],
     logprobs: list[Optional[TokenLogprobs]],
     start: float,
+    embeddings: dict[str, list[float]],
 ) -> StepResult:
     """A step's result: tokens in batch order (the scheduler maps them by position), logprobs
-    by rid for the rows that asked, and the worker's time since the step began."""
+    and embeddings by rid for the rows that have them, the worker's time since the step
+    began."""
     lp = {s.rid: entry for s, entry in zip(sampled, logprobs, strict=True) if entry is not None}
     return StepResult(
         step_id=step_id,
         token_ids=token_ids,
         logprobs=lp,
         forward_s=time.perf_counter() - start,
+        embeddings=embeddings,
     )
