@@ -69,7 +69,7 @@ from services.worker.sampler import (
     sample,
 )
 from services.worker.steps import FatalWorkerError
-from services.worker.warmup import CompileWatch, warm_up
+from services.worker.warmup import CompileWatch, compile_kernels
 from services.worker.weights import ModelArgs, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model, source_gguf
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
@@ -124,7 +124,9 @@ class ModelRunner:
         budget = kv_budget_bytes(config, self.model, local, kv_dtype, self.max_model_len, self.log)
         num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len, budget)
         self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
-        self.compiles: Optional[CompileWatch] = self._compile_kernels()
+        self.compiles: Optional[CompileWatch] = compile_kernels(
+            config, self.model, self.kv_cache, self.dtype, self.max_model_len, self.log
+        )
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
@@ -137,19 +139,6 @@ class ModelRunner:
         self.constraints: Optional[ConstraintMasks] = None
         if self.group.rank == 0:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
-
-    def _compile_kernels(self) -> Optional[CompileWatch]:
-        """On CUDA: every Triton variant compiled before the first step (warmup.py), and a
-        watch that logs any compile after it."""
-        if not self.config.device.startswith("cuda"):
-            return None
-        watch = CompileWatch(self.log)
-        warmed = warm_up(self.model, self.kv_cache.layers, self.config.block_size, self.dtype,
-                         self.max_model_len)  # fmt: skip
-        if warmed:
-            self.log.info("kernels_compiled", **warmed, num_compiled=watch.num_compiled)
-        watch.serving()
-        return watch
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
