@@ -40,7 +40,9 @@ import zlib
 from pathlib import Path
 from typing import Optional
 
+from bench.trace_sink import sink_tracing
 from services.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.tracing import SchedulerTrace
 from services.worker.held_batch import HeldBatch
 from shared.protocol.codec import decode, encode
 from shared.protocol.engine_channel import SubmitRequest
@@ -61,6 +63,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--prefix-caching", default="on", help="on | off | on,off | off,on (interleaved, in order)"
     )
+    p.add_argument(
+        "--tracing",
+        default="off",
+        help="on | off | on,off (compared as --prefix-caching is, "
+        "caching on): requests traced, spans exported to a sink in this process",
+    )
     p.add_argument("--repeats", type=int, default=3, help="rounds of on,off when comparing")
     p.add_argument(
         "--profile",
@@ -75,8 +83,9 @@ class _Worker:
     """The worker's side (not timed): its persistent batch (worker/held_batch.py) applies each
     plan; each sampled token differs per request and step (decode-filled blocks never match)."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, traceparent: Optional[str] = None) -> None:
         self.held = HeldBatch(sched.pool.num_blocks, sched.block_size, sched.max_model_len)
+        self.traceparent = traceparent  # of the requests the bench submits (tracing on)
 
     def answer(self, plan: StepPlan) -> StepResult:
         sampled = self.held.apply(plan).sampled()
@@ -86,18 +95,21 @@ class _Worker:
         return StepResult(plan.step_id, tokens)  # in batch order: no rids
 
 
-def _submit(rid: str, prompt_len: int, max_tokens: int) -> SubmitRequest:
+def _submit(
+    rid: str, prompt_len: int, max_tokens: int, traceparent: Optional[str] = None
+) -> SubmitRequest:
     """A prompt no other request shares (its first token differs)."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     first = zlib.crc32(rid.encode()) % VOCAB
     prompt = [(first + i) % VOCAB for i in range(prompt_len)]
-    return SubmitRequest(rid, prompt, sampling)
+    return SubmitRequest(rid, prompt, sampling, traceparent=traceparent)
 
 
 def _warm_up(
-    n: int, args: argparse.Namespace, steps: int, caching: bool = True
+    n: int, args: argparse.Namespace, steps: int, caching: bool = True, traced: bool = False
 ) -> tuple[Scheduler, _Worker]:
-    """N requests whose prompt is `context - 1` tokens, prefilled and decoding."""
+    """N requests whose prompt is `context - 1` tokens, prefilled and decoding (`traced`: each
+    with a traceparent, the scheduler's spans exported)."""
     bs = args.block_size
     blocks_each = -(-(args.context + 2 * steps + 16) // bs)
     config = SchedulerConfig(
@@ -109,10 +121,13 @@ def _warm_up(
         enable_prefix_caching=caching,
     )
     num_blocks = (n + 2) * blocks_each
-    sched = Scheduler(config, num_blocks, bs, 16 * args.context, [-1], cache_namespace=b"bench")
+    trace = SchedulerTrace(sink_tracing()) if traced else None
+    sched = Scheduler(config, num_blocks, bs, 16 * args.context, [-1], cache_namespace=b"bench",
+                      trace=trace)  # fmt: skip
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" if traced else None
     for i in range(n):
-        sched.add_request(_submit(f"req-{i:05d}", args.context - 1, 1 << 20))
-    worker = _Worker(sched)
+        sched.add_request(_submit(f"req-{i:05d}", args.context - 1, 1 << 20, tp))
+    worker = _Worker(sched, tp)
     while True:
         plan = sched.schedule()
         flight = sched.in_flight.newest()
@@ -166,7 +181,8 @@ class _Stepper:
             self.arrivals == 0 or not sched.is_live(f"new-{self.arrivals:05d}")
         ):
             self.arrivals += 1
-            sched.add_request(_submit(f"new-{self.arrivals:05d}", self.new_prompt_len, 1))
+            rid, tp = f"new-{self.arrivals:05d}", self.worker.traceparent
+            sched.add_request(_submit(rid, self.new_prompt_len, 1, tp))
         if prof is not None:
             prof.enable()
         t3 = time.perf_counter()
@@ -236,14 +252,16 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
     the working set (~1% at 256 running, up to ~15% at 1,024, where the per-step ratios form
     two clusters and their median moves with how many steps each order drew); a factor that
     slows either mode alike cancels in the product."""
-    modes = args.prefix_caching.split(",")
+    knob = "tracing" if "," in args.tracing else "prefix_caching"
+    modes = getattr(args, knob).split(",")
     new_len = args.context if scenario == "mixed" else 0
     rounds: dict[str, list[float]] = {m: [] for m in modes}
     ratios: list[float] = []
     paired: list[float] = []
     balanced: list[float] = []
     for r in range(args.repeats):
-        steppers = {m: _Stepper(*_warm_up(n, args, args.steps, m == "on"), new_len) for m in modes}
+        steppers = {m: _Stepper(*_warm_up(n, args, args.steps, **_mode(knob, m)), new_len)
+                    for m in modes}  # fmt: skip
         gc.collect()
         times: dict[str, list[float]] = {m: [] for m in modes}
         rng = random.Random(r)
@@ -274,13 +292,21 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
     ratio, pair = statistics.median(ratios), statistics.median(paired)
     bal = statistics.median(balanced)
     on, off = statistics.median(rounds["on"]), statistics.median(rounds["off"])
-    print(f"N={n:5d} {scenario:6s} caching on/off step median {on:.1f}/{off:.1f} us: ratio "
+    print(f"N={n:5d} {scenario:6s} {knob} on/off step median {on:.1f}/{off:.1f} us: ratio "
           f"{ratio:.3f}, paired {pair:.3f}, balanced {bal:.3f} (median of {args.repeats} "
           "rounds)", flush=True)  # fmt: skip
-    return {"running": n, "scenario": scenario, "on_us": on, "off_us": off,
+    return {"running": n, "scenario": scenario, "compared": knob, "on_us": on, "off_us": off,
             "ratio_on_off": ratio, "paired_ratio_on_off": pair, "balanced_ratio_on_off": bal,
             "rounds": rounds, "round_ratios": ratios, "round_paired_ratios": paired,
             "round_balanced_ratios": balanced}  # fmt: skip
+
+
+def _mode(knob: str, mode: str) -> dict[str, bool]:
+    """_warm_up's keywords for one mode of the compared knob (caching stays on when tracing
+    is compared)."""
+    if knob == "tracing":
+        return {"caching": True, "traced": mode == "on"}
+    return {"caching": mode == "on"}
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -337,7 +363,7 @@ def main(argv: list[str]) -> int:
     results: list[dict[str, object]] = []
     for n in (int(x) for x in args.running.split(",")):
         for scenario in ("decode", "mixed"):
-            if len(modes) > 1:
+            if len(modes) > 1 or "," in args.tracing:
                 results.append(_compare(n, args, scenario))
             else:
                 r = _run(n, args, scenario, modes[0] == "on")

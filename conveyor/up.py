@@ -51,7 +51,9 @@ class UpOptions:
     )  # fmt: skip
     quiet: bool = field(default=False, metadata={"help": "logs to files only, not to stdout"})
     # how our stdout shows the services' lines (their log files are JSON whatever it says)
-    echo: LogConfig = field(default_factory=LogConfig, metadata={"skip": ("log_level", "log_file")})
+    echo: LogConfig = field(
+        default_factory=LogConfig, metadata={"skip": ("log_level", "log_file", "otlp_endpoint")}
+    )
 
 
 @dataclass(frozen=True, slots=True)

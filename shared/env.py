@@ -38,7 +38,7 @@ KNOWN: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class LogConfig:
-    """The log settings every service takes (shared/logging.py)."""
+    """The log and trace settings every service takes (shared/logging.py, shared/tracing.py)."""
 
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     log_file: Optional[Path] = field(
@@ -49,6 +49,11 @@ class LogConfig:
         default="auto",
         metadata={"help": "stdout: console lines, JSON lines, or auto (console on a terminal); "
                   "log files are JSON whatever it says"},
+    )  # fmt: skip
+    otlp_endpoint: Optional[str] = field(
+        default=None,
+        metadata={"help": "OpenTelemetry traces go there over OTLP/HTTP, host[:port] (port 4318 "
+                  "when none) or a URL; else OTEL_EXPORTER_OTLP_ENDPOINT; none: tracing off"},
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -10,12 +10,13 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.config import parse_args
 from shared.logging import configure_logging
+from shared.tracing import start_tracing
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     config, logs = parse_args(argv)
     log = configure_logging("gateway", logs.log_level, logs.log_file, log_format=logs.log_format)
-    app = create_app(config, log)
+    app = create_app(config, log, start_tracing("gateway", logs.otlp_endpoint, log))
     log.info(
         "gateway_start",
         http_host=config.http_host,

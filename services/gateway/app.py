@@ -27,6 +27,12 @@ from starlette.responses import Response
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import (
+    EmbeddingRequest,
+    embeddings_body,
+    plan_embeddings,
+    run_embeddings,
+)
 from services.gateway.errors import ApiError, from_engine_error, from_validation_errors
 from services.gateway.events import ChoiceEnd
 from services.gateway.fanout import ChoiceRuns
@@ -43,6 +49,7 @@ from services.gateway.responses import ChoiceState, Kind, ResponseMeta, full_bod
 from services.gateway.streaming import ClosingStreamingResponse, sse_body
 from shared.client import AsyncClient, EngineError
 from shared.protocol.errors import ErrorCode
+from shared.tracing import Tracing, open_span
 
 T = TypeVar("T")
 HEALTH_TIMEOUT_S = 5.0
@@ -53,9 +60,10 @@ CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, lo
 class Gateway:
     """Route handlers and the live objects they share (engine client, metrics)."""
 
-    def __init__(self, config: GatewayConfig, log: Any) -> None:
+    def __init__(self, config: GatewayConfig, log: Any, tracing: Optional[Tracing] = None) -> None:
         self.config = config
         self.log = log
+        self.tracing = tracing  # a span per request (shared/tracing.py); None: off
         self.client = AsyncClient(
             [config.engine_addr, *config.more_frontend_addrs],  # a lost one: the next resumes
             timeout=config.engine_timeout_s,
@@ -83,6 +91,24 @@ class Gateway:
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         return await self._serve("chat", plan_chat(body, self.limits), request)
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        plan = plan_embeddings(body, self.limits)
+        if isinstance(plan, ApiError):
+            return error_response(plan)
+        rid = f"embd-{uuid.uuid4().hex}"
+        self.log.info("request", rid=rid, kind="embeddings", num_inputs=len(plan))
+        span = open_span(self.tracing, "gateway.embeddings", request, rid)
+        try:
+            tp = self.tracing.traceparent(span) if self.tracing and span else None
+            results = await run_embeddings(self.client, plan, rid, tp)
+        finally:
+            if span is not None:
+                span.end()
+        if isinstance(results, ApiError):
+            return error_response(results)
+        model = self.config.served_model_name
+        return _json(embeddings_body(results, body.encoding_format, model))
 
     async def models(self) -> Response:
         name = self.config.served_model_name
@@ -150,13 +176,17 @@ class Gateway:
         async def close_and_release() -> None:
             await runs.aclose()
             slot.release()
+            if span is not None:
+                span.end()
 
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         meta = ResponseMeta(
             kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name
         )
+        span = open_span(self.tracing, f"gateway.{kind}", request, meta.id)
+        trace = {"traceparent": self.tracing.traceparent(span)} if self.tracing and span else {}
         calls = [
-            replace(c, kwargs={**c.kwargs, "request_id": f"{meta.id}-{c.index}"})
+            replace(c, kwargs={**c.kwargs, "request_id": f"{meta.id}-{c.index}", **trace})
             for c in plan.calls
         ]
         plan = replace(plan, calls=calls)
@@ -292,9 +322,10 @@ def _json(body: dict[str, Any]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def create_app(config: GatewayConfig, log: Any) -> FastAPI:
-    """The ASGI app; the engine client connects lazily, the stats poller runs while it serves."""
-    gw = Gateway(config, log)
+def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = None) -> FastAPI:
+    """The ASGI app; the engine client connects lazily, the stats poller runs while it serves.
+    `tracing`: a span per request (None: tracing off)."""
+    gw = Gateway(config, log, tracing)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -305,6 +336,8 @@ def create_app(config: GatewayConfig, log: Any) -> FastAPI:
             poll.cancel()
             await asyncio.gather(poll, return_exceptions=True)
             await gw.client.close()
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(title="Conveyor OpenAI-compatible gateway", lifespan=lifespan)
     app.state.gateway = gw
@@ -318,6 +351,7 @@ def create_app(config: GatewayConfig, log: Any) -> FastAPI:
     routes: list[tuple[str, Callable[..., Awaitable[Response]], str]] = [
         ("/v1/completions", gw.completions, "POST"),
         ("/v1/chat/completions", gw.chat_completions, "POST"),
+        ("/v1/embeddings", gw.embeddings, "POST"),
         ("/v1/models", gw.models, "GET"),
         ("/health", gw.health, "GET"),
         ("/metrics", gw.metrics_text, "GET"),

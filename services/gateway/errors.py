@@ -25,6 +25,7 @@ _STATUS_BY_ENGINE_CODE: dict[str, int] = {
     ErrorCode.INVALID_CONSTRAINT: 400,
     ErrorCode.CONSTRAINT_TOO_LARGE: 400,
     ErrorCode.CONSTRAINT_TOO_SLOW: 400,
+    ErrorCode.EMBEDDINGS_UNSUPPORTED: 400,
     ErrorCode.OVERLOADED: 429,
     ErrorCode.NOT_READY: 503,
     ErrorCode.SHUTTING_DOWN: 503,

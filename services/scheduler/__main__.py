@@ -20,6 +20,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server import SchedulerServer
 from services.scheduler.server_config import ServerConfig
+from services.scheduler.tracing import SchedulerTrace
 from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import (
     AUTHORIZED_FRONTENDS_DIR,
@@ -34,6 +35,7 @@ from shared.env import LogConfig
 from shared.logging import configure_logging
 from shared.prefix_hash import cache_namespace
 from shared.protocol.worker_channel import WorkerReady
+from shared.tracing import start_tracing
 
 # Which public keys each socket's ZAP domain admits (services/scheduler/*_link.py name them).
 KEY_FOLDERS = {WORKERS_DOMAIN: AUTHORIZED_WORKERS_DIR, FRONTENDS_DOMAIN: AUTHORIZED_FRONTENDS_DIR}
@@ -62,6 +64,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     log = configure_logging("scheduler", logs.log_level, logs.log_file, log_format=logs.log_format)
     log.info("scheduler_config", **dataclasses.asdict(sched_config),
              **dataclasses.asdict(server_config))  # fmt: skip
+    tracing = start_tracing("scheduler", logs.otlp_endpoint, log)
+    trace = SchedulerTrace(tracing) if tracing is not None else None
 
     def make_scheduler(ready: WorkerReady) -> Scheduler:
         return Scheduler(
@@ -77,6 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 extra=f"quantization={ready.quantization};kv={ready.kv_cache_dtype}",
             ),
             speculative=ready.proposer is not None,
+            trace=trace,
         )
 
     # The ZAP handler (none without --curve-keys) admitting authorized_workers/ on the worker
@@ -101,6 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return server.run()
     finally:
         stop_authenticator(auth)
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

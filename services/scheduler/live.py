@@ -16,13 +16,22 @@ from services.scheduler.policy import WaitingQueue
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.stats import Counters
+from services.scheduler.tracing import SchedulerTrace
 from shared.protocol.engine_channel import SubmitRequest
 
 
 class LiveRequests:
-    def __init__(self, eos_token_ids: Iterable[int], max_len: int, counters: Counters) -> None:
-        """`max_len`: what max_model_len and the whole KV pool allow one request."""
+    def __init__(
+        self,
+        eos_token_ids: Iterable[int],
+        max_len: int,
+        counters: Counters,
+        trace: Optional[SchedulerTrace] = None,
+    ) -> None:
+        """`max_len`: what max_model_len and the whole KV pool allow one request. `trace`:
+        where a traced request's spans go when it finishes (None: tracing off)."""
         self._eos_ids = frozenset(eos_token_ids)
+        self._trace = trace
         self._max_len = max_len
         self._counters = counters
         self._live: dict[str, Request] = {}
@@ -59,6 +68,7 @@ class LiveRequests:
             arrival_time=now,
             max_len=min(self._max_len, num_prompt + req.sampling.max_tokens),
             stop_ids=frozenset(stop_ids),
+            traceparent=req.traceparent,
         )
         self._live[req.rid] = request
         return request
@@ -72,6 +82,8 @@ class LiveRequests:
         req.finish(kept_reason or reason, now)
         del self._live[req.rid]
         self._counters.count_finish(reason)
+        if self._trace is not None and req.traceparent is not None:
+            self._trace.finished(req)
 
     def check_invariants(
         self,

@@ -179,8 +179,9 @@ class PrefixCache:
     def lookup(self, req: Request) -> list[int]:
         """The cached blocks `req` could start with (changes nothing but, when a queued
         registration may extend the hit, flushes the queue). Computes the request's block keys
-        once; later lookups (each schedule() while it waits) are dict reads."""
-        if not self.enabled:
+        once; later lookups (each schedule() while it waits) are dict reads. A mean-pooled
+        embedding request finds nothing: its worker must compute every position."""
+        if not self.enabled or req.sampling.pooling == "mean":
             return []
         keys, num_full = self._keys(req)
         if not num_full:

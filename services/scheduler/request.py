@@ -16,6 +16,7 @@ step is what the result -> plan path cannot afford.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -72,6 +73,9 @@ class Request:
     first_token: Optional[float] = None
     finished: Optional[float] = None
     finish_reason: Optional[str] = None
+    # tracing (shared/tracing.py): the frontend's request span, and when it was preempted
+    traceparent: Optional[str] = None
+    preempted_times: Optional[list[float]] = None
 
     @property
     def known_to_worker(self) -> bool:
@@ -119,6 +123,8 @@ class Request:
         """It lost its blocks to another request (RunningSet.preempt) and will recompute: counted,
         protected from being the next victim until it samples again."""
         self.num_preemptions += 1
+        if self.traceparent is not None:  # traced: its scheduler spans show when
+            self.preempted_times = [*(self.preempted_times or []), time.time()]
         self.preempted_at_step = round_no
         self.preempted_at_version = version
         self.protected = True

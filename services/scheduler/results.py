@@ -9,6 +9,7 @@ frees their blocks; the scheduler's invariants hold after every call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Optional
 
@@ -24,7 +25,7 @@ from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
 from shared.protocol.engine_channel import OutputBatch, RequestOutput
 from shared.protocol.errors import ErrorCode
-from shared.protocol.worker_channel import StepResult, TokenLogprobs
+from shared.protocol.worker_channel import StepResult
 
 RUNNING = RequestStatus.RUNNING
 
@@ -86,7 +87,7 @@ class ResultApplier:
         finished: list[RequestOutput] = []
         for i in ends:  # rare: the common steady result ends nobody
             req = flight.sampled[i]
-            finished.append(self._finish_with(req, [result.token_ids[i]], result.logprobs, now))
+            finished.append(self._finish_with(req, [result.token_ids[i]], result, now))
         return self._output_batch(result, flight.sampled_rids, ends, finished)
 
     def _apply_drafted(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
@@ -134,7 +135,7 @@ class ResultApplier:
                         req.note_sampled(now)
                     if token not in req.stop_ids and len(tokens) < req.max_len:
                         continue  # the common case: it goes on, and stays in the columns
-                    finished.append(self._finish_with(req, [token], result.logprobs, now))
+                    finished.append(self._finish_with(req, [token], result, now))
                 elif req.padding:  # static batching computes finished members
                     tokens.append(token)
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
@@ -158,7 +159,7 @@ class ResultApplier:
         for j, token in enumerate(new_tokens):
             tokens.append(token)
             if token in req.stop_ids or len(tokens) >= req.max_len:
-                finished.append(self._finish_with(req, new_tokens[: j + 1], result.logprobs, now))
+                finished.append(self._finish_with(req, new_tokens[: j + 1], result, now))
                 return
         lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []  # undrafted
         multi.append(req.output(new_tokens, lps))
@@ -187,10 +188,10 @@ class ResultApplier:
         return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished, multi)
 
     def _finish_with(
-        self, req: Request, new_tokens: list[int], logprobs: dict[str, TokenLogprobs], now: float
+        self, req: Request, new_tokens: list[int], result: StepResult, now: float
     ) -> RequestOutput:
         """`req` sampled its last token (`new_tokens[-1]`, after any accepted drafts): finish
-        it; its final output."""
+        it; its final output (with its embedding, an embedding request's, from the result)."""
         reason = "stop" if new_tokens[-1] in req.stop_ids else "length"
         self._live.finish(req, reason, now)
         if self._caching:  # what it computed stays findable once its blocks are freed
@@ -199,8 +200,11 @@ class ResultApplier:
             req.padding = True  # keeps its slot and blocks until the whole batch is done
         else:
             self._batch.drop(req)
-        lps = [logprobs[req.rid]] if req.rid in logprobs else []
-        return req.output(new_tokens, lps, reason)
+        lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []
+        out = req.output(new_tokens, lps, reason)
+        if result.embeddings and req.rid in result.embeddings:
+            return dataclasses.replace(out, embedding=result.embeddings[req.rid])
+        return out
 
     def _fail_missing(
         self, sampled: Iterable[Request], now: float, message: str

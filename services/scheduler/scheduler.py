@@ -47,6 +47,7 @@ from services.scheduler.speculation import SpecCounters, Speculation
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
+from services.scheduler.tracing import SchedulerTrace
 from shared.protocol.engine_channel import (
     OutputBatch,
     RequestOutput,
@@ -68,11 +69,13 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         cache_namespace: bytes = b"",
         speculative: bool = False,
+        trace: Optional[SchedulerTrace] = None,
     ) -> None:
         """`cache_namespace`: what besides tokens decides the KV (shared/prefix_hash.py
         `cache_namespace(model, dtype)`, from the worker handshake). `speculative`: the worker
         proposes drafts (its handshake says so); decodes then get draft limits
-        (speculation.py) unless `num_speculative_tokens` is 0."""
+        (speculation.py) unless `num_speculative_tokens` is 0. `trace`: where traced
+        requests' spans go (None: tracing off)."""
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (one prompt token and one output)")
         self.config = config
@@ -91,7 +94,8 @@ class Scheduler:
                              and not self._rules.keeps_finished_as_padding)  # fmt: skip
         self._spec_counters = SpecCounters()
         self.counters = Counters()
-        self.live = LiveRequests(eos_token_ids, self._max_len, self.counters)
+        self._trace = trace
+        self.live = LiveRequests(eos_token_ids, self._max_len, self.counters, trace)
         self.in_flight = InFlightSteps(config.max_plans_in_flight)
         self._step_id = 0
         self._assemble(num_blocks)
@@ -223,8 +227,10 @@ class Scheduler:
 
     def after_plan(self) -> None:
         """Called once the plan has left and the step's outputs were sent, while the worker
-        computes: work kept off the result -> plan path (prefix-cache registrations, and
-        evicting ahead the cached blocks the next step will allocate)."""
+        computes: work kept off the result -> plan path (prefix-cache registrations, evicting
+        ahead the cached blocks the next step will allocate, traced requests' spans)."""
+        if self._trace is not None:
+            self._trace.flush()
         if self.config.enable_prefix_caching:
             # the most blocks one step can allocate: its tokens' blocks, plus one per request
             # for a partly filled block (decodes: their one token may need a new block)

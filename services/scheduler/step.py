@@ -268,5 +268,5 @@ def _new_sequence(req: Request, worker: WorkerView) -> NewSequence:
     req.num_sent_blocks = len(req.block_ids)
     return NewSequence(
         req.rid, list(req.token_ids), req.num_prompt_tokens, list(req.block_ids), req.sampling,
-        req.slot, req.num_computed_tokens,
+        req.slot, req.num_computed_tokens, req.traceparent,
     )  # fmt: skip

@@ -21,6 +21,7 @@ from services.tokenizer.text_codec import load_text_codec
 from shared.curve import start_authenticator, stop_authenticator
 from shared.logging import configure_logging
 from shared.model_files import prepare_model
+from shared.tracing import start_tracing
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -35,7 +36,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("model_failed", error=str(exc))
         return 2
     context = zmq.Context.instance()
-    server = FrontendServer(config, codec, log, context)
+    tracing = start_tracing("tokenizer", logs.otlp_endpoint, log)
+    server = FrontendServer(config, codec, log, context, tracing)
 
     def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
         log.info("signal", signal=signal.Signals(signum).name)
@@ -55,6 +57,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return server.run()
     finally:
         stop_authenticator(auth)
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

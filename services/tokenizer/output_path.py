@@ -68,7 +68,11 @@ class OutputPath:
         for out in (*batch.multi, *batch.finished):  # multi: several tokens, not final
             state = get(out.rid)
             if state is not None and state.engine == engine:
-                self._deliver(out.rid, state, state.on_output(out, now), out.timings, now)
+                began = time.monotonic() if state.trace is not None else now
+                progress = state.on_output(out, now)
+                if state.trace is not None:
+                    state.trace.detokenized(began, time.monotonic())
+                self._deliver(out.rid, state, progress, out.timings, now)
 
     def _deliver(
         self,

@@ -30,6 +30,7 @@ from services.tokenizer.request_table import RequestTable
 from services.tokenizer.resumption import Resumption
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.text_codec import TextCodec
+from services.tokenizer.tracing import request_trace
 from shared.protocol import client_channel as cc
 from shared.protocol.engine_channel import (
     AbortRequest,
@@ -42,6 +43,7 @@ from shared.protocol.engine_channel import (
 )
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import default_seed
+from shared.tracing import Tracing
 from shared.transport import Drain
 
 LOST = "scheduler_unreachable"  # the not-ready reason of a lost engine
@@ -68,10 +70,13 @@ class RequestFlow:
         drain: Drain,
         log: Any,
         rid_prefix: str,
+        tracing: Optional[Tracing] = None,
     ) -> None:
         """`rid_prefix`: what every rid of this process starts with (its socket identity and
-        a dash: rids of a restarted frontend never meet an earlier process's)."""
+        a dash: rids of a restarted frontend never meet an earlier process's). `tracing`:
+        spans of each request (services/tokenizer/tracing.py); None: off."""
         self._config = config
+        self._tracing = tracing
         self._codec = codec
         self._table = table
         self._engines = engines
@@ -114,18 +119,29 @@ class RequestFlow:
             return
         rid = f"{self._rid_prefix}{self._next_seq}"
         self._next_seq += 1
+        trace = request_trace(self._tracing, cmd.traceparent, now, cmd.id)
+        traceparent = None
+        if trace is not None:
+            trace.submitted(rid)
+            traceparent = trace.traceparent
         sampling = cmd.sampling  # a sampled request's seed is pinned: resumption draws alike
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=default_seed(rid))
         resumed = cmd.resume_token_ids or []
-        submit = SubmitRequest(rid, checked, sampling, cmd.priority, time.time(), list(resumed))
+        submit = SubmitRequest(rid, checked, sampling, cmd.priority, time.time(), list(resumed),
+                               traceparent=traceparent)  # fmt: skip
         state = self._new_request(ident, cmd, submit, now)
+        state.trace = trace
         if cmd.resume_token_ids is not None and not self._resumed(state, cmd, now):
+            if trace is not None:
+                trace.end(None, None)
             return
         engine = self._engines.submit(submit, exclude=None)
         if engine is None:
             msg = "no scheduler is connected"
             self._clients.reply_error(ident, ErrorCode.ENGINE_UNREACHABLE, msg, cmd.id)
+            if trace is not None:
+                trace.end(None, None)
             return
         state.route_to(engine)
         self._table.add(state)
@@ -206,6 +222,8 @@ class RequestFlow:
         the table, off its engine (or out of the resumption's wait)."""
         state = self._table.pop(rid)
         self._engines.release(state.engine)
+        if state.trace is not None:
+            state.trace.end(state.first_token_at, state.last_token_at)
         self._resumption.forget(rid)
         return state
 

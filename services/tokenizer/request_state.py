@@ -17,11 +17,13 @@ from typing import Optional, Union
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.stop_strings import StopStrings
+from services.tokenizer.tracing import RequestTrace
 from shared.protocol.client_channel import (
     Timings,
     Usage,
     chunk_reply,
     done_reply,
+    embedding_reply,
     error_reply,
 )
 from shared.protocol.engine_channel import RequestOutput, RequestTimings, SubmitRequest
@@ -83,6 +85,8 @@ class ClientRequest:
     attempt: int = 0
     num_faults: int = 0  # attempts ended by an engine's loss or refusal (max_resumes)
     num_ids_detokenized: int = 0  # token ids already given to the detokenizer
+    embedding: Optional[list[float]] = None  # an `embed`'s pooled state, from its final output
+    trace: Optional[RequestTrace] = None  # its spans (tracing on): tracing.py
     # Not streamed, no stop strings, no logprobs: nobody reads anything of it before its final
     # output, so a token that does not end it only needs appending to `token_ids` (and
     # `last_token_at` set). Once its first token came (`first_token_at` set through
@@ -98,6 +102,7 @@ class ClientRequest:
     def on_output(self, out: RequestOutput, now: float) -> Progress:
         """Apply one request's output (a final one, in an OutputBatch); the frames to send."""
         self.num_cached_tokens = out.num_cached_tokens
+        self.embedding = out.embedding
         if out.new_token_ids:
             self._take(out.new_token_ids, out.logprobs, now)
         if out.finish_reason == "error":
@@ -180,7 +185,7 @@ class ClientRequest:
         assert first is not None, self.rid
         return SubmitRequest(self.engine_rid, first.prompt_token_ids, first.sampling,
                              first.priority, first.arrival_time, list(self.token_ids),
-                             self.attempt)  # fmt: skip
+                             self.attempt, first.traceparent)  # fmt: skip
 
     def take_resumed(self, token_ids: list[int], text: str, now: float) -> bool:
         """A client resumed this request here (its `resume` field): the tokens and text it has
@@ -241,6 +246,8 @@ class ClientRequest:
         engine_timings: Optional[RequestTimings],
         now: float,
     ) -> list[bytes]:
+        if self.sampling.pooling is not None and reason != "abort":
+            return [self._embedding_frame()]
         frames: list[bytes] = []
         whole = None
         if self.stream:
@@ -253,6 +260,16 @@ class ClientRequest:
         timings = self.timings(engine_timings, now)
         frames.append(done_reply(self.client_id, reason, stop_reason, usage, timings, whole))
         return frames
+
+    def _embedding_frame(self) -> bytes:
+        """An `embed`'s answer: its embedding (its sampled token is not shown), or an error
+        when the worker computed none (the simulated worker does not)."""
+        if self.embedding is None:
+            msg = "the engine's worker returned no embedding (a simulated worker computes none)"
+            return error_reply(ErrorCode.EMBEDDINGS_UNSUPPORTED, msg, self.client_id)
+        usage = Usage(self.num_prompt_tokens, 0, self.num_cached_tokens)
+        pooling = self.sampling.pooling or "last"
+        return embedding_reply(self.client_id, self.embedding, pooling, usage)
 
     def timings(self, engine: Optional[RequestTimings], now: float) -> Timings:
         """Durations seen by the frontend; the queue time comes from the scheduler's clock."""

@@ -50,6 +50,7 @@ from shared.protocol.engine_channel import (
     RequestRejected,
     StatsReply,
 )
+from shared.tracing import Tracing
 from shared.transport import Drain, guarded, one_turn
 
 # Receive turns are bounded (shared/transport.py): a backlog of output batches must not delay
@@ -71,7 +72,9 @@ class FrontendServer:
         codec: TextCodec,
         log: Any,
         context: Optional[zmq.Context] = None,
+        tracing: Optional[Tracing] = None,
     ) -> None:
+        """`tracing`: request spans (shared/tracing.py); None: tracing off."""
         self.config = config
         self.log = log
         ctx = context or zmq.Context.instance()
@@ -89,7 +92,7 @@ class FrontendServer:
         self._resumption = Resumption(config, self._table, self._engines, self._clients, log)
         self._flow = RequestFlow(
             config, codec, self._table, self._engines, self._clients, self._resumption,
-            self._drain, log, f"{self.identity}-",
+            self._drain, log, f"{self.identity}-", tracing,
         )  # fmt: skip
         self._output = OutputPath(self._table, self._flow, self._engines, self._clients, log)
         self._reports = Reports(

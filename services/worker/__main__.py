@@ -38,19 +38,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Imported here: the parser (--help, docs/cli.md) needs none of the serving code.
     from services.worker.server import run_worker
     from shared.logging import configure_logging
+    from shared.tracing import start_tracing
 
     log = configure_logging(
         "worker", logs.log_level, logs.log_file, log_format=logs.log_format
     ).bind(rank=parallel.rank)
-    return run_worker(
-        config,
-        link.worker_addr,
-        parallel,
-        log,
-        link.ready_file,
-        link.max_frame_bytes,
-        link.curve_keys,
-    )
+    tracing = start_tracing("worker", logs.otlp_endpoint, log)
+    try:
+        return run_worker(
+            config,
+            link.worker_addr,
+            parallel,
+            log,
+            link.ready_file,
+            link.max_frame_bytes,
+            link.curve_keys,
+            tracing,
+        )
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

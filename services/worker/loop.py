@@ -27,6 +27,7 @@ Idle for `POLL_MS` after steps, the loop trims the heap (heap.py): RSS stays bou
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, cast
 
@@ -40,12 +41,14 @@ from services.worker.steps import (
     StepRunner,
     Steps,
 )
+from services.worker.tracing import StepTrace
 from shared.curve import make_curve_client, server_public_path, worker_secret_path
 from shared.env import env_bool
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
     StepPlan,
+    StepResult,
     WorkerFailure,
     WorkerShutdown,
     worker_identity,
@@ -68,6 +71,7 @@ def serve_worker(
     curve_keys: Optional[Path] = None,
     trim_heap_when_idle: Optional[bool] = None,
     pipeline: bool = False,
+    trace: Optional[StepTrace] = None,
 ) -> int:
     """Serve plans from the scheduler at `plan_address` until WorkerShutdown or `stop` is set.
 
@@ -77,7 +81,7 @@ def serve_worker(
     `conveyor keys generate` folder; the connection is CURVE with its worker key pair (raises
     ValueError on bad key files). `trim_heap_when_idle` (default CONVEYOR_HEAP_TRIM, on): see
     heap.py. `pipeline`: launch plan N+1 before finishing step N (the runner must be a
-    PipelinedRunner; see the module docstring).
+    PipelinedRunner; see the module docstring). `trace`: step spans (tracing on, rank 0).
     """
     trim = env_bool("HEAP_TRIM", True) if trim_heap_when_idle is None else trim_heap_when_idle
     ctx = context or zmq.Context.instance()
@@ -97,22 +101,33 @@ def serve_worker(
     sock.connect(plan_address)
     greeter = _Greeter(runner, rank, plan_address, log, ready_file)
 
-    def send(msg: Any) -> None:
-        sock.send(encode(msg))
-
+    send = _sender(sock, trace)
     steps = (
         PipelinedSteps(send, cast(PipelinedRunner, runner), log)
         if pipeline
         else Steps(send, runner, rank, log)
     )
     try:
-        return _serve_loop(sock, monitor, greeter, steps, log, stop, max_frame_bytes, trim)
+        return _serve_loop(sock, monitor, greeter, steps, log, stop, max_frame_bytes, trim, trace)
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
         sock.disable_monitor()
         monitor.close()
         sock.close()
+
+
+def _sender(sock: zmq.Socket, trace: Optional[StepTrace]) -> Callable[[Any], None]:
+    """How the steps send their results (and failures); traced, each closes its step span."""
+
+    def send(msg: Any) -> None:
+        sock.send(encode(msg))
+        if trace is not None and isinstance(msg, StepResult):
+            trace.on_result(msg)
+        elif trace is not None and isinstance(msg, WorkerFailure) and msg.step_id is not None:
+            trace.on_failure(msg.step_id)
+
+    return send
 
 
 class _Greeter:
@@ -156,6 +171,7 @@ def _serve_loop(
     stop: Optional[threading.Event],
     max_frame_bytes: Optional[int],
     trim: bool,
+    trace: Optional[StepTrace],
 ) -> int:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -177,7 +193,7 @@ def _serve_loop(
         outcome = guarded(
             log,
             "worker_message_failed",
-            lambda f: _on_frame(sock, steps, log, f, max_frame_bytes, seq_log),
+            lambda f: _on_frame(sock, steps, log, f, max_frame_bytes, seq_log, trace),
             frame,
             lambda exc: _send_failure(
                 sock, ErrorCode.INTERNAL, f"worker error: {type(exc).__name__}"
@@ -206,6 +222,7 @@ def _on_frame(
     frame: bytes,
     max_frame_bytes: Optional[int],
     seq_log: _SequenceLog,
+    trace: Optional[StepTrace] = None,
 ) -> str:
     """One frame from the scheduler, answered: "step" (a plan ran), "shutdown", "group_lost"
     (this rank must exit for its group to restart) or "other". Anything but a plan first sends
@@ -219,6 +236,8 @@ def _on_frame(
         return "other"
     if isinstance(msg, StepPlan):
         seq_log.on_plan(msg)
+        if trace is not None:
+            trace.on_plan(msg)
         return steps.on_plan(msg)
     steps.flush()
     if isinstance(msg, WorkerShutdown):

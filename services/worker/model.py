@@ -158,6 +158,15 @@ class LlamaModel:
         cache; return logits [S, V] at `step.logits_indices`, in the model's dtype (the sampler
         casts only when it needs to). Tensor parallel: rank 0 gets the gathered logits, the
         other ranks None. Every rank must call it with the same step (collectives inside)."""
+        x, residual = self.hidden_states(step, kv_layers)
+        return self.logits(x, residual, step.logits_indices)
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, step: StepTensors, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` up to the final norm: the last layer's output and residual, [T, Hd] each,
+        the same on every rank (embedding requests pool them: `final_norm`)."""
         a, ops, group = self.args, self.ops, self.group
         t = step.input_ids.shape[0]
         h_q, h_kv = self.num_heads, self.num_kv_heads
@@ -182,8 +191,19 @@ class LlamaModel:
             h, residual = ops.rms_norm(x, layer.post_norm, a.rms_norm_eps, residual)
             x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
             x = group.all_reduce(x)  # [T, Hd]
-        rows = step.logits_indices
-        # only the sampled rows need the final norm and the LM head
-        h, _ = ops.rms_norm(x[rows], self.norm, a.rms_norm_eps, residual[rows])  # type: ignore
-        logits = group.gather_to_first(self.lm_head(h))  # [S, V_local * N] on rank 0
-        return None if logits is None else logits[:, : a.vocab_size]
+        return x, residual  # type: ignore[return-value]
+
+    def final_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The final hidden states [R, Hd] at flat `rows` (the norm of the last residual sum)."""
+        h, _ = self.ops.rms_norm(x[rows], self.norm, self.args.rms_norm_eps, residual[rows])
+        return h
+
+    def logits(
+        self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Logits [S, V] at `rows` (only the sampled rows need the final norm and the LM head);
+        gathered to rank 0, None on the other ranks."""
+        logits = self.group.gather_to_first(self.lm_head(self.final_norm(x, residual, rows)))
+        return None if logits is None else logits[:, : self.args.vocab_size]

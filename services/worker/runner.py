@@ -60,6 +60,7 @@ from services.worker.pipeline import (
     known_step,
     wait_for_tokens,
 )
+from services.worker.pooling import Pooler
 from services.worker.sampler import (
     SampleRow,
     apply_token_masks,
@@ -67,9 +68,9 @@ from services.worker.sampler import (
     reads_history,
     sample,
 )
-from services.worker.speculate import make_speculator, sample_step
+from services.worker.speculate import make_speculator, sample_rows, sample_step
 from services.worker.steps import FatalWorkerError
-from services.worker.warmup import CompileWatch, warm_up
+from services.worker.warmup import CompileWatch, compile_kernels
 from services.worker.weights import ModelArgs, model_args
 from shared.model_files import eos_token_ids, model_name, prepare_model, source_gguf
 from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
@@ -124,10 +125,13 @@ class ModelRunner:
         budget = kv_budget_bytes(config, self.model, local, kv_dtype, self.max_model_len, self.log)
         num_blocks = num_blocks_for(local, config, kv_dtype, self.max_model_len, budget)
         self.kv_cache = KVCache(local, num_blocks, config.block_size, kv_dtype, config.device)
-        self.compiles: Optional[CompileWatch] = self._compile_kernels()
+        self.compiles: Optional[CompileWatch] = compile_kernels(
+            config, self.model, self.kv_cache, self.dtype, self.max_model_len, self.log
+        )
         self.held = HeldBatch(num_blocks, config.block_size, self.max_model_len)
         self.inputs = InputBatch(config.block_size, config.device)
         self.clock = DeviceClock(config.device, self.log)
+        self.pooler = Pooler()  # embedding requests' pooled hidden states
         self.last_tool_step: Optional[ExpandedStep] = None  # compute_logits' last plan
         self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
         self.model_name = model_name(self.folder)
@@ -137,19 +141,6 @@ class ModelRunner:
         if self.group.rank == 0:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
         self.speculator = make_speculator(config, world, self.pipelining)
-
-    def _compile_kernels(self) -> Optional[CompileWatch]:
-        """On CUDA: every Triton variant compiled before the first step (warmup.py), and a
-        watch that logs any compile after it."""
-        if not self.config.device.startswith("cuda"):
-            return None
-        watch = CompileWatch(self.log)
-        warmed = warm_up(self.model, self.kv_cache.layers, self.config.block_size, self.dtype,
-                         self.max_model_len)  # fmt: skip
-        if warmed:
-            self.log.info("kernels_compiled", **warmed, num_compiled=watch.num_compiled)
-        watch.serving()
-        return watch
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
@@ -184,6 +175,7 @@ class ModelRunner:
         tables = [(s.block_ids, s.num_computed) for s in self.held.seqs.values()]
         self.kv_cache.check_invariants(tables)
         check_pending(self.held, in_flight)
+        self.pooler.check_invariants()
 
     # --- one step at a time (the loop's `Steps`, tools) ------------------------------------------
 
@@ -214,7 +206,7 @@ class ModelRunner:
                 step.sampled(), self.held.seqs.values()
             )
             begin = self.clock.mark()
-            logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V] on rank 0
+            logits = self._forward(step, tensors)  # [S, V] on rank 0
             end = self.clock.mark()
             result = self._sample_and_record(step, logits, start, masks)
             self.clock.on_step(begin, end)
@@ -234,7 +226,7 @@ class ModelRunner:
         pending: Optional[PendingMasks] = None,
     ) -> StepResult:
         sampled = step.sampled()
-        rows = self._sample_rows(sampled)
+        rows = sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
         outcome = None  # speculation: what was accepted (speculate.py)
@@ -244,20 +236,18 @@ class ModelRunner:
                                                        rows, masks)  # fmt: skip
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
         self.held.record_samples(sampled, token_ids)  # every rank holds the step's tokens
-        result = _step_result(step.step_id, sampled, token_ids, logprobs, start)
+        embeddings = self.pooler.take(step.step_id)
+        result = _step_result(step.step_id, sampled, token_ids, logprobs, start, embeddings)
         return result if outcome is None else dataclasses.replace(result, drafts=outcome)
 
-    def _sample_rows(self, sampled: list[HeldSeq]) -> list[SampleRow]:
-        return [
-            SampleRow(
-                params=s.sampling,
-                seed=s.seed,
-                output_index=s.num_output_tokens,
-                token_ids=s.token_ids,
-                num_prompt_tokens=s.num_prompt_tokens,
-            )
-            for s in sampled
-        ]
+    def _forward(self, step: ExpandedStep, tensors: StepTensors) -> Optional[torch.Tensor]:
+        """The model's forward; a step that computes embedding requests pools their hidden
+        states on the way (Pooler: taken when the step's result is built)."""
+        if not self.pooler.begin(step, self.held.seqs.values()):
+            return self.model.forward(tensors, self.kv_cache.layers)
+        x, residual = self.model.hidden_states(tensors, self.kv_cache.layers)
+        self.pooler.pool(step, x, residual, self.model.final_norm)
+        return self.model.logits(x, residual, tensors.logits_indices)
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> Optional[torch.Tensor]:
@@ -297,7 +287,7 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             step = self.held.apply(plan)
-            rows = self._sample_rows(step.sampled())
+            rows = sample_rows(step.sampled())
             if prev is not None and any(reads_history(r.params) for r in rows):
                 self._land(prev)  # penalties read the histories: step N's tokens must be in them
             if not step.seqs:
@@ -326,7 +316,7 @@ class ModelRunner:
         prev: Optional[LaunchedStep],
     ) -> LaunchedStep:
         begin = self.clock.mark()
-        logits = self.model.forward(tensors, self.kv_cache.layers)  # [S, V]
+        logits = self._forward(step, tensors)  # [S, V]
         marks = (begin, self.clock.mark())
         queued_s = time.perf_counter() - start
         sampled = step.sampled()
@@ -364,9 +354,9 @@ class ModelRunner:
             self.held.fail()
             raise
         self.overlap.on_step(launched.queued_s, self.clock.on_step(*launched.marks))
-        return _step_result(
-            launched.step_id, launched.sampled, token_ids, launched.logprobs, launched.start
-        )
+        embeddings = self.pooler.take(launched.step_id)
+        return _step_result(launched.step_id, launched.sampled, token_ids, launched.logprobs,
+                            launched.start, embeddings)  # fmt: skip
 
     def discard(self, launched: LaunchedStep) -> None:
         """Drop a launched step that read a failed step's tokens: nothing of it is reported,
@@ -388,13 +378,16 @@ def _step_result(
     token_ids: list[int],
     logprobs: list[Optional[TokenLogprobs]],
     start: float,
+    embeddings: dict[str, list[float]],
 ) -> StepResult:
     """A step's result: tokens in batch order (the scheduler maps them by position), logprobs
-    by rid for the rows that asked, and the worker's time since the step began."""
+    and embeddings by rid for the rows that have them, the worker's time since the step
+    began."""
     lp = {s.rid: entry for s, entry in zip(sampled, logprobs, strict=True) if entry is not None}
     return StepResult(
         step_id=step_id,
         token_ids=token_ids,
         logprobs=lp,
         forward_s=time.perf_counter() - start,
+        embeddings=embeddings,
     )

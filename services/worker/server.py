@@ -17,6 +17,8 @@ from typing import Any, Optional
 from services.worker.config import ParallelConfig, WorkerConfig, check_model_divides
 from services.worker.loop import EXIT_GROUP_LOST, serve_worker
 from services.worker.steps import FatalWorkerError
+from services.worker.tracing import StepTrace
+from shared.tracing import Tracing
 
 EXIT_BAD_CONFIG = 2
 
@@ -29,8 +31,10 @@ def run_worker(
     ready_file: Optional[Path] = None,
     max_frame_bytes: Optional[int] = None,
     curve_keys: Optional[Path] = None,
+    tracing: Optional[Tracing] = None,
 ) -> int:
-    """Load the model, then serve plans until shutdown. Returns the process exit code."""
+    """Load the model, then serve plans until shutdown. Returns the process exit code.
+    `tracing`: rank 0 sends a span per step (None: tracing off)."""
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
@@ -71,6 +75,7 @@ def run_worker(
         max_frame_bytes=max_frame_bytes,
         curve_keys=curve_keys,
         pipeline=runner.pipelining,
+        trace=StepTrace(tracing) if tracing is not None and parallel.rank == 0 else None,
     )
     if code == 0:  # a broken group is not torn down: a collective on it could block
         runner.close()

@@ -153,6 +153,20 @@ def sample_step(
     return token_ids, logprobs, None
 
 
+def sample_rows(sampled: list[HeldSeq]) -> list[SampleRow]:
+    """One row per sampler, each at its next output index (a step without drafts)."""
+    return [
+        SampleRow(
+            params=s.sampling,
+            seed=s.seed,
+            output_index=s.num_output_tokens,
+            token_ids=s.token_ids,
+            num_prompt_tokens=s.num_prompt_tokens,
+        )
+        for s in sampled
+    ]
+
+
 def draft_logits_rows(step: ExpandedStep, query_start_loc: list[int]) -> list[int]:
     """The flat token rows whose logits a step with drafts needs: for each sampler, its last
     `1 + drafts` rows (the decode token and each draft), in batch order."""

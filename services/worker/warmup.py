@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_shape import BLOCK_M_BUCKETS, gpu_variants
+from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KVCache
 from services.worker.kv_sizing import profile_step
 from services.worker.model import LlamaModel, split_qkv
 from services.worker.ops_triton import TritonOps
@@ -117,3 +119,23 @@ class CompileWatch:
             self.log.warning("kernel_compiled_while_serving", kernel=repr[:300],
                              num_compiled_serving=self.num_compiled_serving)  # fmt: skip
         return False
+
+
+def compile_kernels(
+    config: WorkerConfig,
+    model: LlamaModel,
+    kv_cache: KVCache,
+    dtype: torch.dtype,
+    max_model_len: int,
+    log: Any,
+) -> Optional[CompileWatch]:
+    """Called once by the runner after the KV pool exists. On CUDA: every Triton variant
+    compiled before the first step, and a watch that logs any compile after it; None on CPU."""
+    if not config.device.startswith("cuda"):
+        return None
+    watch = CompileWatch(log)
+    warmed = warm_up(model, kv_cache.layers, config.block_size, dtype, max_model_len)
+    if warmed:
+        log.info("kernels_compiled", **warmed, num_compiled=watch.num_compiled)
+    watch.serving()
+    return watch

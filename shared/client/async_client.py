@@ -30,6 +30,7 @@ from shared.client.core import (
     RESULT_KINDS,
     STREAM_KINDS,
     ClientCore,
+    Embedding,
 )
 from shared.client.resume import RETRY_S
 from shared.client.sync_client import DEFAULT_ADDRESS
@@ -101,14 +102,17 @@ class AsyncClient:
         rid, frame = self._core.generate(
             request_id, prompt, messages, prompt_token_ids, False, priority, params
         )
+        return self._core.completion(await self._request(rid, frame, RESULT_KINDS))
+
+    async def _request(self, rid: str, frame: bytes, kinds: tuple[str, ...]) -> dict[str, Any]:
         await self._start(rid, frame)
         try:
-            msg = await self._next_for(rid, RESULT_KINDS)
+            msg = await self._next_for(rid, kinds)
         except BaseException:
             self._abandon(rid)  # cancelled or timed out: don't leave it running
             raise
         self._forget(rid)
-        return self._core.completion(msg)
+        return msg
 
     def stream(
         self,
@@ -125,6 +129,11 @@ class AsyncClient:
             request_id, prompt, messages, prompt_token_ids, True, priority, params
         )
         return AsyncStream(self, rid, frame)
+
+    async def embed(self, prompt: Optional[str] = None, **fields: Any) -> Embedding:
+        """As `Client.embed` (the same keywords): ends with `embedding`, or `done` if aborted."""
+        rid, frame = self._core.embed(prompt, **fields)
+        return self._core.embedding(await self._request(rid, frame, ("embedding", *RESULT_KINDS)))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True when it was in flight. Idempotent.

@@ -28,10 +28,12 @@ from shared.client.types import (
     Chunk,
     Completion,
     Done,
+    Embedding,
     EngineError,
     chunk_from_wire,
     completion_from_done,
     done_from_wire,
+    embedding_from_reply,
     error_from_wire,
     generate_frame,
     request_fields,
@@ -46,6 +48,7 @@ from shared.protocol.codec import DecodeError
 from shared.protocol.errors import ErrorCode
 
 RESULT_KINDS = ("done", "error")  # what ends a non-streaming request
+EMBED_KINDS = ("embedding", "done", "error")  # what ends an `embed` (done: it was aborted)
 DEFAULT_RESUME_TIMEOUT_S = 30.0  # trying frontends after the one in use was lost
 STREAM_KINDS = ("chunk", "done", "error")  # what a stream reads
 ABORT_KINDS = ("aborted",)
@@ -125,6 +128,21 @@ class ClientCore:
             params = pin_seed(params)
         fields = request_fields(prompt, messages, prompt_token_ids, stream, priority, params)
         return rid, generate_frame(rid, fields, self.max_frame_bytes)
+
+    def embed(
+        self,
+        prompt: Optional[str],
+        prompt_token_ids: Optional[list[int]] = None,
+        pooling: str = "last",
+        priority: int = 0,
+        request_id: Optional[str] = None,
+        traceparent: Optional[str] = None,
+    ) -> tuple[str, bytes]:
+        """(request id, `embed` frame); the id is made up when not given."""
+        rid = request_id or uuid.uuid4().hex
+        fields = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "pooling": pooling,
+                  "priority": priority, "traceparent": traceparent}  # fmt: skip
+        return rid, encode_client_message("embed", rid, **fields)
 
     def query(self, kind: str, **fields: Any) -> tuple[str, bytes]:
         """(query id, frame) of a `health`, `stats`, ... query; its box is open."""
@@ -247,6 +265,11 @@ class ClientCore:
         if msg["type"] == "error":
             raise error_from_wire(msg)
         return completion_from_done(msg)
+
+    @staticmethod
+    def embedding(msg: dict[str, Any]) -> Embedding:
+        """An `embed`'s last reply; EngineError on `error` (or a `done`: it was aborted)."""
+        return embedding_from_reply(msg)
 
     @staticmethod
     def query_result(msg: dict[str, Any]) -> dict[str, Any]:

@@ -23,12 +23,21 @@ from shared.addresses import DEFAULT_FRONTEND_ADDR
 from shared.client.core import (
     ABORT_KINDS,
     DEFAULT_RESUME_TIMEOUT_S,
+    EMBED_KINDS,
     RESULT_KINDS,
     STREAM_KINDS,
     ClientCore,
 )
 from shared.client.resume import RETRY_S
-from shared.client.types import Chunk, Completion, Done, EngineError, completion_from_chunks
+from shared.client.types import (
+    Chunk,
+    Completion,
+    Done,
+    Embedding,
+    EngineError,
+    completion_from_chunks,
+    embedding_from_reply,
+)
 from shared.protocol.client_channel import DEFAULT_MAX_FRAME_BYTES
 from shared.protocol.errors import ErrorCode
 
@@ -125,6 +134,29 @@ class Client:
             raise
         self._core.forget(rid)
         return self._core.completion(msg)
+
+    def embed(
+        self,
+        prompt: Optional[str] = None,
+        *,
+        prompt_token_ids: Optional[list[int]] = None,
+        pooling: str = "last",
+        priority: int = 0,
+        request_id: Optional[str] = None,
+        traceparent: Optional[str] = None,
+    ) -> Embedding:
+        """The prompt's pooled hidden state (docs/protocol.md `embed`); EngineError on error.
+        `traceparent`: the caller's span (W3C), the parent of the request's trace."""
+        rid = self._start(
+            *self._core.embed(prompt, prompt_token_ids, pooling, priority, request_id, traceparent)
+        )
+        try:
+            msg = self._next_for(rid, EMBED_KINDS)
+        except EngineError:
+            self._abandon(rid)  # timed out: don't leave it running
+            raise
+        self._core.forget(rid)
+        return embedding_from_reply(msg)
 
     def stream(
         self,

@@ -60,6 +60,25 @@ class Completion:
     stop_reason: Union[str, int, None] = None
 
 
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """An `embed`'s answer: the prompt's pooled hidden state, L2-normalised."""
+
+    id: str
+    embedding: list[float]  # [hidden size]
+    pooling: str  # "last" | "mean"
+    usage: dict[str, int]  # prompt_tokens (completion_tokens 0)
+
+
+def embedding_from_reply(msg: dict[str, Any]) -> Embedding:
+    """An `embed`'s last reply; EngineError on `error` (or a `done`: it was aborted)."""
+    if msg["type"] == "error":
+        raise error_from_wire(msg)
+    if msg["type"] != "embedding":
+        raise EngineError(ErrorCode.INTERNAL, f"embed ended with {msg['type']!r}")
+    return Embedding(msg["id"], msg["embedding"], msg["pooling"], msg["usage"])
+
+
 def chunk_from_wire(msg: dict[str, Any]) -> Chunk:
     return Chunk(
         id=msg["id"],
@@ -115,6 +134,9 @@ def completion_from_parts(
     )
 
 
+_OWN_FIELDS = ("tools", "traceparent")  # keyword parameters that are not sampling params
+
+
 def request_fields(
     prompt: Optional[str],
     messages: Optional[list[dict[str, Any]]],
@@ -124,17 +146,19 @@ def request_fields(
     params: dict[str, Any],
 ) -> dict[str, Any]:
     """The fields of a `generate` map (nil params are left out: the engine's defaults apply).
-    `tools` given among the keyword parameters is the map's own `tools` field (a chat's)."""
+    `tools` and `traceparent` given among the keyword parameters are the map's own fields (a
+    chat's tools; the W3C trace context of the caller's span)."""
     fields = {
         "prompt": prompt,
         "messages": messages,
         "prompt_token_ids": prompt_token_ids,
         "stream": stream,
         "priority": priority,
-        "params": {k: v for k, v in params.items() if v is not None and k != "tools"},
+        "params": {k: v for k, v in params.items() if v is not None and k not in _OWN_FIELDS},
     }
-    if params.get("tools") is not None:
-        fields["tools"] = params["tools"]
+    for name in _OWN_FIELDS:
+        if params.get(name) is not None:
+            fields[name] = params[name]
     return fields
 
 

@@ -22,6 +22,7 @@ class ErrorCode:
     CONSTRAINT_TOO_LARGE = "constraint_too_large"  # over the documented size limits
     CONSTRAINT_TOO_SLOW = "constraint_too_slow"  # its compile ran past the time-out
     DUPLICATE_ID = "duplicate_id"  # id already in flight on this connection
+    EMBEDDINGS_UNSUPPORTED = "embeddings_unsupported"  # the worker computes no embeddings (sim)
     # engine state
     NOT_READY = "not_ready"  # no worker handshake yet (or worker lost)
     OVERLOADED = "overloaded"  # waiting queue full

@@ -26,6 +26,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_CONSTRAINT_BYTES = 64 << 10  # the spec's text; larger: constraint_too_large
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+POOLING_KINDS = ("last", "mean")  # embeddings: the last position's hidden state, or the mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,11 @@ class SamplingParams:
     constraint: Optional[Constraint] = None  # None: any token may be sampled
     # token id (decimal text, as OpenAI's JSON keys) -> bias in [-100, 100], added to the logit
     logit_bias: dict[str, float] = field(default_factory=dict)
+    # An embedding request (`embed`, /v1/embeddings): the worker also returns the pooled,
+    # L2-normalised final hidden state of the prompt when it samples its one token (max_tokens
+    # 1, discarded). "mean" reads every position, so the scheduler never starts it from the
+    # prefix cache; "last" may (its last position is always computed).
+    pooling: Optional[str] = None
 
     def __post_init__(self) -> None:
         problems = sampling_problems(self)
@@ -108,6 +114,8 @@ def sampling_problems(p: SamplingParams) -> list[str]:
     ):
         out.append(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
     out.extend(_structured_problems(p))
+    if p.pooling is not None and (p.pooling not in POOLING_KINDS or p.max_tokens != 1):
+        out.append(f"pooling must be one of {', '.join(POOLING_KINDS)}, with max_tokens 1")
     return out
 
 

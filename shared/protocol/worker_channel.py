@@ -68,6 +68,7 @@ class NewSequence:
     sampling: SamplingParams
     slot: int  # its place in the worker's batch until released
     num_computed_tokens: int = 0  # tokens of token_ids whose KV its blocks hold already
+    traceparent: Optional[str] = None  # its request's frontend span (tracing on): step links
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,13 +148,16 @@ class StepResult:
     `token_ids[i]` is the sample of the i-th sequence that sampled in this step, in the
     worker's batch order (the order its sequences joined: worker/held_batch.py). No rids: the
     scheduler keeps the same order and maps tokens by position, so a steady result is one
-    integer per sequence on the wire. `logprobs` is keyed by rid (only requests that asked).
+    integer per sequence on the wire. `logprobs` is keyed by rid (only requests that asked),
+    so are `embeddings` (only embedding requests).
     """
 
     step_id: int
     token_ids: list[int]  # [S]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     forward_s: float = 0.0  # time the worker spent on this step (prepare + forward + sample)
+    # embedding requests (sampling.pooling) that sampled: rid -> pooled hidden state [Hd]
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
     drafts: Optional[DraftOutcome] = None  # speculation; None when nothing was drafted
 
 

@@ -17,7 +17,8 @@ MAX_ID_BYTES = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
-CLIENT_MESSAGE_TYPES = ("generate", "abort", "health", "stats", "reset_prefix_cache", "drain")
+CLIENT_MESSAGE_TYPES = ("generate", "embed", "abort", "health", "stats", "reset_prefix_cache",
+                        "drain")  # fmt: skip
 
 
 class ClientMessageError(DecodeError):
@@ -39,7 +40,8 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class GenerateCommand:
-    """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set."""
+    """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set. An
+    `embed` is one too: its sampling names a pooling (answered with `embedding`)."""
 
     id: str
     sampling: SamplingParams
@@ -55,6 +57,7 @@ class GenerateCommand:
     # the text it received; None: a new request
     resume_token_ids: Optional[list[int]] = None
     resume_text: str = ""
+    traceparent: Optional[str] = None  # W3C trace context of the client's span (tracing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,12 @@ def done_reply(
     )
 
 
+def embedding_reply(id: str, embedding: list[float], pooling: str, usage: Usage) -> bytes:
+    """The answer to `embed`: the prompt's pooled hidden state, L2-normalised (float32 values)."""
+    return encode_reply("embedding", id, embedding=embedding, pooling=pooling,
+                        usage=usage.to_wire())  # fmt: skip
+
+
 def error_reply(code: str, message: str, id: Optional[str] = None) -> bytes:
     return encode_reply("error", id, code=code, message=message)
 

@@ -37,7 +37,14 @@ from shared.protocol.client_channel.structured import (
     tools_list,
 )
 from shared.protocol.errors import ErrorCode, short_repr
-from shared.protocol.sampling import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, SamplingParams
+from shared.protocol.sampling import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_TOKEN_IDS,
+    POOLING_KINDS,
+    SamplingParams,
+)
+from shared.tracing import valid_traceparent
 
 _INT, _NUM, _BOOL = "int", "number", "bool"
 # params key -> (wire type, may be nil). Defaults live in SamplingParams.
@@ -87,6 +94,8 @@ def decode_client_message(frame: bytes, max_size: int = DEFAULT_MAX_FRAME_BYTES)
         raise ClientMessageError(ErrorCode.UNSUPPORTED_VERSION, msg, reply_id)
     if kind == "generate":
         return _generate(wire, _required_id(wire))
+    if kind == "embed":
+        return _embed(wire, _required_id(wire))
     if kind == "abort":
         return AbortCommand(_required_id(wire))
     optional_id = _optional_id(wire)
@@ -178,7 +187,28 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         tools=tools,
         resume_token_ids=resume_ids,
         resume_text=resume_text,
+        traceparent=valid_traceparent(wire.get("traceparent")),
     )
+
+
+def _embed(wire: dict, rid: str) -> GenerateCommand:
+    """An `embed`: a prefill-only request whose one sampled token is discarded (greedy, past
+    end-of-sequence) and whose reply is the pooled hidden state (services/worker/pooling.py)."""
+    priority = _field(wire, "priority", int, 0, rid)
+    pooling = _field(wire, "pooling", str, "last", rid)
+    if pooling not in POOLING_KINDS:
+        msg = f"`pooling` must be one of {', '.join(POOLING_KINDS)}, not {short_repr(pooling)}"
+        raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
+    given = [k for k in ("prompt", "prompt_token_ids") if wire.get(k) is not None]
+    if len(given) != 1:
+        msg = f"give exactly one of prompt, prompt_token_ids (got {', '.join(given) or 'none'})"
+        raise ClientMessageError(ErrorCode.INVALID_PROMPT, msg, rid)
+    text = _prompt_text(wire["prompt"], rid) if given[0] == "prompt" else None
+    ids = _token_ids(wire["prompt_token_ids"], rid) if text is None else None
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, pooling=pooling)
+    trace = valid_traceparent(wire.get("traceparent"))
+    return GenerateCommand(rid, sampling, prompt=text, prompt_token_ids=ids, priority=priority,
+                           traceparent=trace)  # fmt: skip
 
 
 def _resume(value: Any, rid: str) -> tuple[Optional[list[int]], str]:
