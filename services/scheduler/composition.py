@@ -23,6 +23,7 @@ the filler takes the first that schedules anything (services/scheduler/fill.py).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
@@ -40,7 +41,7 @@ class Forward:
     max_chunks: Optional[int] = None  # at most this many prompt chunks (None: the budget only)
 
 
-class StepComposition:
+class StepComposition(ABC):
     """The policy seam. `forwards()` is called once per fill (at most twice per step, see
     `Scheduler.schedule`); `built()` once per plan built. Invariant: every `Forward` it
     returns has a budget in [1, max_num_batched_tokens]."""
@@ -48,11 +49,13 @@ class StepComposition:
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
 
+    @abstractmethod
     def forwards(self) -> tuple[Forward, ...]:
-        raise NotImplementedError
+        """The kinds of forward the next plan may be, in the order the filler tries them."""
 
     def built(self, num_decodes: int, num_chunks: int) -> None:
         """The plan just built computed `num_decodes` decodes and `num_chunks` prompt chunks."""
+        del num_decodes, num_chunks  # stateless compositions; decode-first overrides it
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every forward offered fits the budget. Read-only."""

@@ -47,7 +47,7 @@ class FrontendConfig:
     )  # fmt: skip
     frontend_id: str = field(
         default_factory=new_frontend_id,  # in rids
-        metadata={"default_text": "random fe-XXXXXXXX",
+        metadata={"default_text": "fe- and 8 random hex digits",
                   "help": "this frontend's id, unique per engine (request ids embed it)"},
     )  # fmt: skip
     model: Optional[str] = field(
