@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from services.scheduler.draft_budget import DraftBudget
 from services.scheduler.inflight import InFlightStep
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
@@ -31,10 +32,6 @@ from services.scheduler.step import StepBuilder
 from shared.protocol.worker_channel import DraftOutcome, StepResult
 
 RUNNING = RequestStatus.RUNNING
-# Until the adaptive rule measures acceptance and step costs (designed, not built): draft only
-# while at most this many requests run. A CPU decode step costs ~55-60 ms at one row and ~105
-# at eight (docs/PERFORMANCE.md §8): past that, verified rows cost nearly what they save.
-MAX_DRAFTING_BATCH = 8
 
 
 class SpecContractError(ValueError):
@@ -89,6 +86,7 @@ class Speculation:
         self._block_size = block_size
         self.counters = counters
         self._in_flight: set[Request] = set()  # given drafts by a plan built (D may be > 0)
+        self._budget = DraftBudget(num_speculative_tokens)
 
     def assign(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> None:
         """Called by the step filler once the step's decodes are in. A decode with drafts in
@@ -98,18 +96,19 @@ class Speculation:
         logprobs drafts nothing yet: drafts' logprobs are designed, not built)."""
         if self._in_flight:
             self._check_in_flight(step, goes_on)
-        batch = self._batch
-        if len(batch) > MAX_DRAFTING_BATCH or not step.decodes:
+        if not step.decodes:
             return
-        bs = self._block_size
-        for req in step.decodes:
+        candidates = [r for r in step.decodes if not r.padding and r.sampling.logprobs is None]
+        limits = self._budget.limits(candidates, step.num_counted_tokens)
+        if not limits:
+            return
+        bs, batch = self._block_size, self._batch
+        for req in candidates:
             budget = step.budget_left
             if budget <= 0:
                 return
-            if req.padding or req.sampling.logprobs is not None:
-                continue
             base = req.num_computed_tokens + req.num_draft_slots + 1  # after this decode
-            k = min(self._k, budget, req.max_len - base - 1)
+            k = min(limits.get(id(req), 0), budget, req.max_len - base - 1)
             if k <= 0:
                 continue
             if not batch.grow_if_free(req, base + k):
@@ -117,6 +116,12 @@ class Speculation:
             if k > 0:
                 step.add_drafts(req, k)
                 self._in_flight.add(req)
+
+    def observe(self, flight: InFlightStep, result: StepResult) -> None:
+        """Called by the result path with every result (before `settle`): the step cost the
+        draft limits are chosen by."""
+        drafted = sum(result.drafts.proposed) if result.drafts is not None else 0
+        self._budget.observe_step(flight.plan.num_scheduled_tokens + drafted, result.forward_s)
 
     def _check_in_flight(
         self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
@@ -139,11 +144,13 @@ class Speculation:
         for req, k in limits:
             row = where.get(id(req))
             proposed, tokens = accepted.get(row, (0, [])) if row is not None else (0, [])
+            self._budget.observe_row(req, k, len(tokens))
             if proposed:
                 self.counters.count(proposed, len(tokens))
                 req.num_draft_tokens += proposed
                 req.num_accepted_tokens += len(tokens)
             if req.status is not RUNNING or _is_stale(req, flight):
+                self._budget.forget(req)
                 continue  # finished, aborted or preempted since: its drafts went with its table
             req.num_draft_slots -= k
             req.num_computed_tokens += len(tokens)

@@ -89,6 +89,11 @@ class StepBuilder:
         )  # fmt: skip
 
     @property
+    def num_counted_tokens(self) -> int:
+        """The step's tokens without drafts: one per decode and its chunks' tokens."""
+        return len(self.decodes) + self._num_chunk_tokens
+
+    @property
     def num_chunks(self) -> int:
         return len(self._chunks)
 
