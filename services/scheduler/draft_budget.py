@@ -13,8 +13,9 @@ Two measurements, both from the engine's own results:
 The rule, per step: a draft at position j of request r adds b seconds and p_rj expected tokens;
 take drafts in order of p while p / b beats the step's tokens per second so far (each one taken
 raises the bar), then keep them only if the step's predicted tokens per second is >= 2% above
-plain decoding's. A step that takes none still lets one decode try one draft now and then, so
-an acceptance that has become better is seen again.
+plain decoding's. A step that takes none still lets one decode try its k drafts now and then, so
+an acceptance that has become better is seen again (and the cost line sees steps of several
+sizes even in one stream).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from services.scheduler.request import Request
 DECAY = 0.97  # per observation: the last ~30 steps weigh most
 MIN_OBSERVATIONS = 8  # steps before the cost line is trusted
 MIN_GAIN = 1.02  # drafts only where they pay at least 2% (the complexity budget's bar)
-EXPLORE_EVERY = 16  # a step without drafts still lets one decode try one every N steps
+EXPLORE_EVERY = 16  # a step without drafts lets one decode try k every N steps
 ACCEPT_DECAY = 0.8  # per drafting step of a request: its last few steps weigh most
 PRIOR_ACCEPT = 0.5  # acceptance per position before any result
 
@@ -58,7 +59,7 @@ class StepCostLine:
         w, sx, sy, sxx, sxy = self._sums
         mean_x, mean_y = sx / w, sy / w
         var_x = sxx / w - mean_x * mean_x
-        if var_x < 0.25:  # tokens nearly constant: no slope to read
+        if var_x < 0.05:  # tokens nearly constant: no slope to read
             return 0.0, mean_y / mean_x
         b = (sxy / w - mean_x * mean_y) / var_x
         b = min(max(b, 1e-6), mean_y / mean_x)  # noise must not make a token free or > mean
@@ -127,7 +128,7 @@ class DraftBudget:
         if decodes and self._steps_without >= EXPLORE_EVERY:  # one decode tries, in turn
             self._steps_without = 0
             self._explore_turn += 1
-            return {id(decodes[self._explore_turn % len(decodes)]): 1}
+            return {id(decodes[self._explore_turn % len(decodes)]): self._k}
         return {}
 
     def _chances(self, req: Request) -> list[float]:

@@ -78,8 +78,8 @@ def test_drafts_that_are_never_accepted_stop() -> None:
     _learn(budget, [r], accepted=0)
     chosen = [budget.limits([r], 1) for _ in range(4 * EXPLORE_EVERY)]
     tried = [c for c in chosen if c]
-    assert len(tried) == 4  # only the exploring step, one draft each
-    assert all(c == {id(r): 1} for c in tried)
+    assert len(tried) == 4  # only the exploring steps
+    assert all(c == {id(r): 4} for c in tried)
 
 
 def test_a_large_batch_on_a_token_bound_step_does_not_draft() -> None:
@@ -97,6 +97,19 @@ def test_a_large_batch_on_a_token_bound_step_does_not_draft() -> None:
     budget = _budget_on(0.005, 0.0026)
     _learn(budget, reqs, accepted=4, rounds=30)
     assert budget.limits(reqs, 128) == {}
+
+
+def test_one_stream_that_found_no_drafts_at_first_still_learns_the_slope() -> None:
+    # at first nothing is proposed (one token per step: no slope to read); the exploring
+    # steps give the line its slope once the text becomes repetitive
+    budget, r = DraftBudget(4), _req("a")
+    for step in range(8 * EXPLORE_EVERY):
+        drafts = budget.limits([r], 1).get(id(r), 0)
+        proposed = drafts if step >= 2 * EXPLORE_EVERY else 0
+        budget.observe_step(1 + proposed, CPU_A + CPU_B * (1 + proposed))
+        if drafts:
+            budget.observe_row(r, drafts, proposed)
+    assert budget.limits([r], 1) == {id(r): 4}
 
 
 def test_before_any_measurement_drafts_are_as_configured() -> None:
