@@ -202,13 +202,12 @@ class ModelRunner:
             if self.speculator is not None:
                 self.speculator.propose(self.held, step)
             tensors = self.inputs.tensors(step)
-            masks = self.constraints and self.constraints.start(
-                step.sampled(), self.held.seqs.values()
-            )
+            sampled = step.sampled()  # once: the masks and the sampling both read it
+            masks = self.constraints and self.constraints.start(sampled, self.held.seqs.values())
             begin = self.clock.mark()
             logits = self._forward(step, tensors)  # [S, V] on rank 0
             end = self.clock.mark()
-            result = self._sample_and_record(step, logits, start, masks)
+            result = self._sample_and_record(step, sampled, logits, start, masks)
             self.clock.on_step(begin, end)
             return result
         except FatalWorkerError:
@@ -221,11 +220,11 @@ class ModelRunner:
     def _sample_and_record(
         self,
         step: ExpandedStep,
+        sampled: list[HeldSeq],
         logits: Optional[torch.Tensor],
         start: float,
         pending: Optional[PendingMasks] = None,
     ) -> StepResult:
-        sampled = step.sampled()
         rows = sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
