@@ -7,15 +7,17 @@ Two measurements, both from the engine's own results:
 * `StepCostLine`: the worker's step time as a line in the tokens it computed, t(T) = a + b*T,
   fitted by exponentially weighted least squares over recent results (every step, drafted or
   not), so it follows the machine, the model and the contexts as they grow;
-* per request and per draft position j, how often its first j drafts were all accepted (an
-  exponential average over its own drafting steps, started from the engine's average).
+* per request and per draft position j, how often the proposer offers a draft there (q_rj: a
+  limit the proposer cannot fill costs nothing) and how often, when offered, the drafts up to
+  it are all accepted (p_rj); exponential averages over its own drafting steps, started from
+  the engine's averages.
 
-The rule, per step: a draft at position j of request r adds b seconds and p_rj expected tokens;
-take drafts in order of p while p / b beats the step's tokens per second so far (each one taken
-raises the bar), then keep them only if the step's predicted tokens per second is >= 2% above
-plain decoding's. A step that takes none still lets one decode try its k drafts now and then, so
-an acceptance that has become better is seen again (and the cost line sees steps of several
-sizes even in one stream).
+The rule, per step: a limit reaching position j of request r adds q_rj * b seconds and
+q_rj * p_rj expected tokens; limits are raised in order of p while p / b beats the step's
+tokens per second so far (each one taken raises the bar), then kept only if the step's
+predicted tokens per second is >= 2% above plain decoding's. A step that takes none still
+lets one decode try its k drafts now and then, so an acceptance that has become better is seen
+again (and the cost line sees steps of several sizes even in one stream).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ MIN_OBSERVATIONS = 8  # steps before the cost line is trusted
 MIN_GAIN = 1.02  # drafts only where they pay at least 2% (the complexity budget's bar)
 EXPLORE_EVERY = 16  # a step without drafts lets one decode try k every N steps
 ACCEPT_DECAY = 0.8  # per drafting step of a request: its last few steps weigh most
-PRIOR_ACCEPT = 0.5  # acceptance per position before any result
+PRIOR_ACCEPT = 0.6  # a position's acceptance, given a draft was offered, before any result
 
 
 class StepCostLine:
@@ -67,20 +69,43 @@ class StepCostLine:
 
 
 @dataclass(slots=True)
-class _Acceptance:
-    rates: list[float]  # [k] P(first j+1 drafts all accepted | limit > j)
+class _Record:
+    """One request's (or the engine's) drafting so far, per draft position j (0-based)."""
+
+    proposed: list[float]  # P(the proposer offers a draft at j | the limit reaches j)
+    accepted: list[float]  # P(drafts 0..j all accepted | a draft was offered at j)
+
+    def learn(self, limit: int, num_proposed: int, num_accepted: int, weight: float) -> None:
+        """Moves the averages by `weight` toward this row's outcome. Positions past the limit
+        learn only when every draft was offered and accepted (as hits: the proposer was on a
+        run), so a limit that shrank can grow again."""
+        full = num_accepted == num_proposed == limit
+        for j in range(len(self.proposed) if full else limit):
+            offered = 1.0 if j < num_proposed or j >= limit else 0.0
+            self.proposed[j] += weight * (offered - self.proposed[j])
+            if offered:
+                hit = 1.0 if j < num_accepted or j >= limit else 0.0
+                self.accepted[j] += weight * (hit - self.accepted[j])
+
+    def chances(self) -> list[tuple[float, float]]:
+        """(P(accepted), P(offered)) per position, the acceptance made non-increasing."""
+        out, best = [], 1.0
+        for acc, offered in zip(self.accepted, self.proposed, strict=True):
+            best = min(best, acc)
+            out.append((best, offered))
+        return out
 
 
 class DraftBudget:
     """Chooses each decode's draft limit (`limits`) and learns from results (`observe_step`,
-    `observe_row`). Owns the cost line and every request's acceptance record; a request's
-    record goes when `forget` is called (it finished, was aborted or preempted)."""
+    `observe_row`). Owns the cost line and every request's record; a request's record goes
+    when `forget` is called (it finished, was aborted or preempted)."""
 
     def __init__(self, max_drafts: int) -> None:
         self._k = max_drafts
         self.cost = StepCostLine()
-        self._prior = [PRIOR_ACCEPT**j for j in range(1, max_drafts + 1)]
-        self._by_request: dict[str, _Acceptance] = {}  # rid ->
+        self._engine = _Record([1.0] * max_drafts, [PRIOR_ACCEPT] * max_drafts)
+        self._by_request: dict[str, _Record] = {}  # rid ->
         self._steps_without = 0
         self._explore_turn = 0
 
@@ -88,13 +113,16 @@ class DraftBudget:
         """Called with every result: tokens the step computed, the worker's forward time."""
         self.cost.observe(num_tokens, forward_s)
 
-    def observe_row(self, req: Request, limit: int, accepted: int) -> None:
-        """Called per drafting row of a result: `accepted` of up to `limit` drafts."""
-        record = self._by_request.setdefault(req.rid, _Acceptance(list(self._prior)))
-        for j in range(limit):
-            hit = 1.0 if accepted > j else 0.0
-            record.rates[j] = record.rates[j] * ACCEPT_DECAY + hit * (1 - ACCEPT_DECAY)
-            self._prior[j] = self._prior[j] * 0.99 + hit * 0.01
+    def observe_row(self, req: Request, limit: int, num_proposed: int, num_accepted: int) -> None:
+        """Called per drafting row of a result: of up to `limit` drafts, `num_proposed` were
+        offered and the first `num_accepted` accepted."""
+        record = self._by_request.get(req.rid)
+        if record is None:
+            engine = self._engine
+            record = _Record(list(engine.proposed), list(engine.accepted))
+            self._by_request[req.rid] = record
+        record.learn(limit, num_proposed, num_accepted, 1 - ACCEPT_DECAY)
+        self._engine.learn(limit, num_proposed, num_accepted, 0.01)
 
     def forget(self, req: Request) -> None:
         self._by_request.pop(req.rid, None)
@@ -113,14 +141,15 @@ class DraftBudget:
         tokens, seconds = float(len(decodes)), a + b * num_tokens
         plain_rate = tokens / seconds
         offers = sorted(
-            ((p, id(r)) for r in decodes for p in self._chances(r)), key=lambda o: -o[0]
+            ((p, q, id(r)) for r in decodes for p, q in self._record(r).chances()),
+            key=lambda o: -o[0],
         )
         chosen: dict[int, int] = {}
-        for p, key in offers:
-            if p * seconds <= b * tokens:  # this draft would lower tokens per second
+        for p, q, key in offers:
+            if p * seconds <= b * tokens:  # an offered draft would lower tokens per second
                 break
             chosen[key] = chosen.get(key, 0) + 1
-            tokens, seconds = tokens + p, seconds + b
+            tokens, seconds = tokens + p * q, seconds + b * q
         if chosen and tokens / seconds >= MIN_GAIN * plain_rate:
             self._steps_without = 0
             return chosen
@@ -131,12 +160,5 @@ class DraftBudget:
             return {id(decodes[self._explore_turn % len(decodes)]): self._k}
         return {}
 
-    def _chances(self, req: Request) -> list[float]:
-        """P(its first j drafts are all accepted), j = 1..k, made non-increasing."""
-        record = self._by_request.get(req.rid)
-        rates = record.rates if record is not None else self._prior
-        out, best = [], 1.0
-        for r in rates:
-            best = min(best, r)
-            out.append(best)
-        return out
+    def _record(self, req: Request) -> _Record:
+        return self._by_request.get(req.rid, self._engine)

@@ -144,7 +144,7 @@ class Speculation:
         for req, k in limits:
             row = where.get(id(req))
             proposed, tokens = accepted.get(row, (0, [])) if row is not None else (0, [])
-            self._budget.observe_row(req, k, len(tokens))
+            self._budget.observe_row(req, k, proposed, len(tokens))
             if proposed:
                 self.counters.count(proposed, len(tokens))
                 req.num_draft_tokens += proposed

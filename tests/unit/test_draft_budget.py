@@ -64,7 +64,7 @@ def _budget_on(a: float, b: float, max_drafts: int = 4) -> DraftBudget:
 def _learn(budget: DraftBudget, reqs: list[Request], accepted: int, rounds: int = 12) -> None:
     for _ in range(rounds):
         for r in reqs:
-            budget.observe_row(r, 4, accepted)
+            budget.observe_row(r, 4, 4, accepted)
 
 
 def test_one_stream_that_is_accepted_drafts_fully() -> None:
@@ -108,8 +108,25 @@ def test_one_stream_that_found_no_drafts_at_first_still_learns_the_slope() -> No
         proposed = drafts if step >= 2 * EXPLORE_EVERY else 0
         budget.observe_step(1 + proposed, CPU_A + CPU_B * (1 + proposed))
         if drafts:
-            budget.observe_row(r, drafts, proposed)
+            budget.observe_row(r, drafts, proposed, proposed)
     assert budget.limits([r], 1) == {id(r): 4}
+
+
+def test_a_limit_that_shrank_grows_again_when_its_drafts_keep_being_accepted() -> None:
+    budget, r = _budget_on(CPU_A, CPU_B), _req("a")
+    _learn(budget, [r], accepted=1)  # the first draft accepted, the second never
+    assert budget.limits([r], 1) == {id(r): 1}
+    for _ in range(12):
+        limit = budget.limits([r], 1)[id(r)]
+        budget.observe_row(r, limit, limit, limit)  # now a verbatim copy: all accepted
+    assert budget.limits([r], 1) == {id(r): 4}
+
+
+def test_a_proposer_that_offers_nothing_costs_nothing() -> None:
+    budget, r = _budget_on(CPU_A, CPU_B), _req("a")
+    for _ in range(12):
+        budget.observe_row(r, 4, 0, 0)  # no n-gram match yet: nothing offered
+    assert budget.limits([r], 1) == {id(r): 4}  # its limit stays: when offered, accepted
 
 
 def test_before_any_measurement_drafts_are_as_configured() -> None:
