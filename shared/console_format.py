@@ -81,6 +81,8 @@ def summary_text(r: Mapping[str, Any]) -> str:
     ]
     if r.get("prefix_cache_hit_pct") is not None:
         parts.append(f"prefix hit {_num(r.get('prefix_cache_hit_pct'))}%")
+    if r.get("draft_acceptance_pct") is not None:
+        parts.append(f"drafts accepted {_num(r.get('draft_acceptance_pct'))}%")
     if r.get("step_p50_ms") is not None:
         parts.append(f"step p50 {_num(r.get('step_p50_ms'))} ms")
     return ", ".join(parts)

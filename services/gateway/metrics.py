@@ -83,7 +83,22 @@ _ENGINE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("prefix_cache_queries",),
     ),
     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", ("prefix_cache_hits",)),
+    # speculative decoding, in vLLM's names (docs/design/speculation.md)
+    "spec_decode_num_drafts": (
+        "Drafts verified (rows that proposed).",
+        ("spec_decode_num_drafts",),
+    ),
+    "spec_decode_num_draft_tokens": (
+        "Draft tokens verified.",
+        ("spec_decode_num_draft_tokens",),
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "Draft tokens accepted.",
+        ("spec_decode_num_accepted_tokens",),
+    ),
 }
+# spec_decode_num_accepted_tokens_pos_<j> -> one counter labelled by draft position, as vLLM's
+_PER_POSITION = "spec_decode_num_accepted_tokens_pos_"
 # Any other scheduler stat: `num_*` are counters since start (the scheduler's convention: its
 # only `num_*` gauges are mapped above), anything else a gauge; named conveyor:engine_<key>.
 _COUNTER_PREFIX = "num_"
@@ -224,6 +239,9 @@ class EngineStatsCollector:
         # Everything else the scheduler reports too, so new stats show up without a release.
         known = {k for _, keys in (*_ENGINE_GAUGES.values(), *_ENGINE_COUNTERS.values())
                  for k in keys}  # fmt: skip
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position.",
+                                      labels=["engine", "position"])  # fmt: skip
         for engine, stats in sorted(self._engines.items()):
             for name, (doc, keys) in _ENGINE_GAUGES.items():
                 if (value := _first(stats, keys)) is not None:
@@ -234,10 +252,15 @@ class EngineStatsCollector:
             for key, value in sorted(stats.items()):
                 if key in known:
                     continue
+                if key.startswith(_PER_POSITION):
+                    per_pos.add_metric([engine, key[len(_PER_POSITION) :]], value)
+                    continue
                 name, doc = PREFIX + "engine_" + _clean(key), f"Scheduler stat '{key}'."
                 kind = CounterMetricFamily if key.startswith(_COUNTER_PREFIX) else GaugeMetricFamily
                 add(kind, name, doc, engine, value)
         yield from families.values()
+        if per_pos.samples:
+            yield per_pos
 
 
 class StatsPoller:

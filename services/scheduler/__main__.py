@@ -80,6 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ready.dtype,
                 extra=f"quantization={ready.quantization};kv={ready.kv_cache_dtype}",
             ),
+            speculative=ready.proposer is not None,
             trace=trace,
         )
 

@@ -99,6 +99,15 @@ class SchedulerConfig:
         },
     )
 
+    # Speculative decoding: the worker proposes (`--speculative ngram|draft`, a worker setting:
+    # it holds the histories); the scheduler gives each decode at most this many drafts per
+    # step, with their KV slots and token budget (docs/design/speculation.md).
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata={"help": "most draft tokens per request per step when the worker speculates "
+                  "(--speculative); 0: no drafts"},
+    )  # fmt: skip
+
     # Not a user switch: with async scheduling, plan N+1 leaves at once when steps are short
     # next to the scheduler's own path (a GPU's few ms) and is held until shortly before step N
     # is expected to end when they are long (a CPU worker's 100-600 ms), so that requests
@@ -147,6 +156,8 @@ def config_problems(c: SchedulerConfig) -> list[str]:
     if out:
         return out
     # Every running decode must get its token every step: the budget must cover them all.
+    if not _is_int(c.num_speculative_tokens) or not 0 <= c.num_speculative_tokens <= 64:
+        out.append("num_speculative_tokens must be an integer in [0, 64]")
     if c.max_num_batched_tokens < c.max_num_seqs:
         out.append("max_num_batched_tokens must be >= max_num_seqs")
     if c.batch_size is not None and (

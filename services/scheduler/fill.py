@@ -14,6 +14,8 @@ the worst one's slot).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.composition import Forward, StepComposition
@@ -22,6 +24,7 @@ from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
 from services.scheduler.running import RunningSet
+from services.scheduler.speculation import Speculation
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
 
@@ -38,8 +41,10 @@ class StepFiller:
         steady: SteadyDecodes,
         composition: StepComposition,
         max_len: int,
+        speculation: Optional[Speculation] = None,
     ) -> None:
-        """`max_len`: what max_model_len and the whole KV pool allow one request."""
+        """`max_len`: what max_model_len and the whole KV pool allow one request.
+        `speculation`: gives decodes draft limits (None: the worker does not speculate)."""
         self._config = config
         self._composition = composition
         self._rules = rules
@@ -51,6 +56,7 @@ class StepFiller:
         self._steady = steady
         self._max_len = max_len
         self._block_size = pool.block_size
+        self._speculation = speculation
 
     def fill(self, now: float, spare_protected: bool) -> StepBuilder:
         """The step: the first kind of forward the composition offers that schedules anything
@@ -75,6 +81,8 @@ class StepFiller:
             prefills = self._schedule_decodes(step)
             if step.grown:  # before any lookup below, which may need their blocks
                 self._cache.queue_grown(step.grown)
+            if self._speculation is not None:
+                self._speculation.assign(step, self._decode_goes_on)
         else:
             prefills = self._running_prefills()
         if forward.prompts:
@@ -115,6 +123,7 @@ class StepFiller:
             if req.padding:
                 padding.append(req)
                 continue
+            # (drafts in flight are checked apart: speculation.py `assign`)
             if (computed == len(req.token_ids) and computed + 1 >= req.max_len) or (
                 computed >= len(req.block_ids) * block_size
             ):
@@ -131,12 +140,15 @@ class StepFiller:
         sample in flight is its last (length: overlap gives it no extra step) or its table is
         full and no block can be had (nobody ranked below it to take one from: it waits)."""
         computed = req.num_computed_tokens
-        if computed == len(req.token_ids) and computed + 1 >= req.max_len:
+        # with drafts in flight (speculation) the worker may be up to num_draft_slots ahead:
+        # a sample in flight may then end it, and its table must cover that much more
+        ahead = computed + req.num_draft_slots
+        if computed >= len(req.token_ids) and ahead + 1 >= req.max_len:
             return False
-        if computed >= len(req.block_ids) * self._block_size:  # its table is full: grow it
-            if not self._batch.grow(req, computed + 1, step):
+        if ahead >= len(req.block_ids) * self._block_size:  # its table is full: grow it
+            if not self._batch.grow(req, ahead + 1, step):
                 return False
-            if self._caching:  # its decode-filled blocks are queued for registration
+            if self._caching and not req.num_draft_slots:  # decode-filled blocks to register
                 step.grown.append(req)
         return True
 

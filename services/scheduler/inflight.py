@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from services.scheduler.request import Request
@@ -56,6 +56,8 @@ class InFlightStep:
     # `version` when the result arrives, the result may take the steady path
     # (services/scheduler/steady.py `SteadyDecodes.apply`)
     steady: bool
+    # speculation: (request, draft limit) of each decode that might draft (`BuiltStep.drafts`)
+    drafts: list[tuple[Request, int]] = field(default_factory=list)
     sent_at: float = 0.0  # time.time() when the plan left (`mark_sent`)
     gap_s: Optional[float] = None  # previous result -> this plan, when sent back to back
 

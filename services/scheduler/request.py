@@ -46,6 +46,9 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) and sampling.stop_token_ids
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (as of the last plan)
+    # speculation: draft positions the plans in flight may have written past
+    # num_computed_tokens (their results say how many were accepted); its table covers them
+    num_draft_slots: int = 0
     prefill_len: int = 0  # len(token_ids) when (re)admitted: work up to here is prefill
     block_ids: list[int] = field(default_factory=list)  # its block table (read-only outside)
     num_sent_blocks: int = 0  # how many of block_ids the worker already knows
@@ -64,6 +67,8 @@ class Request:
     block_keys: list[int] = field(default_factory=list)  # shared/prefix_hash.py, as ints
     num_registered_blocks: int = 0
     num_cached_tokens: Optional[int] = None
+    num_draft_tokens: int = 0  # drafts the worker verified for it, since admission
+    num_accepted_tokens: int = 0  # ... and accepted
     first_scheduled: Optional[float] = None
     first_token: Optional[float] = None
     finished: Optional[float] = None
@@ -140,14 +145,25 @@ class Request:
         self.num_computed_tokens = len(blocks) * block_size
 
     def release_table(self) -> list[int]:
-        """Its table, which it no longer holds (the caller frees the blocks)."""
+        """Its table, which it no longer holds (the caller frees the blocks); drafts in
+        flight go with it (their results are dropped)."""
         table, self.block_ids = self.block_ids, []
+        self.num_draft_slots = 0
         return table
+
+    def cut_table(self, num_blocks: int) -> list[int]:
+        """The blocks of its table past the first `num_blocks`, which it no longer holds
+        (RunningSet.give_back: rejected drafts)."""
+        cut = self.block_ids[num_blocks:]
+        del self.block_ids[num_blocks:]
+        self.num_sent_blocks = min(self.num_sent_blocks, num_blocks)
+        return cut
 
     def reset_for_recompute(self) -> None:
         """Called on preemption after its blocks and slot were released: it restarts from
         token 0."""
         self.num_computed_tokens = 0
+        self.num_draft_slots = 0
         self.prefill_len = len(self.token_ids)
         self.block_ids = []
         self.num_sent_blocks = 0
@@ -163,6 +179,8 @@ class Request:
             first_token=self.first_token,
             finished=self.finished,
             num_preemptions=self.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def output(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Optional
 
 from services.scheduler.batching import BatchingRules
 from services.scheduler.inflight import InFlightStep, InFlightSteps
@@ -18,6 +19,7 @@ from services.scheduler.live import LiveRequests
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
+from services.scheduler.speculation import SpecContractError, Speculation
 from services.scheduler.stats import Counters
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
@@ -39,7 +41,9 @@ class ResultApplier:
         rules: BatchingRules,
         counters: Counters,
         clock: Callable[[], float],
+        speculation: Optional[Speculation] = None,
     ) -> None:
+        """`speculation`: applies the accepted drafts of steps that gave draft limits."""
         self._live = live
         self._batch = batch
         self._cache = cache
@@ -49,6 +53,7 @@ class ResultApplier:
         self._padding = rules.keeps_finished_as_padding
         self._counters = counters
         self._clock = clock
+        self._speculation = speculation
 
     def update(self, result: StepResult) -> OutputBatch:
         """Called with the oldest in-flight plan's result: append sampled tokens, finish
@@ -74,14 +79,43 @@ class ResultApplier:
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
             failed = self._fail_missing(flight.sampled, now, message)
             return OutputBatch(result.step_id, finished=failed)
+        if self._speculation is not None:
+            self._speculation.observe(flight, result)
+        if flight.drafts or result.drafts is not None:
+            return self._apply_drafted(flight, result, now)
         ends = self._steady.apply(flight, result)
         if ends is None:
             return self._apply_each(flight, result, now)
         finished: list[RequestOutput] = []
         for i in ends:  # rare: the common steady result ends nobody
             req = flight.sampled[i]
-            finished.append(self._finish_with(req, result.token_ids[i], result, now))
+            finished.append(self._finish_with(req, [result.token_ids[i]], result, now))
         return self._output_batch(result, flight.sampled_rids, ends, finished)
+
+    def _apply_drafted(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
+        """A step that gave draft limits (speculation.py): the counts move, then each row's
+        accepted drafts come before its token. Columns that do not fit the limits break the
+        contract like a wrong token count."""
+        self._steady.forget_tokens()
+        try:
+            if self._speculation is None:
+                raise SpecContractError("a result with drafts from a step that gave none")
+            drafted = self._speculation.settle(flight, result)
+        except SpecContractError as exc:
+            failed = self._fail_missing(flight.sampled, now, str(exc))
+            return OutputBatch(result.step_id, finished=failed)
+        finished: list[RequestOutput] = []
+        multi: list[RequestOutput] = []  # the tokens of requests that go on, as outputs
+        for i, (req, token) in enumerate(zip(flight.sampled, result.token_ids, strict=True)):
+            preempted = req.preempted_at_version  # it lands as in `_apply_each`
+            if req.num_computed_tokens >= len(req.token_ids) and (
+                preempted is None or preempted <= flight.version
+            ):
+                if req.status is RUNNING:  # (static batching never drafts: no padding here)
+                    new_tokens = drafted.get(i, []) + [token]
+                    self._apply_several(req, new_tokens, result, now, multi, finished)
+        skipped = list(range(len(flight.sampled)))  # a small batch: no columns
+        return self._output_batch(result, flight.sampled_rids, skipped, finished, multi)
 
     def _apply_each(self, flight: InFlightStep, result: StepResult, now: float) -> OutputBatch:
         """The general path: each sample checked against its request."""
@@ -103,12 +137,34 @@ class ResultApplier:
                         req.note_sampled(now)
                     if token not in req.stop_ids and len(tokens) < req.max_len:
                         continue  # the common case: it goes on, and stays in the columns
-                    finished.append(self._finish_with(req, token, result, now))
+                    finished.append(self._finish_with(req, [token], result, now))
                 elif req.padding:  # static batching computes finished members
                     tokens.append(token)
                 # else: aborted (or finished: overlap's extra step) while the plan was in flight
             skipped.append(i)
         return self._output_batch(result, flight.sampled_rids, skipped, finished)
+
+    def _apply_several(
+        self,
+        req: Request,
+        new_tokens: list[int],
+        result: StepResult,
+        now: float,
+        multi: list[RequestOutput],
+        finished: list[RequestOutput],
+    ) -> None:
+        """A running request's accepted drafts and its token, in order, up to the first that
+        ends it (a stop id or the length limit; the rest are dropped)."""
+        tokens = req.token_ids
+        if req.protected or req.first_token is None:
+            req.note_sampled(now)
+        for j, token in enumerate(new_tokens):
+            tokens.append(token)
+            if token in req.stop_ids or len(tokens) >= req.max_len:
+                finished.append(self._finish_with(req, new_tokens[: j + 1], result, now))
+                return
+        lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []  # undrafted
+        multi.append(req.output(new_tokens, lps))
 
     def _output_batch(
         self,
@@ -116,6 +172,7 @@ class ResultApplier:
         rids: list[str],
         skipped: list[int],
         finished: list[RequestOutput],
+        multi: Optional[list[RequestOutput]] = None,
     ) -> OutputBatch:
         """The step's outputs: the result's tokens with the `rids` of the sequences that
         sampled, minus the `skipped` entries."""
@@ -125,18 +182,19 @@ class ResultApplier:
             rids = [r for i, r in enumerate(rids) if i not in drop]
             token_ids = [t for i, t in enumerate(token_ids) if i not in drop]
         num_outputs = len(rids)
-        for out in finished:
+        multi = multi or []
+        for out in (*finished, *multi):
             num_outputs += len(out.new_token_ids)
         self._counters.num_output_tokens += num_outputs
         # the result's logprobs as they are: the server cuts them per frontend (off this path)
-        return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished)
+        return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished, multi)
 
     def _finish_with(
-        self, req: Request, token: int, result: StepResult, now: float
+        self, req: Request, new_tokens: list[int], result: StepResult, now: float
     ) -> RequestOutput:
-        """`req` sampled its last token: finish it; its final output (with its embedding, an
-        embedding request's, from the result)."""
-        reason = "stop" if token in req.stop_ids else "length"
+        """`req` sampled its last token (`new_tokens[-1]`, after any accepted drafts): finish
+        it; its final output (with its embedding, an embedding request's, from the result)."""
+        reason = "stop" if new_tokens[-1] in req.stop_ids else "length"
         self._live.finish(req, reason, now)
         if self._caching:  # what it computed stays findable once its blocks are freed
             self._cache.register_computed(req)
@@ -145,7 +203,7 @@ class ResultApplier:
         else:
             self._batch.drop(req)
         lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []
-        out = req.output([token], lps, reason)
+        out = req.output(new_tokens, lps, reason)
         if result.embeddings and req.rid in result.embeddings:
             return dataclasses.replace(out, embedding=result.embeddings[req.rid])
         return out

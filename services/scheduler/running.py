@@ -112,6 +112,23 @@ class RunningSet:
         req.add_blocks(blocks)
         return True
 
+    def give_back(self, req: Request, num_positions: int) -> None:
+        """Speculation: free `req`'s blocks past those covering `num_positions` (what the plans
+        in flight may write); the worker's table is trimmed by the next plan. Never a
+        registered block: registrations stop below its computed count."""
+        keep = -(-num_positions // self.pool.block_size)
+        if len(req.block_ids) <= keep:
+            return
+        sent = req.num_sent_blocks
+        self.pool.free(req.cut_table(keep))
+        if req.slot is not None and sent > keep:
+            self.worker.trim(req.slot, keep)
+
+    def touch(self) -> None:
+        """Computed counts moved outside the steady path (speculation's results): a steady run
+        built on them ends."""
+        self.version += 1
+
     def allocate_for(self, req: Request, num: int) -> None:
         """An admission's blocks (the caller checked `can_allocate`)."""
         blocks = self.pool.allocate(num)
@@ -162,7 +179,9 @@ class RunningSet:
         for rid, req in self.requests.items():
             running = req.status is RequestStatus.RUNNING or req.padding  # padding: finished
             assert req.rid == rid and running, f"{rid} runs wrongly"
-            assert len(req.block_ids) * block_size >= req.num_computed_tokens, f"{rid}: table"
+            covered = req.num_computed_tokens + req.num_draft_slots
+            assert len(req.block_ids) * block_size >= covered, f"{rid}: table"
+            assert req.num_draft_slots >= 0, f"{rid}: draft slots"
             if req.slot is not None:
                 assert self.worker.order.get(req.slot) is req, f"{rid}: slot {req.slot}"
         held = sum(1 for r in self.requests.values() if r.slot is not None)

@@ -43,6 +43,7 @@ from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import RequestStatus
 from services.scheduler.results import ResultApplier
 from services.scheduler.running import RunningSet
+from services.scheduler.speculation import SpecCounters, Speculation
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
@@ -67,10 +68,13 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         clock: Callable[[], float] = time.time,
         cache_namespace: bytes = b"",
+        speculative: bool = False,
         trace: Optional[SchedulerTrace] = None,
     ) -> None:
         """`cache_namespace`: what besides tokens decides the KV (shared/prefix_hash.py
-        `cache_namespace(model, dtype)`, from the worker handshake). `trace`: where traced
+        `cache_namespace(model, dtype)`, from the worker handshake). `speculative`: the worker
+        proposes drafts (its handshake says so); decodes then get draft limits
+        (speculation.py) unless `num_speculative_tokens` is 0. `trace`: where traced
         requests' spans go (None: tracing off)."""
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (one prompt token and one output)")
@@ -84,6 +88,11 @@ class Scheduler:
         self._max_len = min(max_model_len, num_blocks * block_size + 1)
         self._clock = clock
         self._rules = BatchingRules.from_config(config)
+        # static batching computes finished members on as padding from the positions the
+        # scheduler knows, which accepted drafts in flight would have moved: it never drafts
+        self._speculative = (speculative and config.num_speculative_tokens > 0
+                             and not self._rules.keeps_finished_as_padding)  # fmt: skip
+        self._spec_counters = SpecCounters()
         self.counters = Counters()
         self._trace = trace
         self.live = LiveRequests(eos_token_ids, self._max_len, self.counters, trace)
@@ -105,16 +114,22 @@ class Scheduler:
             self._batch, self.block_size, enabled=not rules.keeps_finished_as_padding
         )
         cache, waiting, batch, steady = self.prefix_cache, self._waiting, self._batch, self.steady
+        self.speculation: Optional[Speculation] = None
+        if self._speculative:
+            self.speculation = Speculation(
+                batch, config.num_speculative_tokens, self.block_size, self._spec_counters
+            )
         self.composition = composition_for(
             config.step_composition, config.max_num_batched_tokens, config.max_prefill_chunks
         )
         self._filler = StepFiller(
             config, rules, waiting, batch, self.pool, cache, steady, self.composition,
-            self._max_len,
+            self._max_len, self.speculation,
         )  # fmt: skip
         self._results = ResultApplier(
-            self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock
-        )
+            self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock,
+            self.speculation,
+        )  # fmt: skip
         self.faults = Bisection(
             self.live, waiting, batch, cache, self.in_flight, rules, config.async_scheduling,
             self._clock,
@@ -202,7 +217,8 @@ class Scheduler:
                              self.config.max_num_seqs, self.pool)  # fmt: skip
         self.counters.count_step(record)
         self.in_flight.add(InFlightStep(built.plan, record, built.sampled, built.sampled_rids,
-                                        built.filled, self._batch.version, steady))  # fmt: skip
+                                        built.filled, self._batch.version, steady,
+                                        built.drafts))  # fmt: skip
         return built.plan
 
     def update(self, result: StepResult) -> OutputBatch:
@@ -299,6 +315,7 @@ class Scheduler:
         }
         out.update(self.counters.as_stats())
         out.update(self.prefix_cache.stats())
+        out.update(self._spec_counters.as_stats())
         return out
 
     def can_schedule(self) -> bool:

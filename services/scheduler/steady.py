@@ -113,7 +113,9 @@ class SteadyDecodes:
         whether the step's result may take the fast path (every held request decodes, none is
         new)."""
         run = self._run
-        if run is not None:
+        if step.drafts:  # speculation: computed counts move by the accepted drafts
+            self._run, self._streak = None, (None, 0)
+        elif run is not None:
             if run.version == self._batch.version and len(step.decodes) == len(run.decodes):
                 run.built()
             else:
@@ -143,6 +145,11 @@ class SteadyDecodes:
             if token in req.stop_ids or len(tokens) >= req.max_len:
                 ends.append(i)
         return ends
+
+    def forget_tokens(self) -> None:
+        """Tokens are appended outside `apply` (a step with drafts): the result side is
+        rebuilt at the next steady result."""
+        self._tokens = None
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless a run whose batch is unchanged holds exactly the running

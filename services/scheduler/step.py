@@ -16,7 +16,7 @@ from typing import Optional
 
 from services.scheduler.request import Request
 from services.scheduler.worker_view import WorkerView
-from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.protocol.worker_channel import NewSequence, PlanDrafts, StepPlan
 
 
 @dataclass(slots=True)
@@ -41,6 +41,8 @@ class BuiltStep:
     # registered later, off this path too: when its table next grows, or when it finishes or
     # is preempted.
     filled: list[tuple[Request, int, int]]
+    # speculation: (request, its draft limit) of each decode that may draft in this step
+    drafts: list[tuple[Request, int]]
 
 
 class StepBuilder:
@@ -68,16 +70,28 @@ class StepBuilder:
         # rid -> (request, num_tokens) for prefill chunks, in batch order after the decodes
         self._chunks: dict[str, tuple[Request, int]] = {}
         self._num_chunk_tokens = 0
+        # speculation: (decode, draft limit), the limits counted in the budget
+        self.drafts: list[tuple[Request, int]] = []
+        self._num_draft_tokens = 0
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self._chunks)
 
     @property
     def budget_left(self) -> int:
-        """Tokens another chunk may take: 0 once the budget or the chunk limit is reached."""
+        """Tokens another chunk (or drafts) may take: 0 once the budget or the chunk limit is
+        reached."""
         if self.max_chunks is not None and len(self._chunks) >= self.max_chunks:
             return 0
-        return self.token_budget - len(self.decodes) - self._num_chunk_tokens
+        return (
+            self.token_budget - len(self.decodes) - self._num_chunk_tokens
+            - self._num_draft_tokens
+        )  # fmt: skip
+
+    @property
+    def num_counted_tokens(self) -> int:
+        """The step's tokens without drafts: one per decode and its chunks' tokens."""
+        return len(self.decodes) + self._num_chunk_tokens
 
     @property
     def num_chunks(self) -> int:
@@ -101,6 +115,12 @@ class StepBuilder:
         self._chunks[req.rid] = (req, num_tokens)
         self._num_chunk_tokens += num_tokens
 
+    def add_drafts(self, req: Request, limit: int) -> None:
+        """`req`, a decode of this step, may also compute up to `limit` drafts (speculation);
+        its table covers them already."""
+        self.drafts.append((req, limit))
+        self._num_draft_tokens += limit
+
     def drop(self, req: Request) -> None:
         """Unschedule `req` (it is being preempted); its tokens go back to the budget."""
         entry = self._chunks.pop(req.rid, None)
@@ -108,6 +128,10 @@ class StepBuilder:
             self._num_chunk_tokens -= entry[1]
         elif req in self.decodes:
             self.decodes.remove(req)
+            if self.drafts:
+                kept = [(r, k) for r, k in self.drafts if r is not req]
+                self._num_draft_tokens -= sum(k for r, k in self.drafts if r is req)
+                self.drafts = kept
 
     def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
         """Assemble the plan (only what changed in the worker's batch) and advance each
@@ -125,7 +149,7 @@ class StepBuilder:
         new_seqs: list[NewSequence] = []
         released = worker.take_released()
         reused = self._reused
-        if reused is not None and len(reused[0]) == len(self.decodes):  # none dropped since
+        if reused is not None and len(reused[0]) == len(self.decodes) and not self.drafts:
             # for the step record: the run's list itself (read-only) unless chunks follow
             rids = list(reused[0]) if self._chunks else reused[0]
             _send_blocks(reused[1], block_slots, block_ids)  # only checked ones can send blocks
@@ -156,16 +180,31 @@ class StepBuilder:
                 chunk_samplers.add(req.rid)
         if worker.num_held > len(rids):
             _waiting_counts(held, rids, count_slots, counts)
+        drafts = self._plan_drafts(worker) if self.drafts or worker.trims else None
         plan = StepPlan(
             step_id, worker.prev_step_id, worker.num_held,
             len(self.decodes) + self._num_chunk_tokens, new_seqs, released, block_slots,
-            block_ids, count_slots, counts,
+            block_ids, count_slots, counts, drafts,
         )  # fmt: skip
         worker.prev_step_id = step_id
         steady = len(self.decodes) == worker.num_held and not self._chunks
         sampled, sampled_rids = self._samplers(worker, chunk_samplers, steady)
         return BuiltStep(plan, rids, num_tokens, is_prefill, self._num_chunk_tokens, sampled,
-                         sampled_rids, steady, filled)  # fmt: skip
+                         sampled_rids, steady and not self.drafts, filled,
+                         self.drafts)  # fmt: skip
+
+    def _plan_drafts(self, worker: WorkerView) -> PlanDrafts:
+        """The plan's speculation columns: draft limits (each decode has its slot by now; its
+        draft slots in flight grow by its limit) and the trims of tables given blocks back."""
+        slots: list[int] = []
+        limits: list[int] = []
+        for req, k in self.drafts:
+            assert req.slot is not None  # a decode of this step: held by the worker now
+            slots.append(req.slot)
+            limits.append(k)
+            req.num_draft_slots += k
+        trim_slots, trim_lens = worker.take_trims()
+        return PlanDrafts(slots, limits, trim_slots, trim_lens)
 
     def _decode_pass(
         self,

@@ -3,7 +3,8 @@
 Like vLLM's periodic "Avg prompt throughput ..." line: while there is work, the scheduler logs
 once per `interval_s` the prompt and generation tokens per second over that interval, the requests
 running / waiting / preempted, the KV pool's use, the prefix cache's hit rate (only when the
-core reports one) and the median step time. Idle, it logs nothing.
+core reports one), the drafts' acceptance (only while speculation drafts) and the median step
+time. Idle, it logs nothing.
 
 The server calls `on_step` after each step's result and `maybe_emit` from its housekeeping (at
 least every HOUSEKEEPING_S), so a line comes at most about half a second late. Rates are counter
@@ -20,6 +21,8 @@ from typing import Any, Optional
 # has no prefix cache they are absent and the summary leaves the hit rate out.
 PREFIX_HIT_KEY = "num_prefix_cache_hit_tokens"
 PREFIX_QUERY_KEY = "num_prefix_cache_query_tokens"
+# Speculation's counters (services/scheduler/speculation.py), present when the worker drafts.
+DRAFT_KEY, ACCEPTED_KEY = "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"
 
 
 class EngineSummary:
@@ -94,4 +97,8 @@ def summarize(
     queries = delta(PREFIX_QUERY_KEY)
     if PREFIX_QUERY_KEY in after and queries > 0:
         out["prefix_cache_hit_pct"] = round(100.0 * delta(PREFIX_HIT_KEY) / queries, 1)
+    drafts = delta(DRAFT_KEY)
+    if drafts > 0:  # speculation: the share of the interval's drafts the target accepted
+        out["num_draft_tokens"] = int(drafts)
+        out["draft_acceptance_pct"] = round(100.0 * delta(ACCEPTED_KEY) / drafts, 1)
     return out

@@ -23,6 +23,7 @@ from services.scheduler.request import Request
 class WorkerView:
     def __init__(self) -> None:
         self.released: list[int] = []  # slots the next plan releases
+        self.trims: dict[int, int] = {}  # slot -> table length the next plan cuts it to
         self.prev_step_id: Optional[int] = None  # the last plan built; None: the next resets
         # slot -> request, in the worker's batch order (as of the plans built so far)
         self.order: dict[int, Request] = {}
@@ -51,8 +52,20 @@ class WorkerView:
         """The request in `slot` leaves the worker's batch with the next plan."""
         del self.order[slot]
         self._lists = None
+        self.trims.pop(slot, None)
         self.released.append(slot)
         heapq.heappush(self._free, slot)
+
+    def trim(self, slot: int, num_blocks: int) -> None:
+        """The table of the sequence in `slot` is cut to `num_blocks` by the next plan."""
+        self.trims[slot] = num_blocks
+
+    def take_trims(self) -> tuple[list[int], list[int]]:
+        """The next plan's trims, as (slots, lengths)."""
+        if not self.trims:
+            return [], []
+        trims, self.trims = self.trims, {}
+        return list(trims), list(trims.values())
 
     def take_released(self) -> list[int]:
         released, self.released = self.released, []
@@ -81,6 +94,7 @@ class WorkerView:
         """The worker's batch is gone or unknown (a failed step, a new worker): the next plan
         resets it. The caller forgets every request's slot."""
         self.released = []
+        self.trims = {}
         self.prev_step_id = None
         self.order = {}
         self._free = []

@@ -48,9 +48,10 @@ class OutputPath:
         return self._latency.percentiles(now)
 
     def on_outputs(self, link: EngineLink, batch: OutputBatch) -> None:
-        """One step's outputs: first the tokens of requests that go on, then final outputs.
-        Outputs of an earlier attempt of a request (it resumed: they carry the old attempt's
-        rid, which finds nothing) or of another engine are dropped."""
+        """One step's outputs: first the tokens of requests that go on (one each, then several:
+        speculation), then final outputs. Outputs of an earlier attempt of a request (it
+        resumed: they carry the old attempt's rid, which finds nothing) or of another engine
+        are dropped."""
         now = time.monotonic()
         logprobs = batch.logprobs
         engine = link.index
@@ -64,7 +65,7 @@ class OutputPath:
                 continue
             lps = logprobs.get(rid) if logprobs else None
             self._deliver(rid, state, state.on_token(token, lps, now), None, now)
-        for out in batch.finished:
+        for out in (*batch.multi, *batch.finished):  # multi: several tokens, not final
             state = get(out.rid)
             if state is not None and state.engine == engine:
                 began = time.monotonic() if state.trace is not None else now

@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 # gap is large both ways (AVX2-only EPYC: bf16 ~5x slower; AMX Xeon: bf16 ~6x faster).
 DEFAULT_DTYPE = "auto"
 PIPELINE_MODES = ("auto", "on", "off")
+SPECULATIVE_MODES = ("off", "ngram")
 # Weights (services/worker/linear.py): "auto" serves a GGUF's own Q4_0/Q4_1/Q8_0 blocks (other
 # block formats as Q8_0) and an unquantized checkpoint as it is; "none" the dequantized tensors in
 # the compute dtype; a block format requantizes every linear layer to it; "int8" per-channel int8.
@@ -81,6 +82,17 @@ class WorkerConfig:
         default=None,
         metadata={"help": "torch intra-op threads (none: torch's, capped at the CPUs)"},
     )
+    # Speculative decoding (docs/design/speculation.md): the worker proposes, since it holds
+    # the histories; the scheduler's --num-speculative-tokens bounds the drafts per step.
+    speculative: Literal["off", "ngram"] = field(
+        default="off",
+        metadata={"choices": SPECULATIVE_MODES, "help": "speculative decoding: ngram proposes "
+                  "the tokens that followed the last --ngram-n tokens earlier in the request's "
+                  "own history (prompt lookup); the same text as off"},
+    )  # fmt: skip
+    ngram_n: int = field(
+        default=3, metadata={"help": "tokens an n-gram proposal matches (--speculative ngram)"}
+    )
     # Not a user setting: the worker decides itself (services/worker/pipeline.py has the rule).
     pipeline_steps: Literal["auto", "on", "off"] = field(
         default="auto",
@@ -132,6 +144,10 @@ class WorkerConfig:
             raise ValueError(f"max_model_len must be an integer > 0, got {self.max_model_len!r}")
         if self.num_threads is not None and not _pos_int(self.num_threads):
             raise ValueError(f"num_threads must be an integer > 0, got {self.num_threads!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}")
+        if not _pos_int(self.ngram_n):
+            raise ValueError(f"ngram_n must be an integer > 0, got {self.ngram_n!r}")
         if self.pipeline_steps not in PIPELINE_MODES:
             raise ValueError(
                 f"pipeline_steps must be one of {', '.join(PIPELINE_MODES)}, "

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import NewSequence, StepPlan, check_plan, default_seed
+from shared.protocol.worker_channel import (
+    NewSequence,
+    PlanDrafts,
+    StepPlan,
+    check_plan,
+    default_seed,
+)
 
 # A sampled token still only on the device (pipelined steps, services/worker/pipeline.py): it
 # keeps a history's length right until the token lands. Far outside any vocabulary (not -1,
@@ -66,6 +72,11 @@ class ExpandedStep:
     sample: list[bool]  # [B] the step reaches the end of its history
     new_seqs: list[HeldSeq]  # added by this plan
     released: list[HeldSeq]  # dropped by this plan
+    # speculation: b -> the most drafts seqs[b] may compute (a decode that samples); None: none
+    draft_limits: Optional[dict[int, int]] = None
+    # b -> the drafts proposed for seqs[b] (`HeldBatch.propose`), already in its history and
+    # counted in num_tokens[b]
+    drafts: Optional[dict[int, list[int]]] = None
 
     @property
     def total_tokens(self) -> int:
@@ -124,8 +135,13 @@ class HeldBatch:
                 f"plan {plan.step_id} is for {plan.num_seqs} sequences, this worker holds "
                 f"{len(self.seqs)}"
             )
+        drafts = plan.drafts
+        if drafts is not None and drafts.trim_slots:
+            self._trim_tables(plan.step_id, drafts)
         self._append_blocks(plan)
         step = self._expand(plan, added, released)
+        if drafts is not None and drafts.slots:
+            step.draft_limits = self._draft_limits(plan.step_id, drafts, step)
         self.last_step_id = plan.step_id
         return step
 
@@ -144,6 +160,37 @@ class HeldBatch:
         see it."""
         for seq, tok in zip(seqs, token_ids, strict=True):
             seq.token_ids.append(tok)
+
+    def propose(self, step: ExpandedStep, b: int, draft_ids: Sequence[int]) -> None:
+        """Speculation: the drafts a proposer made for `step.seqs[b]` (at most its limit) join
+        its history and are computed in this step after its decode token (called after `apply`,
+        before the inputs are built). `settle` keeps the accepted ones."""
+        limits = step.draft_limits
+        if not draft_ids:
+            return
+        if limits is None or len(draft_ids) > limits.get(b, 0):
+            raise ValueError(f"{step.seqs[b].rid!r}: {len(draft_ids)} drafts past its limit")
+        seq = step.seqs[b]
+        seq.token_ids.extend(draft_ids)
+        seq.num_computed += len(draft_ids)
+        step.num_tokens[b] += len(draft_ids)
+        if step.drafts is None:
+            step.drafts = {}
+        step.drafts[b] = list(draft_ids)
+
+    def settle(self, step: ExpandedStep, b: int, num_accepted: int) -> None:
+        """After verification: the first `num_accepted` drafts of `step.seqs[b]` stay in its
+        history (they are outputs now, their KV is right); the rejected ones leave it and its
+        computed count (their KV is written again when the target's tokens are computed there).
+        Call before `record_samples` appends the target's token after them."""
+        drafts = (step.drafts or {}).get(b, [])
+        if not 0 <= num_accepted <= len(drafts):
+            raise ValueError(f"{num_accepted} accepted of {len(drafts)} drafts")
+        rejected = len(drafts) - num_accepted
+        if rejected:
+            seq = step.seqs[b]
+            del seq.token_ids[len(seq.token_ids) - rejected :]
+            seq.num_computed -= rejected
 
     def reserve_samples(self, seqs: Sequence[HeldSeq]) -> list[int]:
         """Append PENDING_TOKEN for each sample still on the device (a pipelined step,
@@ -202,6 +249,34 @@ class HeldBatch:
     def _check_blocks(self, rid: str, block_ids: list[int]) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise ValueError(f"rid {rid!r}: block id outside [0, {self.num_blocks})")
+
+    def _trim_tables(self, step_id: int, drafts: PlanDrafts) -> None:
+        """Cut tables the scheduler gave blocks back from (rejected drafts): never below what
+        the sequence has computed."""
+        for slot, num_blocks in zip(drafts.trim_slots, drafts.trim_lens, strict=True):
+            seq = self.seqs.get(slot)
+            if seq is None or num_blocks > len(seq.block_ids):
+                raise ValueError(f"plan {step_id} trims slot {slot} past its table")
+            if num_blocks * self.block_size < seq.num_computed:
+                raise ValueError(f"plan {step_id} trims {seq.rid!r} below its KV")
+            del seq.block_ids[num_blocks:]
+
+    def _draft_limits(self, step_id: int, drafts: PlanDrafts, step: ExpandedStep) -> dict[int, int]:
+        """b -> draft limit, each checked: the sequence decodes (one token, and samples), and
+        its drafts fit its block table and max_model_len."""
+        where = {seq.slot: b for b, seq in enumerate(step.seqs)}
+        limits: dict[int, int] = {}
+        for slot, limit in zip(drafts.slots, drafts.limits, strict=True):
+            b = where.get(slot)
+            if b is None or step.num_tokens[b] != 1 or not step.sample[b]:
+                raise ValueError(f"plan {step_id} gives drafts to slot {slot}, no decode")
+            seq = step.seqs[b]
+            end = seq.num_computed + limit
+            if end > len(seq.block_ids) * self.block_size or end > self.max_model_len:
+                raise ValueError(f"plan {step_id}: {seq.rid!r}'s drafts would reach "
+                                 f"{end}, past its table or max_model_len")  # fmt: skip
+            limits[b] = limit
+        return limits
 
     def _append_blocks(self, plan: StepPlan) -> None:
         seqs = self.seqs

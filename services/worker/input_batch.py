@@ -13,6 +13,7 @@ import torch
 
 from services.worker.held_batch import ExpandedStep
 from services.worker.model import StepTensors
+from services.worker.speculate import draft_logits_rows
 
 
 class InputBatch:
@@ -40,6 +41,8 @@ class InputBatch:
             tables[b, : len(row)] = row
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         sample_rows = qsl[1:] - 1 if every_row else qsl[1:][np.asarray(step.sample, dtype=bool)] - 1
+        if step.drafts and not every_row:  # speculation: every verified row of a sampler
+            sample_rows = np.asarray(draft_logits_rows(step, qsl.tolist()), dtype=np.int64)
         up = self.upload
         return StepTensors(
             input_ids=up(torch.tensor(step.token_ids(), dtype=torch.int64)),

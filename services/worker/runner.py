@@ -68,6 +68,7 @@ from services.worker.sampler import (
     reads_history,
     sample,
 )
+from services.worker.speculate import make_speculator, sample_rows, sample_step
 from services.worker.steps import FatalWorkerError
 from services.worker.warmup import CompileWatch, compile_kernels
 from services.worker.weights import ModelArgs, model_args
@@ -139,6 +140,7 @@ class ModelRunner:
         self.constraints: Optional[ConstraintMasks] = None
         if self.group.rank == 0:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
+        self.speculator = make_speculator(config, world, self.pipelining)
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
@@ -159,6 +161,7 @@ class ModelRunner:
             world_size=self.group.world_size,
             weight_bytes=self.model.weight_bytes(),
             kv_cache_bytes=self.kv_cache.num_bytes,
+            proposer=None if self.speculator is None else self.config.speculative,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache.dtype_name,
         )
@@ -196,14 +199,15 @@ class ModelRunner:
     def _run(self, step: ExpandedStep, start: float) -> StepResult:
         """Forward and sampling of an applied step; with several ranks any error is fatal."""
         try:
+            if self.speculator is not None:
+                self.speculator.propose(self.held, step)
             tensors = self.inputs.tensors(step)
-            masks = self.constraints and self.constraints.start(
-                step.sampled(), self.held.seqs.values()
-            )
+            sampled = step.sampled()  # once: the masks and the sampling both read it
+            masks = self.constraints and self.constraints.start(sampled, self.held.seqs.values())
             begin = self.clock.mark()
             logits = self._forward(step, tensors)  # [S, V] on rank 0
             end = self.clock.mark()
-            result = self._sample_and_record(step, logits, start, masks)
+            result = self._sample_and_record(step, sampled, logits, start, masks)
             self.clock.on_step(begin, end)
             return result
         except FatalWorkerError:
@@ -216,22 +220,24 @@ class ModelRunner:
     def _sample_and_record(
         self,
         step: ExpandedStep,
+        sampled: list[HeldSeq],
         logits: Optional[torch.Tensor],
         start: float,
         pending: Optional[PendingMasks] = None,
     ) -> StepResult:
-        sampled = step.sampled()
-        rows = self._sample_rows(sampled)
+        rows = sample_rows(sampled)
         token_ids: list[int] = []
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(rows)
+        outcome = None  # speculation: what was accepted (speculate.py)
         masks = self.constraints.wait(pending) if self.constraints and pending else None
         if rows and logits is not None:  # rank 0 samples
-            token_ids, logprobs = sample(logits, rows, masks)
-        # every rank holds the sampled tokens at the end of the step
+            token_ids, logprobs, outcome = sample_step(self.speculator, self.held, step, logits,
+                                                       rows, masks)  # fmt: skip
         token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
-        self.held.record_samples(sampled, token_ids)
+        self.held.record_samples(sampled, token_ids)  # every rank holds the step's tokens
         embeddings = self.pooler.take(step.step_id)
-        return _step_result(step.step_id, sampled, token_ids, logprobs, start, embeddings)
+        result = _step_result(step.step_id, sampled, token_ids, logprobs, start, embeddings)
+        return result if outcome is None else dataclasses.replace(result, drafts=outcome)
 
     def _forward(self, step: ExpandedStep, tensors: StepTensors) -> Optional[torch.Tensor]:
         """The model's forward; a step that computes embedding requests pools their hidden
@@ -241,18 +247,6 @@ class ModelRunner:
         x, residual = self.model.hidden_states(tensors, self.kv_cache.layers)
         self.pooler.pool(step, x, residual, self.model.final_norm)
         return self.model.logits(x, residual, tensors.logits_indices)
-
-    def _sample_rows(self, sampled: list[HeldSeq]) -> list[SampleRow]:
-        return [
-            SampleRow(
-                params=s.sampling,
-                seed=s.seed,
-                output_index=s.num_output_tokens,
-                token_ids=s.token_ids,
-                num_prompt_tokens=s.num_prompt_tokens,
-            )
-            for s in sampled
-        ]
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> Optional[torch.Tensor]:
@@ -292,7 +286,7 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             step = self.held.apply(plan)
-            rows = self._sample_rows(step.sampled())
+            rows = sample_rows(step.sampled())
             if prev is not None and any(reads_history(r.params) for r in rows):
                 self._land(prev)  # penalties read the histories: step N's tokens must be in them
             if not step.seqs:

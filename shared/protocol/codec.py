@@ -35,8 +35,9 @@ _Converter = Callable[[Any], Any]
 _TYPES: dict[str, type] = {}
 _TAGS: dict[type, str] = {}
 _FIELDS: dict[type, list[tuple[str, _Converter, _Converter, bool]]] = {}
-# Worker-channel fields that default to an empty list or map are left out of the frame when empty:
-# a steady StepPlan is then a few dozen bytes (docs/design/step_contract.md).
+# Worker-channel fields that default to an empty list or map (or to None) are left out of the
+# frame when empty (or None): a steady StepPlan is then a few dozen bytes
+# (docs/design/step_contract.md).
 _OMIT_EMPTY: dict[type, frozenset[str]] = {}
 
 
@@ -101,7 +102,9 @@ def _fields_of(cls: type) -> list[tuple[str, _Converter, _Converter, bool]]:
     _FIELDS[cls] = out
     if cls.__module__ == worker_channel.__name__:
         _OMIT_EMPTY[cls] = frozenset(
-            f.name for f in dataclasses.fields(cls) if f.default_factory in (list, dict)
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default_factory in (list, dict) or f.default is None
         )
     return out
 

@@ -121,6 +121,9 @@ class RequestTimings:
     first_token: Optional[float]
     finished: Optional[float]
     num_preemptions: int = 0
+    # speculative decoding: drafts verified for it, and how many of them were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +158,10 @@ class OutputBatch:
 
     * `rids[i]` got `token_ids[i]` this step and is not finished; `logprobs` has an entry for
       each of these rids that asked for logprobs;
+    * `multi` holds outputs of requests that got several tokens this step and go on
+      (speculative decoding: accepted drafts), applied after the columns;
     * `finished` holds final outputs (their last new tokens included), applied after the
-      columns. A rid appears at most once in a batch.
+      columns and `multi`. A rid appears at most once in a batch.
     """
 
     step_id: int
@@ -164,13 +169,14 @@ class OutputBatch:
     token_ids: list[int] = field(default_factory=list)  # [N]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     finished: list[RequestOutput] = field(default_factory=list)
+    multi: list[RequestOutput] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.rids) != len(self.token_ids):
             raise ValueError("output batch rids and token_ids differ in length")
 
     def __len__(self) -> int:
-        return len(self.rids) + len(self.finished)
+        return len(self.rids) + len(self.multi) + len(self.finished)
 
     def as_outputs(self) -> list[RequestOutput]:
         """Every entry as a RequestOutput, columns first (for tools and tests; the frontend
@@ -180,7 +186,7 @@ class OutputBatch:
             RequestOutput(rid, [tok], None, [lps[rid]] if rid in lps else [])
             for rid, tok in zip(self.rids, self.token_ids, strict=True)
         ]
-        return outs + self.finished
+        return outs + self.multi + self.finished
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,9 @@ class WorkerReady:
     kv_cache_bytes: int = 0  # this rank's KV pool (its share of the KV heads); 0: not reported
     quantization: str = "none"  # what the weights are: "none", "gguf", "q4_1", "int8", ...
     kv_cache_dtype: str = ""  # the KV pool's storage dtype ("": the compute dtype)
+    # speculative decoding: the worker's proposer ("ngram", "sim"); None: it does not
+    # speculate, so the scheduler gives no draft limits (docs/design/speculation.md)
+    proposer: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Checked on decode (the codec turns this into invalid_field): a WorkerReady that
@@ -69,6 +72,30 @@ class NewSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanDrafts:
+    """A plan's speculation columns (docs/design/speculation.md): one optional field of the
+    plan, so a plan without them costs nothing more to build, encode or decode."""
+
+    slots: list[int] = field(default_factory=list)  # [D] decodes that may also compute...
+    limits: list[int] = field(default_factory=list)  # [D] ...up to this many drafts (>= 1)
+    trim_slots: list[int] = field(default_factory=list)  # [R] tables cut, before appends...
+    trim_lens: list[int] = field(default_factory=list)  # [R] ...to this many blocks
+
+
+@dataclass(frozen=True, slots=True)
+class DraftOutcome:
+    """A result's speculation columns: sampler row `rows[j]` (an index into the result's
+    token_ids) proposed `proposed[j]` drafts, of which the first `accepted[j]` were accepted;
+    its tokens this step are those drafts (in `token_ids`, concatenated in row order), then the
+    result's token for that row."""
+
+    rows: list[int] = field(default_factory=list)  # [J]
+    proposed: list[int] = field(default_factory=list)  # [J]
+    accepted: list[int] = field(default_factory=list)  # [J]
+    token_ids: list[int] = field(default_factory=list)  # [sum(accepted)]
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """Scheduler -> worker, one per iteration: only what changed in the worker's batch.
 
@@ -82,6 +109,9 @@ class StepPlan:
     4. every held sequence computes 1 token (a decode of its last sample) unless it is listed in
        `count_slots`, then `counts[j]` tokens (a prefill chunk; 0: it waits this step), from its
        computed count on; it samples when that reaches the end of its token history.
+    5. speculation (`drafts`, `PlanDrafts`): a decode listed there also computes up to its
+       limit of drafts (not counted in `num_scheduled_tokens`); its trims cut tables between
+       steps 2 and 3.
 
     Checked by `check_plan` (structure) and by the worker (state): after step 2 it holds exactly
     `num_seqs` sequences and computes `num_scheduled_tokens` tokens; a sequence never computes
@@ -99,6 +129,7 @@ class StepPlan:
     block_ids: list[int] = field(default_factory=list)  # [A] ...this block appended
     count_slots: list[int] = field(default_factory=list)  # [C] sequences that do not...
     counts: list[int] = field(default_factory=list)  # [C] ...compute exactly 1 token
+    drafts: Optional[PlanDrafts] = None  # speculation; None (omitted on the wire) when off
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +158,7 @@ class StepResult:
     forward_s: float = 0.0  # time the worker spent on this step (prepare + forward + sample)
     # embedding requests (sampling.pooling) that sampled: rid -> pooled hidden state [Hd]
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    drafts: Optional[DraftOutcome] = None  # speculation; None when nothing was drafted
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +187,15 @@ def check_plan(plan: StepPlan) -> None:
         raise ValueError("step plan block_slots and block_ids differ in length")
     if len(plan.count_slots) != len(plan.counts):
         raise ValueError("step plan count_slots and counts differ in length")
+    drafts = plan.drafts or PlanDrafts()
+    if len(drafts.slots) != len(drafts.limits) or len(drafts.trim_slots) != len(drafts.trim_lens):
+        raise ValueError("step plan draft or trim columns differ in length")
+    if len(set(drafts.slots)) != len(drafts.slots) or any(n < 1 for n in drafts.limits):
+        raise ValueError("step plan gives a slot two draft limits, or one below 1")
+    if len(set(drafts.trim_slots)) != len(drafts.trim_slots) or any(
+        n < 0 for n in drafts.trim_lens
+    ):
+        raise ValueError("step plan trims a slot twice, or to a negative length")
     if len(set(plan.count_slots)) != len(plan.count_slots):
         raise ValueError("step plan gives a slot two token counts")
     if plan.num_seqs < 0 or plan.num_scheduled_tokens < 0 or any(c < 0 for c in plan.counts):
@@ -162,7 +203,9 @@ def check_plan(plan: StepPlan) -> None:
     slots = [s.slot for s in plan.new_seqs]
     if len(set(slots)) != len(slots) or len(set(plan.released_slots)) != len(plan.released_slots):
         raise ValueError("step plan adds or releases a slot twice")
-    if any(s < 0 for s in (*slots, *plan.released_slots, *plan.block_slots, *plan.count_slots)):
+    named = (*slots, *plan.released_slots, *plan.block_slots, *plan.count_slots,
+             *drafts.slots, *drafts.trim_slots)  # fmt: skip
+    if any(s < 0 for s in named):
         raise ValueError("step plan names a negative slot")
     for seq in plan.new_seqs:
         if not 0 <= seq.num_computed_tokens < len(seq.token_ids):

@@ -148,6 +148,11 @@ def test_summarize_rates_over_the_interval() -> None:
     before = _stats(0, 0, **{PREFIX_HIT_KEY: 0, PREFIX_QUERY_KEY: 0})
     cached = summarize(before, _stats(0, 0, **{PREFIX_HIT_KEY: 30, PREFIX_QUERY_KEY: 120}), 1.0, [])
     assert cached["prefix_cache_hit_pct"] == 25.0
+    assert "draft_acceptance_pct" not in cached
+    spec = {"spec_decode_num_draft_tokens": 40, "spec_decode_num_accepted_tokens": 30}
+    drafted = summarize(_stats(0, 0, **{k: 0 for k in spec}), _stats(0, 0, **spec), 1.0, [])
+    assert drafted["draft_acceptance_pct"] == 75.0 and drafted["num_draft_tokens"] == 40
+    assert "drafts accepted 75.0%" in summary_text(drafted)
 
 
 def test_summary_every_interval_while_busy_and_silent_when_idle() -> None:

@@ -23,6 +23,11 @@ STATS_REPLY = {
         "num_preemptions": 7,
         "num_steps": 900,
         "batch_utilization": 0.5,
+        "spec_decode_num_drafts": 4,
+        "spec_decode_num_draft_tokens": 12,
+        "spec_decode_num_accepted_tokens": 5,
+        "spec_decode_num_accepted_tokens_pos_0": 3,
+        "spec_decode_num_accepted_tokens_pos_1": 2,
     },
 }
 
@@ -61,6 +66,17 @@ def test_engine_stats_become_vllm_named_gauges_and_counters() -> None:
     assert fams["conveyor:frontend_requests_in_flight"][0] == "gauge"
     assert fams["conveyor:frontend_requests"][0] == "counter"  # *_total
     assert fams["conveyor:engine_ready"][1] == {"conveyor:engine_ready": 1.0}
+    assert fams["conveyor:spec_decode_num_draft_tokens"] == (
+        "counter",
+        {"conveyor:spec_decode_num_draft_tokens_total" + e0: 12},
+    )
+    assert fams["conveyor:spec_decode_num_accepted_tokens_per_pos"] == (
+        "counter",
+        {
+            "conveyor:spec_decode_num_accepted_tokens_per_pos_total{engine=0,position=0}": 3,
+            "conveyor:spec_decode_num_accepted_tokens_per_pos_total{engine=0,position=1}": 2,
+        },
+    )
 
 
 def test_a_finished_choice_moves_counters_and_histograms() -> None:

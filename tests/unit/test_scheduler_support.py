@@ -7,12 +7,16 @@ a slot holds stands for real KV: the position and a digest of every token up to 
 may share another request's block (a prefix-cache hit) only when the whole prefix agrees. A block
 table that points at other KV, a wrong position or a wrong token fails loudly.
 Its sampled token depends only on (request id, output index), like the real worker's seeded
-draw, so recomputation after preemption must reproduce every output.
+draw, so recomputation after preemption must reproduce every output. With a `drafter` it
+speculates as the real worker does (docs/design/speculation.md): the drafts join the step, their
+KV is written (a wrong draft's KV is wrong: reading it later fails), a draft is accepted while it
+equals the model's token for its index, and the rejected ones leave the history.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +29,7 @@ from services.worker.held_batch import ExpandedStep, HeldBatch
 from services.worker.plan_writer import PlanWriter
 from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.protocol.worker_channel import DraftOutcome, StepPlan, StepResult
 
 
 def token_for(rid: str, index: int, vocab_size: int) -> int:
@@ -41,6 +45,13 @@ class _Seq:
     num_cached: int = 0
     digests: list[int] = field(default_factory=list)  # [p]: digest of token_ids[: p + 1]
 
+    def drop_last(self, num: int) -> None:
+        """Rejected drafts leave the history and the computed count (their KV stays wrong)."""
+        if num:
+            del self.token_ids[-num:]
+            del self.digests[len(self.token_ids) :]
+            self.num_cached -= num
+
     def digest(self, pos: int) -> int:
         """What real KV at `pos` depends on: every token up to and including it."""
         d = self.digests
@@ -49,9 +60,33 @@ class _Seq:
         return d[pos]
 
 
+# (rid, output index of the step's sample, draft limit) -> the drafts it proposes
+Drafter = Callable[[str, int, int], list[int]]
+
+
+def random_drafter(p_right: float, seed: int, vocab_size: int) -> Drafter:
+    """Drafts of random length up to the limit, each the model's token for its index with
+    probability `p_right` (else another one): random acceptance counts."""
+    rng = random.Random(seed)
+
+    def draft(rid: str, index: int, limit: int) -> list[int]:
+        out = []
+        for j in range(rng.randint(0, limit)):
+            right = token_for(rid, index + j, vocab_size)
+            out.append(right if rng.random() < p_right else (right + 1) % vocab_size)
+        return out
+
+    return draft
+
+
 class CheckingWorker:
     def __init__(
-        self, num_blocks: int, block_size: int, vocab_size: int = 1000, max_model_len: int = 1 << 20
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        max_model_len: int = 1 << 20,
+        drafter: Optional[Drafter] = None,
     ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -61,6 +96,8 @@ class CheckingWorker:
         self.steps: list[ExpandedStep] = []  # every plan, explicit (tests look at them)
         self._by_step: dict[int, ExpandedStep] = {}
         self.num_steps = 0
+        self.drafter = drafter
+        self.num_proposed = self.num_accepted = 0  # drafts, since start
 
     def _slot(self, seq: _Seq, pos: int) -> int:
         return seq.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -84,6 +121,8 @@ class CheckingWorker:
             self.seqs[held.rid] = _Seq(
                 list(held.token_ids), held.num_prompt_tokens, held.block_ids, cached
             )
+        if step.draft_limits and self.drafter is not None:
+            self._propose(step, step.draft_limits)
         for held, start, n in zip(step.seqs, step.start_positions, step.num_tokens, strict=True):
             seq = self.seqs[held.rid]  # every sequence writes its KV first, as per layer
             assert start == seq.num_cached, f"{held.rid}: start {start} != cached {seq.num_cached}"
@@ -92,17 +131,45 @@ class CheckingWorker:
                 self.kv[self._slot(seq, pos)] = (pos, seq.digest(pos))
             seq.num_cached = start + n
         tokens: list[int] = []
-        for held, sample in zip(step.seqs, step.sample, strict=True):  # attention, sampling
-            seq = self.seqs[held.rid]
+        spec: tuple[list[int], ...] = ([], [], [], [])  # rows, proposed, accepted, token ids
+        for b, (held, sample) in enumerate(zip(step.seqs, step.sample, strict=True)):
+            seq = self.seqs[held.rid]  # attention, sampling
             self._check_context(held.rid, seq)
             if sample:
                 assert seq.num_cached == len(seq.token_ids), f"{held.rid}: samples too early"
-                index = len(seq.token_ids) - seq.num_prompt_tokens
-                token = token_for(held.rid, index, self.vocab_size)
+                drafts = (step.drafts or {}).get(b, [])
+                index = len(seq.token_ids) - len(drafts) - seq.num_prompt_tokens
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == token_for(
+                    held.rid, index + accepted, self.vocab_size
+                ):
+                    accepted += 1
+                if drafts:
+                    seq.drop_last(len(drafts) - accepted)
+                    self.held.settle(step, b, accepted)
+                    spec[0].append(len(tokens))
+                    spec[1].append(len(drafts))
+                    spec[2].append(accepted)
+                    spec[3].extend(drafts[:accepted])
+                    self.num_proposed += len(drafts)
+                    self.num_accepted += accepted
+                token = token_for(held.rid, index + accepted, self.vocab_size)
                 seq.token_ids.append(token)
                 tokens.append(token)
         self.held.record_samples(step.sampled(), tokens)
-        return StepResult(plan.step_id, tokens)  # batch order: the scheduler maps by position
+        # batch order: the scheduler maps by position
+        outcome = DraftOutcome(*spec) if spec[0] else None
+        return StepResult(plan.step_id, tokens, drafts=outcome)
+
+    def _propose(self, step: ExpandedStep, limits: dict[int, int]) -> None:
+        """Each drafting sequence's drafts join its history (the held batch's and ours)."""
+        assert self.drafter is not None
+        for b, limit in limits.items():
+            held = step.seqs[b]
+            index = len(held.token_ids) - held.num_prompt_tokens  # its sample's output index
+            drafts = self.drafter(held.rid, index, limit)
+            self.held.propose(step, b, drafts)
+            self.seqs[held.rid].token_ids.extend(drafts)
 
     def peek(self, plan: StepPlan) -> ExpandedStep:
         """`plan` made explicit (what it runs), before or after `execute`; peeking first does

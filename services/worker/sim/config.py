@@ -69,6 +69,14 @@ class SimConfig:
         default=0.0,
         metadata={"help": "chance each output token is end-of-sequence (0: lengths == max_tokens)"},
     )
+    # speculative decoding, SIMULATED (docs/design/speculation.md): with a rate the worker
+    # proposes every draft the plan allows, each the token the request gets at that index with
+    # this chance (a deterministic draw per request and index), else another one
+    spec_acceptance: Optional[float] = field(
+        default=None,
+        metadata={"help": "SIMULATED speculative decoding: the chance each draft is accepted "
+                  "(none: the worker does not speculate)"},
+    )  # fmt: skip
     token_id_low: int = field(
         default=DEFAULT_TOKEN_ID_LOW, metadata={"help": "emitted token ids start here"}
     )
@@ -106,6 +114,8 @@ class SimConfig:
             raise ValueError("max_model_len must be > 0")
         if not 0.0 <= self.eos_probability < 1.0:
             raise ValueError("eos_probability must be in [0, 1)")
+        if self.spec_acceptance is not None and not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError("spec_acceptance must be in [0, 1]")
         if self.token_id_low < 0:
             raise ValueError("token_id_low must be >= 0")
         if self.token_id_high is not None and self.token_id_high <= self.token_id_low + 1:

@@ -22,8 +22,14 @@ from services.worker.sim.config import DEFAULT_TOKEN_ID_HIGH, SimConfig
 from services.worker.sim.cost_model import step_seconds
 from services.worker.sim.overhead import GapRecorder
 from services.worker.sim.profiles import DeviceProfile, ModelShape
-from services.worker.sim.tokens import TokenSource, request_seed
-from shared.protocol.worker_channel import StepPlan, StepResult, TokenLogprobs, WorkerReady
+from services.worker.sim.tokens import TokenSource, mix64, request_seed
+from shared.protocol.worker_channel import (
+    DraftOutcome,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WorkerReady,
+)
 
 SPIN_S = 2e-4  # sleep until this close to the deadline, then spin: sleep() overshoots ~50-100 us
 ACTIVATION_RESERVE = 0.05  # share of usable memory kept for activations and workspace
@@ -108,6 +114,7 @@ class SimRunner:
             dtype=self.config.weight_dtype,
             device=f"sim:{self.device.name}",
             world_size=self.world_size,
+            proposer=None if self.config.spec_acceptance is None else "sim",
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -123,11 +130,40 @@ class SimRunner:
         step = self._batch.apply(plan)  # a plan that does not fit raises, and needs a reset
         for seq in step.new_seqs:
             self._add_state(seq)
+        drafts = self._speculate(step) if step.draft_limits else None
         token_ids, logprobs = self._sample(step)
         _wait_until(start + step_seconds(self.device, self.model, step))
         end = time.perf_counter()
         self._gaps.step_finished(end)
-        return StepResult(plan.step_id, token_ids, logprobs, forward_s=end - start)
+        return StepResult(plan.step_id, token_ids, logprobs, forward_s=end - start, drafts=drafts)
+
+    def _speculate(self, step: ExpandedStep) -> Optional[DraftOutcome]:
+        """Every draft the plan allows, each right with the configured chance: they join the
+        step (the cost model counts them) and the accepted ones stay in the history, so the
+        sample that follows is the token at the index after them (`_sample`)."""
+        rate = self.config.spec_acceptance
+        if rate is None or not step.draft_limits:
+            return None
+        outcome = DraftOutcome()
+        rows = {b: i for i, b in enumerate(b for b, s in enumerate(step.sample) if s)}
+        for b, limit in step.draft_limits.items():
+            seq, st = step.seqs[b], self._seqs[step.seqs[b].slot]
+            n = len(seq.token_ids) - st.num_prompt_tokens
+            drafts, accepted = [], None
+            for j in range(limit):
+                right = self._tokens.token(st.seed, n + j, st.forbidden, st.allow_eos)
+                hit = (mix64(st.seed ^ mix64(n + j + 1)) >> 11) / float(1 << 53) < rate
+                drafts.append(right if hit else right + 1)  # a miss is never the right token
+                if not hit and accepted is None:
+                    accepted = j
+            accepted = limit if accepted is None else accepted
+            self._batch.propose(step, b, drafts)
+            self._batch.settle(step, b, accepted)
+            outcome.rows.append(rows[b])
+            outcome.proposed.append(limit)
+            outcome.accepted.append(accepted)
+            outcome.token_ids.extend(drafts[:accepted])
+        return outcome
 
     def _add_state(self, seq: HeldSeq) -> None:
         """How the sequence new in `seq.slot` samples (its seed, its forbidden ids)."""

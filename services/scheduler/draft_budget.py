@@ -1,0 +1,164 @@
+"""Adaptive draft limits: how many drafts each decode may take this step (speculation.py), so
+that speculation never makes a step's tokens per second worse than plain decoding
+(docs/design/speculation.md, "Adaptive k").
+
+Two measurements, both from the engine's own results:
+
+* `StepCostLine`: the worker's step time as a line in the tokens it computed, t(T) = a + b*T,
+  fitted by exponentially weighted least squares over recent results (every step, drafted or
+  not), so it follows the machine, the model and the contexts as they grow;
+* per request and per draft position j, how often the proposer offers a draft there (q_rj: a
+  limit the proposer cannot fill costs nothing) and how often, when offered, the drafts up to
+  it are all accepted (p_rj); exponential averages over its own drafting steps, started from
+  the engine's averages.
+
+The rule, per step: a limit reaching position j of request r adds q_rj * b seconds and
+q_rj * p_rj expected tokens; limits are raised in order of p while p / b beats the step's
+tokens per second so far (each one taken raises the bar), then kept only if the step's
+predicted tokens per second is >= 2% above plain decoding's. A step that takes none still
+lets one decode try its k drafts now and then, so an acceptance that has become better is seen
+again (and the cost line sees steps of several sizes even in one stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from services.scheduler.request import Request
+
+DECAY = 0.97  # per observation: the last ~30 steps weigh most
+MIN_OBSERVATIONS = 8  # steps before the cost line is trusted
+MIN_GAIN = 1.02  # drafts only where they pay at least 2% (the complexity budget's bar)
+EXPLORE_EVERY = 16  # a step without drafts lets one decode try k every N steps
+ACCEPT_DECAY = 0.8  # per drafting step of a request: its last few steps weigh most
+PRIOR_ACCEPT = 0.6  # a position's acceptance, given a draft was offered, before any result
+
+
+class StepCostLine:
+    """t(T) = a + b*T over recent (tokens computed, forward seconds) of results."""
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # weighted sums of 1, T, t, T*T, T*t
+        self._num_observed = 0
+
+    def observe(self, num_tokens: int, forward_s: float) -> None:
+        """Called with each result: the tokens its step computed (drafts included)."""
+        if num_tokens <= 0 or forward_s <= 0:
+            return
+        x, y = float(num_tokens), forward_s
+        s = self._sums
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = s[i] * DECAY + v
+        self._num_observed += 1
+
+    def fit(self) -> Optional[tuple[float, float]]:
+        """(a, b) seconds and seconds per token, or None until enough varied steps were seen.
+        A spread too small to give a slope (one stream, no drafts yet) charges each token
+        the mean cost per token, which only overstates b (drafts then look dearer)."""
+        if self._num_observed < MIN_OBSERVATIONS:
+            return None
+        w, sx, sy, sxx, sxy = self._sums
+        mean_x, mean_y = sx / w, sy / w
+        var_x = sxx / w - mean_x * mean_x
+        if var_x < 0.05:  # tokens nearly constant: no slope to read
+            return 0.0, mean_y / mean_x
+        b = (sxy / w - mean_x * mean_y) / var_x
+        b = min(max(b, 1e-6), mean_y / mean_x)  # noise must not make a token free or > mean
+        return mean_y - b * mean_x, b
+
+
+@dataclass(slots=True)
+class _Record:
+    """One request's (or the engine's) drafting so far, per draft position j (0-based)."""
+
+    proposed: list[float]  # P(the proposer offers a draft at j | the limit reaches j)
+    accepted: list[float]  # P(drafts 0..j all accepted | a draft was offered at j)
+
+    def learn(self, limit: int, num_proposed: int, num_accepted: int, weight: float) -> None:
+        """Moves the averages by `weight` toward this row's outcome. Positions past the limit
+        learn only when every draft was offered and accepted (as hits: the proposer was on a
+        run), so a limit that shrank can grow again."""
+        full = num_accepted == num_proposed == limit
+        for j in range(len(self.proposed) if full else limit):
+            offered = 1.0 if j < num_proposed or j >= limit else 0.0
+            self.proposed[j] += weight * (offered - self.proposed[j])
+            if offered:
+                hit = 1.0 if j < num_accepted or j >= limit else 0.0
+                self.accepted[j] += weight * (hit - self.accepted[j])
+
+    def chances(self) -> list[tuple[float, float]]:
+        """(P(accepted), P(offered)) per position, the acceptance made non-increasing."""
+        out, best = [], 1.0
+        for acc, offered in zip(self.accepted, self.proposed, strict=True):
+            best = min(best, acc)
+            out.append((best, offered))
+        return out
+
+
+class DraftBudget:
+    """Chooses each decode's draft limit (`limits`) and learns from results (`observe_step`,
+    `observe_row`). Owns the cost line and every request's record; a request's record goes
+    when `forget` is called (it finished, was aborted or preempted)."""
+
+    def __init__(self, max_drafts: int) -> None:
+        self._k = max_drafts
+        self.cost = StepCostLine()
+        self._engine = _Record([1.0] * max_drafts, [PRIOR_ACCEPT] * max_drafts)
+        self._by_request: dict[str, _Record] = {}  # rid ->
+        self._steps_without = 0
+        self._explore_turn = 0
+
+    def observe_step(self, num_tokens: int, forward_s: float) -> None:
+        """Called with every result: tokens the step computed, the worker's forward time."""
+        self.cost.observe(num_tokens, forward_s)
+
+    def observe_row(self, req: Request, limit: int, num_proposed: int, num_accepted: int) -> None:
+        """Called per drafting row of a result: of up to `limit` drafts, `num_proposed` were
+        offered and the first `num_accepted` accepted."""
+        record = self._by_request.get(req.rid)
+        if record is None:
+            engine = self._engine
+            record = _Record(list(engine.proposed), list(engine.accepted))
+            self._by_request[req.rid] = record
+        record.learn(limit, num_proposed, num_accepted, 1 - ACCEPT_DECAY)
+        self._engine.learn(limit, num_proposed, num_accepted, 0.01)
+
+    def forget(self, req: Request) -> None:
+        self._by_request.pop(req.rid, None)
+
+    def limits(self, decodes: list[Request], num_tokens: int) -> dict[int, int]:
+        """Called once per step by `Speculation.assign` with the step's decodes that may draft
+        and the tokens the step computes without drafts. Returns id(request) -> limit (>= 1)
+        for those that should draft; the caller still fits each in the budget and blocks."""
+        if len(self._by_request) > 4 * len(decodes) + 64:  # finished without a last settle
+            live = {r.rid for r in decodes}
+            self._by_request = {k: v for k, v in self._by_request.items() if k in live}
+        fit = self.cost.fit()
+        if fit is None:  # not measured yet: draft as configured
+            return {id(r): self._k for r in decodes}
+        a, b = fit
+        tokens, seconds = float(len(decodes)), a + b * num_tokens
+        plain_rate = tokens / seconds
+        offers = sorted(
+            ((p, q, id(r)) for r in decodes for p, q in self._record(r).chances()),
+            key=lambda o: -o[0],
+        )
+        chosen: dict[int, int] = {}
+        for p, q, key in offers:
+            if p * seconds <= b * tokens:  # an offered draft would lower tokens per second
+                break
+            chosen[key] = chosen.get(key, 0) + 1
+            tokens, seconds = tokens + p * q, seconds + b * q
+        if chosen and tokens / seconds >= MIN_GAIN * plain_rate:
+            self._steps_without = 0
+            return chosen
+        self._steps_without += 1
+        if decodes and self._steps_without >= EXPLORE_EVERY:  # one decode tries, in turn
+            self._steps_without = 0
+            self._explore_turn += 1
+            return {id(decodes[self._explore_turn % len(decodes)]): self._k}
+        return {}
+
+    def _record(self, req: Request) -> _Record:
+        return self._by_request.get(req.rid, self._engine)

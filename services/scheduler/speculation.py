@@ -1,0 +1,188 @@
+"""Speculative decoding, the scheduler's side: one policy object (`Speculation`) behind the
+step filler and the result path (docs/design/speculation.md).
+
+The worker proposes drafts (it holds the up-to-date histories); the scheduler gives each decode
+a draft *limit*, the KV slots and the token budget for it, and applies what the worker accepted:
+
+* `assign(step, goes_on)` (the step filler, after the decodes): first the decodes with drafts
+  in flight are checked again counting them (the filler's pass over every decode does not read
+  D, so it costs nothing when speculation is off); then a limit `k` per decode, within the
+  budget, the free blocks (drafts never preempt) and the request's length limit
+  (`k <= max_len - (C + D) - 2`, C its computed count, D its draft slots in flight);
+* `settle(flight, result)` (the result path, with a result of a step that had drafts): per
+  drafting request `C += accepted`, `D -= k`, the blocks past `C + D` given back (the next plan
+  trims the worker's table); returns the accepted drafts per sampler row.
+
+Only `C` decides what the prefix cache may register, so a block holding a rejected draft's KV is
+never registered: registrations stop at `C // block_size` blocks and every position below C
+holds the KV of a confirmed token once the plans in flight have run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from services.scheduler.draft_budget import DraftBudget
+from services.scheduler.inflight import InFlightStep
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.running import RunningSet
+from services.scheduler.step import StepBuilder
+from shared.protocol.worker_channel import DraftOutcome, StepResult
+
+RUNNING = RequestStatus.RUNNING
+
+
+class SpecContractError(ValueError):
+    """A result whose speculation columns do not fit the step's draft limits."""
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Since start, in vLLM's shape: drafts (rows that proposed), draft tokens, accepted
+    tokens, and accepted tokens per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def count(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        per_pos = self.accepted_per_pos
+        if len(per_pos) < accepted:
+            per_pos.extend([0] * (accepted - len(per_pos)))
+        for j in range(accepted):
+            per_pos[j] += 1
+
+    def as_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+        }
+        for j, n in enumerate(self.accepted_per_pos):
+            out[f"spec_decode_num_accepted_tokens_pos_{j}"] = n
+        return out
+
+
+class Speculation:
+    """Draft limits and their results for one running set (built by `Scheduler._assemble`
+    when the worker speculates and `num_speculative_tokens` >= 1)."""
+
+    def __init__(
+        self,
+        batch: RunningSet,
+        num_speculative_tokens: int,
+        block_size: int,
+        counters: SpecCounters,
+    ) -> None:
+        """`counters`: the scheduler's, kept across rebuilds (a lost worker)."""
+        self._batch = batch
+        self._k = num_speculative_tokens
+        self._block_size = block_size
+        self.counters = counters
+        self._in_flight: set[Request] = set()  # given drafts by a plan built (D may be > 0)
+        self._budget = DraftBudget(num_speculative_tokens)
+
+    def assign(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> None:
+        """Called by the step filler once the step's decodes are in. A decode with drafts in
+        flight is checked again by `goes_on` (the filler's check, which counts them: its
+        table must cover them, a sample in flight may end it); then each decode gets a draft
+        limit while the budget, free blocks and its length allow (a request asking for
+        logprobs drafts nothing yet: drafts' logprobs are designed, not built)."""
+        if self._in_flight:
+            self._check_in_flight(step, goes_on)
+        if not step.decodes:
+            return
+        candidates = [r for r in step.decodes if not r.padding and r.sampling.logprobs is None]
+        limits = self._budget.limits(candidates, step.num_counted_tokens)
+        if not limits:
+            return
+        bs, batch = self._block_size, self._batch
+        for req in candidates:
+            budget = step.budget_left
+            if budget <= 0:
+                return
+            base = req.num_computed_tokens + req.num_draft_slots + 1  # after this decode
+            k = min(limits.get(id(req), 0), budget, req.max_len - base - 1)
+            if k <= 0:
+                continue
+            if not batch.grow_if_free(req, base + k):
+                k = min(k, len(req.block_ids) * bs - base)  # what its table covers already
+            if k > 0:
+                step.add_drafts(req, k)
+                self._in_flight.add(req)
+
+    def observe(self, flight: InFlightStep, result: StepResult) -> None:
+        """Called by the result path with every result (before `settle`): the step cost the
+        draft limits are chosen by."""
+        drafted = sum(result.drafts.proposed) if result.drafts is not None else 0
+        self._budget.observe_step(flight.plan.num_scheduled_tokens + drafted, result.forward_s)
+
+    def _check_in_flight(
+        self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
+    ) -> None:
+        scheduled = set(step.decodes)
+        for req in list(self._in_flight):
+            if req.num_draft_slots == 0:
+                self._in_flight.discard(req)  # settled, finished or preempted
+            elif req in scheduled and not goes_on(req, step):
+                step.drop(req)  # it waits for the result in flight
+
+    def settle(self, flight: InFlightStep, result: StepResult) -> dict[int, list[int]]:
+        """Called by the result path with a result of a step that gave draft limits (before
+        its tokens are applied): each drafting request's counts move and its blocks past
+        what the plans in flight may write are given back. Returns sampler row -> its
+        accepted drafts. Raises SpecContractError when the columns do not fit the limits."""
+        accepted = _accepted_by_row(flight, result)
+        limits = flight.drafts
+        where = {id(req): i for i, req in enumerate(flight.sampled)}
+        for req, k in limits:
+            row = where.get(id(req))
+            proposed, tokens = accepted.get(row, (0, [])) if row is not None else (0, [])
+            self._budget.observe_row(req, k, proposed, len(tokens))
+            if proposed:
+                self.counters.count(proposed, len(tokens))
+                req.num_draft_tokens += proposed
+                req.num_accepted_tokens += len(tokens)
+            if req.status is not RUNNING or _is_stale(req, flight):
+                self._budget.forget(req)
+                continue  # finished, aborted or preempted since: its drafts went with its table
+            req.num_draft_slots -= k
+            req.num_computed_tokens += len(tokens)
+            self._batch.give_back(req, req.num_computed_tokens + req.num_draft_slots)
+        self._batch.touch()  # computed counts moved outside the steady path's arithmetic
+        return {row: tokens for row, (_, tokens) in accepted.items() if tokens}
+
+
+def _is_stale(req: Request, flight: InFlightStep) -> bool:
+    preempted = req.preempted_at_version
+    return preempted is not None and preempted > flight.version
+
+
+def _accepted_by_row(
+    flight: InFlightStep, result: StepResult
+) -> dict[Optional[int], tuple[int, list[int]]]:
+    """Sampler row -> (drafts proposed, accepted drafts), checked against the step's limits."""
+    outcome = result.drafts or DraftOutcome()
+    rows, proposed, accepted = outcome.rows, outcome.proposed, outcome.accepted
+    if not len(rows) == len(proposed) == len(accepted) or sum(accepted) != len(outcome.token_ids):
+        raise SpecContractError("the result's speculation columns differ in length")
+    limit_of = {id(req): k for req, k in flight.drafts}
+    out: dict[Optional[int], tuple[int, list[int]]] = {}
+    start = 0
+    for row, n_proposed, n_accepted in zip(rows, proposed, accepted, strict=True):
+        if not 0 <= row < len(flight.sampled) or row in out:
+            raise SpecContractError(f"speculation row {row} is no sampler of the step")
+        limit = limit_of.get(id(flight.sampled[row]), 0)
+        if not 0 <= n_accepted <= n_proposed <= limit:
+            raise SpecContractError(
+                f"row {row}: {n_accepted} accepted of {n_proposed} drafts, limit {limit}"
+            )
+        out[row] = (n_proposed, outcome.token_ids[start : start + n_accepted])
+        start += n_accepted
+    return out

@@ -1,0 +1,206 @@
+"""Speculative decoding, the worker's side (docs/design/speculation.md): proposing drafts for the
+decodes a plan gave a limit, and verifying them against the target's own samples.
+
+* `NgramProposer` (`--speculative ngram`): prompt lookup. Per held sequence an index from each
+  n-gram of its history to where it last ended; the drafts are the tokens that followed the
+  most recent earlier occurrence of the history's last `n` tokens. The index grows with the
+  history (O(1) per appended token); drafts are never indexed (rejected ones leave the history
+  before the next proposal, accepted ones are indexed as outputs then).
+* `Speculator.verify`: each drafting sequence's `d + 1` logits rows are sampled exactly as plain
+  decodes at output indices `n .. n + d` would be (the same row-wise sampler, the same draw
+  u(seed, n + j), penalties over the history up to that row). A draft is accepted while it
+  equals the target's token for its index; the target's token after the accepted ones is the
+  row's sample. Every emitted token is the one the target samples at that index from the same
+  history: the text equals the text without speculation, greedy or seeded; for n-gram drafts
+  (a point mass) this is rejection sampling's accept-with-p(x), residual p without x.
+
+Not yet (designed): drafts for constrained rows (masks per verified row, matcher rollback),
+tensor parallelism (rank 0 must share the accepted counts), pipelined steps, the draft model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from services.worker.config import WorkerConfig
+from services.worker.constraints import RowMasks
+from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
+from services.worker.sampler import SampleRow, sample
+from shared.protocol.worker_channel import DraftOutcome, TokenLogprobs
+
+
+class NgramProposer:
+    """Prompt-lookup drafts from a sequence's own history (`n`: the length of the match)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        # slot -> (the sequence it indexes, n-gram -> end of its latest occurrence, tokens
+        # of the history indexed so far)
+        self._indexes: dict[int, tuple[HeldSeq, dict[tuple[int, ...], int], int]] = {}
+
+    def propose(self, seq: HeldSeq, limit: int) -> list[int]:
+        """Up to `limit` drafts for `seq` (its history ends with the token this step decodes),
+        [] when its last `n` tokens occurred nowhere earlier."""
+        tokens, n = seq.token_ids, self.n
+        if len(tokens) <= n:
+            return []
+        index = self._index(seq)
+        end = index.get(tuple(tokens[-n:]))
+        return [] if end is None else tokens[end : end + limit]
+
+    def forget(self, seqs: list[HeldSeq]) -> None:
+        """Called with the sequences a plan released."""
+        for seq in seqs:
+            entry = self._indexes.get(seq.slot)
+            if entry is not None and entry[0] is seq:
+                del self._indexes[seq.slot]
+
+    def _index(self, seq: HeldSeq) -> dict[tuple[int, ...], int]:
+        """`seq`'s index brought up to its history less the last token: every n-gram that
+        ends before it maps to where it ended (the latest occurrence wins)."""
+        entry = self._indexes.get(seq.slot)
+        if entry is None or entry[0] is not seq:
+            entry = (seq, {}, 0)
+        _, index, done = entry
+        tokens, n = seq.token_ids, self.n
+        for end in range(max(done, n), len(tokens)):  # n-grams tokens[end - n : end]
+            index[tuple(tokens[end - n : end])] = end
+        self._indexes[seq.slot] = (seq, index, len(tokens))
+        return index
+
+
+def make_speculator(config: WorkerConfig, world_size: int, pipelined: bool) -> Optional[Speculator]:
+    """The worker's speculator for `config.speculative` (None: off). ValueError where it does
+    not run yet: tensor parallelism, pipelined steps (a CUDA device: --pipeline-steps off)."""
+    if config.speculative == "off":
+        return None
+    if world_size > 1 or pipelined:
+        raise ValueError(
+            "speculative decoding does not run with tensor parallelism or pipelined steps yet "
+            "(on CUDA: --pipeline-steps off)"
+        )
+    return Speculator(NgramProposer(config.ngram_n))
+
+
+class Speculator:
+    """Proposes and verifies for one worker rank (rank 0 of a single-rank worker)."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+
+    def propose(self, held: HeldBatch, step: ExpandedStep) -> None:
+        """Called after the plan is applied, before the inputs are built: each decode with a
+        draft limit gets its drafts (constrained rows draft nothing yet)."""
+        self.proposer.forget(step.released)
+        if not step.draft_limits:
+            return
+        for b, limit in (step.draft_limits or {}).items():
+            seq = step.seqs[b]
+            if seq.sampling.constraint is None:
+                held.propose(step, b, self.proposer.propose(seq, limit))
+
+    def verify(
+        self, held: HeldBatch, step: ExpandedStep, logits: torch.Tensor, masks: Optional[RowMasks]
+    ) -> tuple[list[int], list[Optional[TokenLogprobs]], Optional[DraftOutcome]]:
+        """`logits` [sum over samplers of 1 + drafts, V] (rows in `draft_logits_rows` order):
+        the sampled token per sampler, their logprobs, and what was accepted. Settles every
+        drafting sequence's history (held.settle); the caller records the tokens."""
+        sampled = [b for b, flag in enumerate(step.sample) if flag]
+        drafts = step.drafts or {}
+        rows: list[SampleRow] = []
+        for b in sampled:
+            rows.extend(_rows_of(step.seqs[b], drafts.get(b, [])))
+        if masks is not None:  # constrained rows never draft: their row moves with the drafts
+            masks = _shift_masks(masks, sampled, drafts)
+        targets, logprobs = sample(logits, rows, masks)
+        tokens: list[int] = []
+        kept: list[Optional[TokenLogprobs]] = []
+        outcome = DraftOutcome()
+        at = 0
+        for i, b in enumerate(sampled):
+            proposed = drafts.get(b, [])
+            mine = targets[at : at + len(proposed) + 1]
+            accepted = 0
+            while accepted < len(proposed) and proposed[accepted] == mine[accepted]:
+                accepted += 1
+            if proposed:
+                held.settle(step, b, accepted)
+                outcome.rows.append(i)
+                outcome.proposed.append(len(proposed))
+                outcome.accepted.append(accepted)
+                outcome.token_ids.extend(proposed[:accepted])
+            tokens.append(mine[accepted])
+            kept.append(logprobs[at + accepted])
+            at += len(proposed) + 1
+        return tokens, kept, outcome if outcome.rows else None
+
+
+def sample_step(
+    speculator: Optional[Speculator],
+    held: HeldBatch,
+    step: ExpandedStep,
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    masks: Optional[RowMasks],
+) -> tuple[list[int], list[Optional[TokenLogprobs]], Optional[DraftOutcome]]:
+    """The runner's sampling on rank 0: `verify` for a step with drafts, else the plain
+    sampler over one row per sampler."""
+    if step.drafts and speculator is not None:
+        return speculator.verify(held, step, logits, masks)
+    token_ids, logprobs = sample(logits, rows, masks)
+    return token_ids, logprobs, None
+
+
+def sample_rows(sampled: list[HeldSeq]) -> list[SampleRow]:
+    """One row per sampler, each at its next output index (a step without drafts)."""
+    return [
+        SampleRow(
+            params=s.sampling,
+            seed=s.seed,
+            output_index=s.num_output_tokens,
+            token_ids=s.token_ids,
+            num_prompt_tokens=s.num_prompt_tokens,
+        )
+        for s in sampled
+    ]
+
+
+def draft_logits_rows(step: ExpandedStep, query_start_loc: list[int]) -> list[int]:
+    """The flat token rows whose logits a step with drafts needs: for each sampler, its last
+    `1 + drafts` rows (the decode token and each draft), in batch order."""
+    drafts = step.drafts or {}
+    out: list[int] = []
+    for b, flag in enumerate(step.sample):
+        if flag:
+            end = query_start_loc[b + 1]
+            out.extend(range(end - 1 - len(drafts.get(b, [])), end))
+    return out
+
+
+def _rows_of(seq: HeldSeq, drafts: list[int]) -> list[SampleRow]:
+    """A sampler's rows: row j samples output index n + j after the first j drafts."""
+    d = len(drafts)
+    first = seq.num_output_tokens - d  # n: its outputs before this step's drafts
+    history = seq.token_ids
+    return [
+        SampleRow(
+            params=seq.sampling,
+            seed=seq.seed,
+            output_index=first + j,
+            token_ids=history if j == d else history[: len(history) - d + j],
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
+        for j in range(d + 1)
+    ]
+
+
+def _shift_masks(masks: RowMasks, sampled: list[int], drafts: dict[int, list[int]]) -> RowMasks:
+    """Mask rows are sampler indices; with drafts a sampler's row is its last verified row."""
+    where: list[int] = []
+    at = 0
+    for b in sampled:
+        at += len(drafts.get(b, [])) + 1
+        where.append(at - 1)
+    return RowMasks([where[r] for r in masks.rows], masks.bitmask)

@@ -1,0 +1,75 @@
+"""Issue 30: speculative decoding (`--speculative ngram`) changes no output of the real model.
+
+An engine of its own with n-gram speculation (fp32, async scheduling and prefix caching on, as
+the session engine) and the session engine without it get the same requests at once, so drafted
+decodes share steps with prefill chunks and plain decodes: prompts the model copies from (text
+and code to repeat, so n-grams match), a chat, plain prompts; streamed and not; greedy, and one
+seeded sampled request. Token ids, text and finish reasons must be identical, and the
+speculating engine must have proposed drafts, accepted some and rejected some (a run where
+speculation never engaged proves nothing). ~1-2 minutes on the shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from shared.client import Client, Completion
+from tests.e2e.conftest import REFERENCE_KV_CACHE_MEMORY, Engine
+from tests.e2e.stack_tools import ENGINE_WORKER, engine_settings, running_stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+MAX_TOKENS = 40
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
+CODE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
+REQUESTS: list[dict[str, Any]] = [
+    {"prompt": f"Repeat the sentence twice.\n{TEXT}\n{TEXT}\n"},
+    {"prompt": f"{CODE}\n\n{CODE}", "stream": True},
+    {"prompt": f"Copy this code exactly:\n{CODE}\nCopy:\n"},
+    {"messages": [{"role": "user", "content": f"Repeat exactly: {TEXT}"}], "stream": True},
+    {"prompt": "The capital of France is"},
+    {"prompt": f"{TEXT} {TEXT}", "temperature": 0.7, "seed": 7},
+]
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    worker = dataclasses.replace(
+        ENGINE_WORKER, kv_cache_memory=REFERENCE_KV_CACHE_MEMORY, speculative="ngram"
+    )
+    settings = engine_settings(
+        tmp_path_factory.mktemp("spec-engine-logs"), gateway=False, worker_config=worker
+    )
+    for stack in running_stack(settings):
+        yield Engine(stack.frontend_address, None, stack.log_dir, stack)
+
+
+def _run_all(address: str) -> list[Completion]:
+    def one(kw: dict[str, Any]) -> Completion:
+        with Client(address, timeout=300.0) as client:
+            return client.generate(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, **kw})
+
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        return list(pool.map(one, REQUESTS))
+
+
+def _engine_stats(address: str) -> dict[str, Any]:
+    with Client(address, timeout=60.0) as client:
+        return dict(client.stats()["engine"])
+
+
+def test_ngram_speculation_changes_no_output(engine: Engine, spec_engine: Engine) -> None:
+    want = _run_all(engine.frontend_address)
+    before = _engine_stats(spec_engine.frontend_address)
+    got = _run_all(spec_engine.frontend_address)
+    after = _engine_stats(spec_engine.frontend_address)
+    for kw, w, g in zip(REQUESTS, want, got, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
+    proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert proposed > accepted > 0, (proposed, accepted)  # drafts proposed, accepted, rejected
