@@ -57,7 +57,8 @@ def content_length(head: bytes) -> int:
     at = head.lower().find(b"content-length:")
     if at < 0:
         return 0
-    return int(head[at + 15 : head.index(b"\r\n", at)].strip())
+    end = head.find(b"\r\n", at)
+    return int(head[at + 15 : end if end >= 0 else len(head)].strip())
 
 
 class Tally:
