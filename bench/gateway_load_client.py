@@ -165,8 +165,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     pinned: Optional[list[int]] = None
     if args.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.cpu})
-        pinned = sorted(os.sched_getaffinity(0))
+        if args.cpu in os.sched_getaffinity(0):  # else (fewer CPUs): not pinned, and reported so
+            os.sched_setaffinity(0, {args.cpu})
+            pinned = sorted(os.sched_getaffinity(0))
     wall = time.monotonic()
     result = asyncio.run(load(args)) if args.mode == "load" else probe(args)
     times = os.times()
