@@ -1,4 +1,6 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics; one engine client for the whole process.
+"""The FastAPI app: OpenAI routes, /metrics; one engine client for the whole process.
+
+/health and the refusals of clients at their cap are answered in front of it (front_door.py).
 
 Each HTTP request becomes one streaming engine request per choice (fanout.py). Non-streaming
 requests collect the streams; streaming ones forward them as server-sent events. Either way, a
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -24,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from services.gateway.admission import Admission, Slot, client_key
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.config import GatewayConfig
@@ -33,9 +35,11 @@ from services.gateway.embeddings import (
     plan_embeddings,
     run_embeddings,
 )
-from services.gateway.errors import ApiError, from_engine_error, from_validation_errors
+from services.gateway.errors import ApiError, from_validation_errors
 from services.gateway.events import ChoiceEnd
 from services.gateway.fanout import ChoiceRuns
+from services.gateway.front_door import FrontDoor
+from services.gateway.health import HealthWatch
 from services.gateway.metrics import GatewayMetrics, StatsPoller
 from services.gateway.openai_schema import (
     ChatRequest,
@@ -47,12 +51,11 @@ from services.gateway.openai_schema import (
 )
 from services.gateway.responses import ChoiceState, Kind, ResponseMeta, full_body, usage
 from services.gateway.streaming import ClosingStreamingResponse, sse_body
-from shared.client import AsyncClient, EngineError
+from shared.client import AsyncClient
 from shared.protocol.errors import ErrorCode
 from shared.tracing import Tracing, open_span
 
 T = TypeVar("T")
-HEALTH_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 5.0  # the frontend itself waits up to 2 s for the scheduler's part
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, logs do
 
@@ -73,7 +76,8 @@ class Gateway:
             client_key=config.client_key,
             resume_timeout=config.frontend_resume_timeout_s,
         )
-        self._per_client: Counter[str] = Counter()  # client key -> engine requests in flight
+        self.admission = Admission(config.max_requests_per_client)
+        self.health = HealthWatch(self.client)
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.poller = StatsPoller(
@@ -122,26 +126,6 @@ class Gateway:
         }
         return _json({"object": "list", "data": [card]})
 
-    async def health(self) -> Response:
-        """200 when the engine accepts requests, else 503 with the engine's reason."""
-        try:
-            reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
-        except (asyncio.TimeoutError, EngineError) as exc:
-            message = exc.message if isinstance(exc, EngineError) else "no answer in time"
-            return error_response(from_engine_error(ErrorCode.ENGINE_UNREACHABLE, message))
-        if not reply.get("ready"):
-            reason = reply.get("reason") or "unknown"
-            return error_response(
-                from_engine_error(ErrorCode.NOT_READY, f"engine not ready: {reason}")
-            )
-        return _json(
-            {
-                "status": "ok",
-                "model": reply.get("model"),
-                "max_model_len": reply.get("max_model_len"),
-            }
-        )
-
     async def metrics_text(self) -> Response:
         await self.poller.refresh()  # fresh engine gauges; on failure the last values stay
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -153,15 +137,10 @@ class Gateway:
     ) -> Response:
         if isinstance(plan, ApiError):
             return error_response(plan)
-        client_key = _client_key(request)
-        cap = self.config.max_requests_per_client
-        if cap and self._per_client[client_key] + len(plan.calls) > cap:
-            message = (
-                f"this client already has {self._per_client[client_key]} requests in flight "
-                f"(limit {cap}); wait for one to end"
-            )
-            return error_response(from_engine_error(ErrorCode.OVERLOADED, message))
-        slot = _ClientSlot(self._per_client, client_key, len(plan.calls))
+        key = client_key(request.scope)
+        slot = self.admission.take(key, len(plan.calls))
+        if slot is None:
+            return error_response(self.admission.refusal(key))
         try:
             return await self._serve_counted(kind, plan, request, slot)
         except BaseException:
@@ -169,7 +148,7 @@ class Gateway:
             raise
 
     async def _serve_counted(
-        self, kind: Kind, plan: EngineCallPlan, request: Request, slot: _ClientSlot
+        self, kind: Kind, plan: EngineCallPlan, request: Request, slot: Slot
     ) -> Response:
         """The request, counted against its client until its engine requests are closed."""
 
@@ -254,24 +233,6 @@ class Gateway:
         return error_response(err)
 
 
-class _ClientSlot:
-    """One HTTP request's engine requests, counted against its client until released."""
-
-    def __init__(self, counts: Counter[str], key: str, n: int) -> None:
-        self._counts, self._key, self._n = counts, key, n
-        counts[key] += n
-
-    def release(self) -> None:
-        """Idempotent: called when the engine requests are closed, or the request failed."""
-        if self._n:
-            left = self._counts[self._key] - self._n
-            self._n = 0
-            if left > 0:
-                self._counts[self._key] = left
-            else:
-                self._counts.pop(self._key, None)
-
-
 async def _collect(runs: ChoiceRuns, states: list[ChoiceState]) -> Optional[ChoiceEnd]:
     """Every choice's text and logprobs into `states`; the failed choice's end, if one failed."""
     async for event in runs.events():
@@ -306,14 +267,6 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _client_key(request: Request) -> str:
-    """Whom the per-client cap counts: the API key when one is sent, else the peer address."""
-    auth = request.headers.get("authorization")
-    if auth:
-        return "key:" + auth
-    return "addr:" + (request.client.host if request.client else "unknown")
-
-
 def error_response(err: ApiError) -> Response:
     return Response(orjson.dumps(err.body()), status_code=err.status, media_type="application/json")
 
@@ -329,12 +282,13 @@ def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = Non
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        poll = asyncio.create_task(gw.poller.run())
+        polls = [asyncio.create_task(gw.poller.run()), asyncio.create_task(gw.health.run())]
         try:
             yield
         finally:
-            poll.cancel()
-            await asyncio.gather(poll, return_exceptions=True)
+            for poll in polls:
+                poll.cancel()
+            await asyncio.gather(*polls, return_exceptions=True)
             await gw.client.close()
             if tracing is not None:
                 tracing.shutdown()
@@ -345,6 +299,9 @@ def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = Non
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     # added last, so it runs first: a huge body is refused before anything reads it
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    # outermost: /health and the refusals of clients at their cap, before any of the above (an
+    # unauthenticated request is never at a cap: only admitted requests count)
+    app.add_middleware(FrontDoor, health=gw.health, admission=gw.admission)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_bug)
@@ -353,7 +310,6 @@ def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = Non
         ("/v1/chat/completions", gw.chat_completions, "POST"),
         ("/v1/embeddings", gw.embeddings, "POST"),
         ("/v1/models", gw.models, "GET"),
-        ("/health", gw.health, "GET"),
         ("/metrics", gw.metrics_text, "GET"),
     ]
     for path, handler, method in routes:
