@@ -3,15 +3,17 @@
 // reference: kernels.quant.quant_linear_ref; packing and launcher: kernels/quant.py.
 //
 // Every format is read as w = q * d + m per block of 32 weights along K: Q4_1 (q in 0..15, its
-// own d and m), Q4_0 (q in 0..15, m = -8 d), Q8_0 (q in -128..127, m = 0). d and m come from the
-// file's fp16 and q * d is exact in fp32, so each dequantized weight is the very fp32 number the
-// dequantized reference holds: the outputs differ from it only by summation order.
+// own d and m), Q4_0 (q in 0..15, m = -8 d), Q8_0 (q in -128..127, m = 0), one loop for all three
+// (Traits, Group). d and m are the file's fp16 numbers, kept as fp16 (so the kernel reads the
+// file's bytes per weight: 0.5625 / 0.625 / 1.0625), widened exactly; q * d is exact in fp32, so
+// each dequantized weight is the very fp32 number the dequantized reference holds: the outputs
+// differ from it only by summation order.
 //
 // Packed layout (kernels/quant.py `pack`): columns (output features) in tiles of kTile = 2
 // vectors; per tile and k the tile's kTile codes are contiguous (4-bit: byte j holds column j in
-// its low nibble and column j + kTile/2 in its high one; 8-bit: one byte per column); d and m
-// per tile, group and column as fp32. So a k step loads one short run of bytes and two vectors of
-// scales, whatever the instruction set.
+// its low nibble and column j + kTile/2 in its high one; 8-bit: one byte per column); d (and
+// Q4_1's m) per tile, group and column as fp16. So a k step loads one short run of bytes, and a
+// group of 32 k steps two vectors of scales, whatever the instruction set.
 //
 // Two schedules, the same arithmetic: few rows dequantize each k step in registers and use it
 // for all rows (memory-bound decode); more rows dequantize the tile once into a thread-local
@@ -92,60 +94,134 @@ inline ivec widen(const uint8_t* p) {
 #endif
 }
 
-enum Format : int64_t { kQ4 = 0, kQ8 = 1 };  // 4-bit unsigned codes, 8-bit signed codes
+// GGUF's block formats, in kernels.quant.FORMATS order: w = q * d + m per 32 weights along K.
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
-// The codes of one tile at one k as floats: two vectors of kLanes columns.
+// Q4_0 (q in 0..15, m = -8 d, made in registers), Q4_1 (q in 0..15, m stored), Q8_0 (q in
+// -128..127, m = 0): one loop reads all three through these traits.
 template <int F>
-inline void codes(const uint8_t* qs, int64_t k, fvec& lo, fvec& hi) {
-  if constexpr (F == kQ4) {
-    const ivec v = widen<false>(qs + k * (kTile / 2));
-    lo = __builtin_convertvector(v & 15, fvec);
-    hi = __builtin_convertvector(v >> 4, fvec);
-  } else {
-    lo = __builtin_convertvector(widen<true>(qs + k * kTile), fvec);
-    hi = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec);
-  }
+struct Traits {
+  static constexpr int kBits = F == kQ8_0 ? 8 : 4;
+  static constexpr bool kStoredMin = F == kQ4_1;
+};
+
+// kLanes fp16 numbers from p as floats (exact: every half is a float).
+inline fvec load_half(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return (fvec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  fvec out;
+  for (int i = 0; i < kLanes; ++i) out[i] = half_to_float(p[i]);
+  return out;
+#endif
 }
 
 struct Tile {
   const uint8_t* qs;  // codes of the tile [K, kTile] (packed as above)
-  const float* d;     // [G, kTile]
-  const float* m;     // [G, kTile], or nullptr (Q8_0: no offset)
+  const uint16_t* d;  // fp16 [G, kTile]
+  const uint16_t* m;  // fp16 [G, kTile] (Q4_1 only)
 };
 
-// The tile's weights at group g, k steps [k0, k0 + 32): w = q * d + m, in two vectors per k.
+// One group's scales for the tile's two vectors of columns, and its weights at any k of the
+// group: w = q * d + m, one rounding, as the reference's q * d (exact) + m.
+template <int F>
+struct Group {
+  fvec d0, d1, m0, m1;
+
+  Group(const Tile& t, int64_t g) {
+    d0 = load_half(t.d + g * kTile);
+    d1 = load_half(t.d + g * kTile + kLanes);
+    if constexpr (Traits<F>::kStoredMin) {
+      m0 = load_half(t.m + g * kTile);
+      m1 = load_half(t.m + g * kTile + kLanes);
+    } else if constexpr (F == kQ4_0) {
+      m0 = d0 * -8.0f;  // exact
+      m1 = d1 * -8.0f;
+    }
+  }
+
+  // The codes at k as floats, two vectors of kLanes columns.
+  static void codes(const uint8_t* qs, int64_t k, fvec& q0, fvec& q1) {
+    if constexpr (Traits<F>::kBits == 4) {
+      const ivec v = widen<false>(qs + k * (kTile / 2));
+      q0 = __builtin_convertvector(v & 15, fvec);
+      q1 = __builtin_convertvector(v >> 4, fvec);
+    } else {
+      q0 = __builtin_convertvector(widen<true>(qs + k * kTile), fvec);
+      q1 = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec);
+    }
+  }
+
+  void weights(const uint8_t* qs, int64_t k, fvec& w0, fvec& w1) const {
+    codes(qs, k, w0, w1);
+    if constexpr (F == kQ8_0) {
+      w0 *= d0;
+      w1 *= d1;
+    } else {
+      w0 = fmadd(w0, d0, m0);
+      w1 = fmadd(w1, d1, m1);
+    }
+  }
+};
+
+// The tile's weights at group g, k steps [32 g, 32 g + 32), into the fp32 panel [K, kTile].
 template <int F>
 inline void dequant_group(const Tile& t, int64_t g, float* panel) {
-  const fvec d0 = load(t.d + g * kTile), d1 = load(t.d + g * kTile + kLanes);
-  const fvec m0 = t.m ? load(t.m + g * kTile) : fvec{};
-  const fvec m1 = t.m ? load(t.m + g * kTile + kLanes) : fvec{};
+  const Group<F> s(t, g);
   for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
-    fvec lo, hi;
-    codes<F>(t.qs, k, lo, hi);
-    store(panel + k * kTile, fmadd(lo, d0, m0));
-    store(panel + k * kTile + kLanes, fmadd(hi, d1, m1));
+    fvec w0, w1;
+    s.weights(t.qs, k, w0, w1);
+    store(panel + k * kTile, w0);
+    store(panel + k * kTile + kLanes, w1);
   }
 }
 
-// Rows [0, R) of x (fp32, leading dimension ldx) times the tile, dequantized in registers at
-// every k step; out [R, kTile] (fp32, leading dimension kTile).
+// Rows [0, R) of x (fp32, leading dimension ldx) times the tile without dequantizing: per group
+// the codes' dot products S = sum_k x q in registers, then y += d S + m X, where X = sum_k x over
+// the group (xsum [R, G]). The same products regrouped by the distributive law, two FMAs per
+// vector of 16 codes fewer than w = q d + m first (the few-row schedule is FMA-bound, not
+// memory-bound). One or two rows split S by k's parity: two FMA chains per vector hide latency.
+// out [R, kTile] (fp32, leading dimension kTile).
 template <int F, int R>
-void direct_rows(const float* x, int64_t ldx, int64_t K, const Tile& t, float* out) {
+void direct_rows(const float* x, int64_t ldx, const float* xsum, int64_t K, const Tile& t,
+                 float* out) {
+  constexpr int kChains = R <= 2 ? 2 : 1;
+  const int64_t G = K / kGroup;
   fvec acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    const fvec d0 = load(t.d + g * kTile), d1 = load(t.d + g * kTile + kLanes);
-    const fvec m0 = t.m ? load(t.m + g * kTile) : fvec{};
-    const fvec m1 = t.m ? load(t.m + g * kTile + kLanes) : fvec{};
-    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
-      fvec lo, hi;
-      codes<F>(t.qs, k, lo, hi);
-      const fvec w0 = fmadd(lo, d0, m0), w1 = fmadd(hi, d1, m1);
+  for (int64_t g = 0; g < G; ++g) {
+    fvec part[kChains][R][2];
+    for (int c = 0; c < kChains; ++c) {
+      for (int r = 0; r < R; ++r) part[c][r][0] = part[c][r][1] = fvec{};
+    }
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += kChains) {
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c) {
+        fvec q0, q1;
+        Group<F>::codes(t.qs, k + c, q0, q1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const fvec xv = splat(x[r * ldx + k]);
-        acc[r][0] = fmadd(xv, w0, acc[r][0]);
-        acc[r][1] = fmadd(xv, w1, acc[r][1]);
+        for (int r = 0; r < R; ++r) {
+          const fvec xv = splat(x[r * ldx + k + c]);
+          part[c][r][0] = fmadd(xv, q0, part[c][r][0]);
+          part[c][r][1] = fmadd(xv, q1, part[c][r][1]);
+        }
+      }
+    }
+    const Group<F> s(t, g);
+    for (int r = 0; r < R; ++r) {
+      fvec p0 = part[0][r][0], p1 = part[0][r][1];
+      if constexpr (kChains == 2) {
+        p0 += part[1][r][0];
+        p1 += part[1][r][1];
+      }
+      acc[r][0] = fmadd(p0, s.d0, acc[r][0]);
+      acc[r][1] = fmadd(p1, s.d1, acc[r][1]);
+      if constexpr (F != kQ8_0) {
+        const fvec xs = splat(xsum[r * G + g]);
+        acc[r][0] = fmadd(xs, s.m0, acc[r][0]);
+        acc[r][1] = fmadd(xs, s.m1, acc[r][1]);
       }
     }
   }
@@ -176,13 +252,27 @@ void panel_rows(const float* x, int64_t ldx, int64_t K, const float* panel, floa
 }
 
 template <int F>
-void direct_any(int64_t rows, const float* x, int64_t ldx, int64_t K, const Tile& t, float* out) {
+void direct_any(int64_t rows, const float* x, int64_t ldx, const float* xsum, int64_t K,
+                const Tile& t, float* out) {
   switch (rows) {
-    case 1: direct_rows<F, 1>(x, ldx, K, t, out); break;
-    case 2: direct_rows<F, 2>(x, ldx, K, t, out); break;
-    case 3: direct_rows<F, 3>(x, ldx, K, t, out); break;
-    default: direct_rows<F, 4>(x, ldx, K, t, out); break;
+    case 1: direct_rows<F, 1>(x, ldx, xsum, K, t, out); break;
+    case 2: direct_rows<F, 2>(x, ldx, xsum, K, t, out); break;
+    case 3: direct_rows<F, 3>(x, ldx, xsum, K, t, out); break;
+    default: direct_rows<F, 4>(x, ldx, xsum, K, t, out); break;
   }
+}
+
+// X = sum of x over each group of 32 along K, per row: [M, G] (the few-row schedule's m X).
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
+  std::vector<float> out(static_cast<size_t>(M * (K / kGroup)));
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) sum += x[r * K + k];
+      out[r * (K / kGroup) + g] = sum;
+    }
+  }
+  return out;
 }
 
 void panel_any(int64_t rows, const float* x, int64_t ldx, int64_t K, const float* panel,
@@ -211,10 +301,11 @@ void write_out(const float* out, int64_t rows, int64_t width, T* y, int64_t ldy)
 
 template <int F, typename T>
 void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qs,
-                  const float* d, const float* m, T* y) {
+                  const uint16_t* d, const uint16_t* m, T* y) {
   const int64_t num_tiles = (N + kTile - 1) / kTile;
   const int64_t G = K / kGroup;
-  const int64_t tile_bytes = F == kQ4 ? K * kTile / 2 : K * kTile;
+  const int64_t tile_bytes = K * kTile * Traits<F>::kBits / 8;
+  const std::vector<float> xsum = M <= kDirectRows ? group_sums(x, M, K) : std::vector<float>();
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(static_cast<size_t>(kPanelRows * kTile));
     std::vector<float> panel(M > kDirectRows ? static_cast<size_t>(K * kTile) : 0);
@@ -222,7 +313,7 @@ void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t
       const Tile t{qs + i * tile_bytes, d + i * G * kTile, m ? m + i * G * kTile : nullptr};
       const int64_t width = std::min<int64_t>(kTile, N - i * kTile);
       if (M <= kDirectRows) {
-        direct_any<F>(M, x, K, K, t, out.data());
+        direct_any<F>(M, x, K, xsum.data(), K, t, out.data());
         write_out(out.data(), M, width, y + i * kTile, N);
         continue;
       }
@@ -236,48 +327,60 @@ void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t
   });
 }
 
+template <int F>
+void qlinear_any(const at::Tensor& xf, const at::Tensor& qs, const at::Tensor& d,
+                 const c10::optional<at::Tensor>& m, at::Tensor& y) {
+  const float* xp = xf.data_ptr<float>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = Traits<F>::kStoredMin ? reinterpret_cast<const uint16_t*>(m->data_ptr())
+                                         : nullptr;
+  const int64_t M = xf.size(0), K = xf.size(1), N = y.size(1);
+  if (y.scalar_type() == at::kBFloat16) {
+    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+    qlinear_impl<F>(xp, M, K, N, qs.data_ptr<uint8_t>(), dp, mp, yp);
+  } else {
+    qlinear_impl<F>(xp, M, K, N, qs.data_ptr<uint8_t>(), dp, mp, y.data_ptr<float>());
+  }
+}
+
+void check_scales(const char* name, const at::Tensor& t, int64_t numel) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kHalf && t.is_contiguous() && t.numel() == numel,
+                    name, " must be contiguous float16 of ", numel, " elements");
+}
+
 }  // namespace
 
 int64_t qlinear_tile() { return kTile; }
 
 // x [M, K] (float32 or bfloat16, contiguous) @ W^T -> [M, N] in x's dtype. qs: uint8 codes packed
-// per tile; d, m: float32 [num_tiles, G, kTile] (m undefined for 8-bit codes); bits 4 or 8.
+// per tile; d, m: float16 [num_tiles, G, kTile] (m only for Q4_1); format: a Format above.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                   const c10::optional<at::Tensor>& m, int64_t n, int64_t bits) {
+                   const c10::optional<at::Tensor>& m, int64_t n, int64_t format) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK_VALUE(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK_VALUE(format >= kQ4_0 && format <= kQ8_0, "format must be 0 (Q4_0), 1 (Q4_1) or 2");
+  const int64_t bits = format == kQ8_0 ? 8 : 4;
   const int64_t num_tiles = (n + kTile - 1) / kTile;
   const int64_t code_bytes = num_tiles * K * kTile * bits / 8;
   TORCH_CHECK_VALUE(qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                         qs.numel() == code_bytes,
                     "qs must be contiguous uint8 of ", code_bytes, " bytes");
   const int64_t scale_numel = num_tiles * (K / kGroup) * kTile;
-  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == scale_numel,
-                    "d must be contiguous float32 of ", scale_numel, " elements");
-  if (bits == 4) {
-    TORCH_CHECK_VALUE(m.has_value() && m->scalar_type() == at::kFloat && m->is_contiguous() &&
-                          m->numel() == scale_numel,
-                      "4-bit codes need m: contiguous float32 like d");
+  check_scales("d", d, scale_numel);
+  if (format == kQ4_1) {
+    TORCH_CHECK_VALUE(m.has_value(), "Q4_1 needs m");
+    check_scales("m", *m, scale_numel);
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
   at::Tensor xf = bf16 ? x.to(at::kFloat) : x;  // the products are fp32 either way
-  const float* xp = xf.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = bits == 4 ? m->data_ptr<float>() : nullptr;
-  if (bits == 4 && bf16) {
-    qlinear_impl<kQ4>(xp, M, K, n, qp, dp, mp, reinterpret_cast<uint16_t*>(y.data_ptr()));
-  } else if (bits == 4) {
-    qlinear_impl<kQ4>(xp, M, K, n, qp, dp, mp, y.data_ptr<float>());
-  } else if (bf16) {
-    qlinear_impl<kQ8>(xp, M, K, n, qp, dp, mp, reinterpret_cast<uint16_t*>(y.data_ptr()));
-  } else {
-    qlinear_impl<kQ8>(xp, M, K, n, qp, dp, mp, y.data_ptr<float>());
+  switch (format) {
+    case kQ4_0: qlinear_any<kQ4_0>(xf, qs, d, m, y); break;
+    case kQ4_1: qlinear_any<kQ4_1>(xf, qs, d, m, y); break;
+    default: qlinear_any<kQ8_0>(xf, qs, d, m, y); break;
   }
   return y;
 }

@@ -19,13 +19,22 @@ from kernels.quant import GROUP, QuantWeight, pack
 from services.worker.linear import BlockLinear, BlockWeights, Linear, Weight
 from services.worker.ops_cpu import try_load_cpu_ext
 
+GROUP_SIZE = 32  # weights per int8 scale along K (measured: docs/lab/2026-12-quantization.md)
 
-def per_channel_int8(w: torch.Tensor) -> QuantWeight:
-    """[N, K] float -> int8 codes with one scale per row (held as Q8_0 blocks of that scale)."""
+
+def groupwise_int8(w: torch.Tensor, group: int = GROUP_SIZE) -> QuantWeight:
+    """[N, K] float -> int8 codes with one fp16 scale per `group` weights along K (absmax / 127,
+    rounded to fp16 first, the codes rounded against that very scale); held as Q8_0 blocks, a
+    scale of `group` > 32 repeated over its blocks. `group` = K: one scale per output channel."""
     w = w.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-30)  # [N]
-    codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    d = scale[:, None].expand(-1, w.shape[1] // GROUP).contiguous()
+    n, k = w.shape
+    group = min(group, k)
+    if group % GROUP or k % group:
+        raise ValueError(f"int8 groups must be a multiple of {GROUP} dividing K={k}, got {group}")
+    blocks = w.view(n, k // group, group)
+    scale = (blocks.abs().amax(dim=2) / 127.0).half().float().clamp_min(2.0**-24)  # [N, K/g]
+    codes = (blocks / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
+    d = scale.repeat_interleave(group // GROUP, dim=1).contiguous()  # [N, K / 32]
     return QuantWeight("q8_0", codes, d, None)
 
 
@@ -43,4 +52,4 @@ class Int8Weights(BlockWeights):
         dense = weight.dequantize() if isinstance(weight, QuantWeight) else weight
         if dense.shape[-1] % GROUP:
             return super().linear(weight, bias)
-        return BlockLinear(self._ext, pack(per_channel_int8(dense), self._tile), bias)
+        return BlockLinear(self._ext, pack(groupwise_int8(dense, GROUP_SIZE), self._tile), bias)
