@@ -3,11 +3,9 @@
 // reference: kernels.quant.quant_linear_ref; packing and launcher: kernels/quant.py.
 //
 // Every format is read as w = q * d + m per block of 32 weights along K: Q4_1 (q in 0..15, its
-// own d and m), Q4_0 (q in 0..15, m = -8 d), Q8_0 (q in -128..127, m = 0), one loop for all three
-// (Traits, Group). d and m are the file's fp16 numbers, kept as fp16 (so the kernel reads the
-// file's bytes per weight: 0.5625 / 0.625 / 1.0625), widened exactly; q * d is exact in fp32, so
-// each dequantized weight is the very fp32 number the dequantized reference holds: the outputs
-// differ from it only by summation order.
+// own d and m), Q4_0 (q in 0..15, m = -8 d, made in registers), Q8_0 (q in -128..127, m = 0); one
+// loop serves all three (Traits, Group). d and m stay the file's fp16 numbers, so the kernel
+// reads the file's bytes per weight (0.5625 / 0.625 / 1.0625), and widens them exactly.
 //
 // Packed layout (kernels/quant.py `pack`): columns (output features) in tiles of kTile = 2
 // vectors; per tile and k the tile's kTile codes are contiguous (4-bit: byte j holds column j in
@@ -15,11 +13,15 @@
 // Q4_1's m) per tile, group and column as fp16. So a k step loads one short run of bytes, and a
 // group of 32 k steps two vectors of scales, whatever the instruction set.
 //
-// Two schedules, the same arithmetic: few rows dequantize each k step in registers and use it
-// for all rows (memory-bound decode); more rows dequantize the tile once into a thread-local
-// fp32 panel [K, kTile] and run a register-blocked GEMM over it (compute-bound). Threads split
-// the column tiles. The vectors are GCC generic vectors: 16 lanes where the compiler targets
-// AVX-512 (__AVX512F__), else 8 (AVX2, or two SSE registers); FMA where __FMA__ or AVX-512 say so.
+// Two schedules of the same real sum: up to kDirectRows rows never form the weights: per block
+// S = sum_k x q in registers, then y += d S + m X (X = sum_k x over the block): 2 vector ops per
+// 16 codes fewer than forming w = q d + m, the bound of a decode step here (its loads are not).
+// More rows dequantize the tile once into a thread-local fp32 panel [K, kTile] (w = q d + m with
+// one rounding, the very fp32 numbers the dequantized reference holds) and run a register-
+// blocked GEMM over it. Either way the outputs differ from the reference (dequantize, then fp32
+// GEMM) only by the order of roundings. Threads split the column tiles. The vectors are GCC
+// generic vectors: 16 lanes where the compiler targets AVX-512 (__AVX512F__), else 8 (AVX2, or
+// two SSE registers); FMA where __FMA__ or AVX-512 say so, fp16 widening where __F16C__ does.
 
 #include "cpu_ops.h"
 

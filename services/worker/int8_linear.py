@@ -1,12 +1,14 @@
-"""`--quantization int8`: int8 weights with one scale per output channel, weight-only.
+"""`--quantization int8`: int8 weights with one fp16 scale per 32 weights along K, weight-only.
 
-Each weight row is rounded to int8 with its own scale (absmax / 127) and multiplied by the C++
-block kernel in fp32 (kernels/csrc/qlinear.cpp): a per-channel int8 row is a Q8_0 row whose 32-
-weight blocks all carry the row's scale, so it is packed as one. W8A8 (activations rounded to
-int8 per token, torch's int8 GEMM) ran 2.5x faster at 32-512 rows on this CPU but agreed with
-fp32 transformers on only 88.3% of next tokens (perplexity x1.030; SmolLM2's outlier features),
-below the 97% this format must keep; FBGEMM's dynamic linear (per-tensor activation scales) was
-worse (docs/lab/2026-12-quantization.md). So int8 is weight-only, and only when asked.
+Each group of GROUP_SIZE weights of a row is rounded to int8 with its own scale (absmax / 127,
+rounded to fp16 first) and multiplied by the C++ block kernel in fp32 (kernels/csrc/qlinear.cpp)
+as Q8_0 blocks. The group size was measured over the quality text (bench/quant_quality.py):
+next-token agreement with fp32 transformers 96.45% with one scale per output channel, 97.11%
+per 64 and 97.67% per 32 weights, at the same speed (the kernel reads one fp16 scale per 32
+codes whatever the group). W8A8 (activations rounded to int8 per token, torch's int8 GEMM) ran
+2.5x faster at 32-512 rows on this CPU but agreed on only 88.3% (SmolLM2's outlier features);
+FBGEMM's dynamic linear was worse (docs/lab/2026-12-quantization.md). So int8 is weight-only,
+and only when asked.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kernels.quant import GROUP, QuantWeight, pack
 from services.worker.linear import BlockLinear, BlockWeights, Linear, Weight
 from services.worker.ops_cpu import try_load_cpu_ext
 
-GROUP_SIZE = 32  # weights per int8 scale along K (measured: docs/lab/2026-12-quantization.md)
+GROUP_SIZE = 32  # weights per int8 scale along K (a multiple of 32; see the module docstring)
 
 
 def groupwise_int8(w: torch.Tensor, group: int = GROUP_SIZE) -> QuantWeight:
