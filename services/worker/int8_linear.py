@@ -41,7 +41,7 @@ def groupwise_int8(w: torch.Tensor, group: int = GROUP_SIZE) -> QuantWeight:
 
 
 class Int8Weights(BlockWeights):
-    """Linear layers as per-channel int8; the embedding and tied LM head as Q8_0 blocks."""
+    """Linear layers as group-wise int8; the embedding and tied LM head as Q8_0 blocks."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         ext = try_load_cpu_ext()

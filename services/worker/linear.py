@@ -10,7 +10,8 @@ format is one policy behind that seam, never a branch in the forward pass:
   every weight requantized to that format): the C++ weight-only kernel (kernels/csrc/qlinear.cpp),
   dequantizing in registers and multiplying in fp32. A tied embedding keeps its blocks for both
   the lookup and the LM head.
-* `Int8Weights` (`int8`): per-output-channel int8 weights (services/worker/int8_linear.py).
+* `Int8Weights` (`int8`): int8 weights, an fp16 scale per 32 along K
+  (services/worker/int8_linear.py).
 
 Which kernel serves which shapes, and why, with the figures: docs/lab/2026-12-quantization.md.
 """
