@@ -13,15 +13,14 @@
 // Q4_1's m) per tile, group and column as fp16. So a k step loads one short run of bytes, and a
 // group of 32 k steps two vectors of scales, whatever the instruction set.
 //
-// Two schedules of the same real sum: up to kDirectRows rows never form the weights: per block
-// S = sum_k x q in registers, then y += d S + m X (X = sum_k x over the block): 2 vector ops per
-// 16 codes fewer than forming w = q d + m, the bound of a decode step here (its loads are not).
-// More rows dequantize the tile once into a thread-local fp32 panel [K, kTile] (w = q d + m with
-// one rounding, the very fp32 numbers the dequantized reference holds) and run a register-
-// blocked GEMM over it. Either way the outputs differ from the reference (dequantize, then fp32
-// GEMM) only by the order of roundings. Threads split the column tiles. The vectors are GCC
-// generic vectors: 16 lanes where the compiler targets AVX-512 (__AVX512F__), else 8 (AVX2, or
-// two SSE registers); FMA where __FMA__ or AVX-512 say so, fp16 widening where __F16C__ does.
+// Two schedules, the same arithmetic: few rows dequantize each k step in registers and use it
+// for all rows (decode); more rows dequantize the tile once into a thread-local fp32 panel
+// [K, kTile] and run a register-blocked GEMM over it. Either way each weight is w = q d + m with
+// one rounding (q d is exact), the very fp32 number the dequantized reference holds, so the
+// outputs differ from it only by summation order. Threads split the column tiles. The vectors
+// are GCC generic vectors: 16 lanes where the compiler targets AVX-512 (__AVX512F__), else 8
+// (AVX2, or two SSE registers); FMA where __FMA__ or AVX-512 say so, fp16 widening where
+// __F16C__ does.
 
 #include "cpu_ops.h"
 
@@ -144,26 +143,14 @@ struct Group {
     }
   }
 
-  // The codes at k as floats, two vectors of kLanes columns.
-  static void codes(const uint8_t* qs, int64_t k, fvec& q0, fvec& q1) {
+  void weights(const uint8_t* qs, int64_t k, fvec& w0, fvec& w1) const {
     if constexpr (Traits<F>::kBits == 4) {
       const ivec v = widen<false>(qs + k * (kTile / 2));
-      q0 = __builtin_convertvector(v & 15, fvec);
-      q1 = __builtin_convertvector(v >> 4, fvec);
+      w0 = fmadd(__builtin_convertvector(v & 15, fvec), d0, m0);
+      w1 = fmadd(__builtin_convertvector(v >> 4, fvec), d1, m1);
     } else {
-      q0 = __builtin_convertvector(widen<true>(qs + k * kTile), fvec);
-      q1 = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec);
-    }
-  }
-
-  void weights(const uint8_t* qs, int64_t k, fvec& w0, fvec& w1) const {
-    codes(qs, k, w0, w1);
-    if constexpr (F == kQ8_0) {
-      w0 *= d0;
-      w1 *= d1;
-    } else {
-      w0 = fmadd(w0, d0, m0);
-      w1 = fmadd(w1, d1, m1);
+      w0 = __builtin_convertvector(widen<true>(qs + k * kTile), fvec) * d0;
+      w1 = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec) * d1;
     }
   }
 };
@@ -180,50 +167,22 @@ inline void dequant_group(const Tile& t, int64_t g, float* panel) {
   }
 }
 
-// Rows [0, R) of x (fp32, leading dimension ldx) times the tile without dequantizing: per group
-// the codes' dot products S = sum_k x q in registers, then y += d S + m X, where X = sum_k x over
-// the group (xsum [R, G]). The same products regrouped by the distributive law, two FMAs per
-// vector of 16 codes fewer than w = q d + m first (the few-row schedule is FMA-bound, not
-// memory-bound). One or two rows split S by k's parity: two FMA chains per vector hide latency.
-// out [R, kTile] (fp32, leading dimension kTile).
+// Rows [0, R) of x (fp32, leading dimension ldx) times the tile, dequantized in registers at
+// every k step; out [R, kTile] (fp32, leading dimension kTile).
 template <int F, int R>
-void direct_rows(const float* x, int64_t ldx, const float* xsum, int64_t K, const Tile& t,
-                 float* out) {
-  constexpr int kChains = R <= 2 ? 2 : 1;
-  const int64_t G = K / kGroup;
+void direct_rows(const float* x, int64_t ldx, int64_t K, const Tile& t, float* out) {
   fvec acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
-  for (int64_t g = 0; g < G; ++g) {
-    fvec part[kChains][R][2];
-    for (int c = 0; c < kChains; ++c) {
-      for (int r = 0; r < R; ++r) part[c][r][0] = part[c][r][1] = fvec{};
-    }
-    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += kChains) {
-#pragma GCC unroll 2
-      for (int c = 0; c < kChains; ++c) {
-        fvec q0, q1;
-        Group<F>::codes(t.qs, k + c, q0, q1);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const fvec xv = splat(x[r * ldx + k + c]);
-          part[c][r][0] = fmadd(xv, q0, part[c][r][0]);
-          part[c][r][1] = fmadd(xv, q1, part[c][r][1]);
-        }
-      }
-    }
+  for (int64_t g = 0; g < K / kGroup; ++g) {
     const Group<F> s(t, g);
-    for (int r = 0; r < R; ++r) {
-      fvec p0 = part[0][r][0], p1 = part[0][r][1];
-      if constexpr (kChains == 2) {
-        p0 += part[1][r][0];
-        p1 += part[1][r][1];
-      }
-      acc[r][0] = fmadd(p0, s.d0, acc[r][0]);
-      acc[r][1] = fmadd(p1, s.d1, acc[r][1]);
-      if constexpr (F != kQ8_0) {
-        const fvec xs = splat(xsum[r * G + g]);
-        acc[r][0] = fmadd(xs, s.m0, acc[r][0]);
-        acc[r][1] = fmadd(xs, s.m1, acc[r][1]);
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      fvec w0, w1;
+      s.weights(t.qs, k, w0, w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const fvec xv = splat(x[r * ldx + k]);
+        acc[r][0] = fmadd(xv, w0, acc[r][0]);
+        acc[r][1] = fmadd(xv, w1, acc[r][1]);
       }
     }
   }
@@ -254,27 +213,13 @@ void panel_rows(const float* x, int64_t ldx, int64_t K, const float* panel, floa
 }
 
 template <int F>
-void direct_any(int64_t rows, const float* x, int64_t ldx, const float* xsum, int64_t K,
-                const Tile& t, float* out) {
+void direct_any(int64_t rows, const float* x, int64_t ldx, int64_t K, const Tile& t, float* out) {
   switch (rows) {
-    case 1: direct_rows<F, 1>(x, ldx, xsum, K, t, out); break;
-    case 2: direct_rows<F, 2>(x, ldx, xsum, K, t, out); break;
-    case 3: direct_rows<F, 3>(x, ldx, xsum, K, t, out); break;
-    default: direct_rows<F, 4>(x, ldx, xsum, K, t, out); break;
+    case 1: direct_rows<F, 1>(x, ldx, K, t, out); break;
+    case 2: direct_rows<F, 2>(x, ldx, K, t, out); break;
+    case 3: direct_rows<F, 3>(x, ldx, K, t, out); break;
+    default: direct_rows<F, 4>(x, ldx, K, t, out); break;
   }
-}
-
-// X = sum of x over each group of 32 along K, per row: [M, G] (the few-row schedule's m X).
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
-  std::vector<float> out(static_cast<size_t>(M * (K / kGroup)));
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < K / kGroup; ++g) {
-      float sum = 0.0f;
-      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) sum += x[r * K + k];
-      out[r * (K / kGroup) + g] = sum;
-    }
-  }
-  return out;
 }
 
 void panel_any(int64_t rows, const float* x, int64_t ldx, int64_t K, const float* panel,
@@ -307,7 +252,6 @@ void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t
   const int64_t num_tiles = (N + kTile - 1) / kTile;
   const int64_t G = K / kGroup;
   const int64_t tile_bytes = K * kTile * Traits<F>::kBits / 8;
-  const std::vector<float> xsum = M <= kDirectRows ? group_sums(x, M, K) : std::vector<float>();
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(static_cast<size_t>(kPanelRows * kTile));
     std::vector<float> panel(M > kDirectRows ? static_cast<size_t>(K * kTile) : 0);
@@ -315,7 +259,7 @@ void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t
       const Tile t{qs + i * tile_bytes, d + i * G * kTile, m ? m + i * G * kTile : nullptr};
       const int64_t width = std::min<int64_t>(kTile, N - i * kTile);
       if (M <= kDirectRows) {
-        direct_any<F>(M, x, K, xsum.data(), K, t, out.data());
+        direct_any<F>(M, x, K, K, t, out.data());
         write_out(out.data(), M, width, y + i * kTile, N);
         continue;
       }

@@ -4,9 +4,9 @@ Teacher-forced next-token agreement and perplexity ratio against fp32 transforme
 dequantized weights (the session's `hf_reference`), over the first 2,048 tokens of the natural
 text of bench/quant_quality.py (4 windows of 512; docs/PERFORMANCE.md has the whole text's
 figures). Bounds are the documented goals: the GGUF's own blocks >= 99.5% and <= 1.005 (they
-read the same numbers; only rounding order differs), int8 (weight-only, fp16 scales per 32
-weights) >= 97% and <= 1.02, a bf16 KV cache >= 99%. Then one small
-stack with every worker default (Q4_1 blocks served natively) answers a request.
+read the same numbers; only summation order differs), int8 (weight-only, fp16 scales per 32
+weights) >= 97% and <= 1.02, a bf16 KV cache >= 99%. Then one small stack with every worker
+default (Q4_1 blocks served natively) answers a request.
 """
 
 from __future__ import annotations

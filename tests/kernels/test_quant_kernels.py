@@ -4,10 +4,9 @@
   path reads the same fp32 weights as the dequantized one).
 * kernels/csrc/qlinear.cpp against `quant_linear_ref` (dequantize, then F.linear in fp32) for
   Q4_0/Q4_1/Q8_0, fp32 and bf16 activations, row counts on both sides of its two schedules
-  (up to 4 rows: d sum(x q) + m sum(x) per block; a dequantized panel above) and a last tile
-  narrower than the others. Bound: the same real sum, rounded in another order, so the error is
-  a few ulps of the terms' magnitudes, sum |x| (|q d| + |m|) (bf16: one rounding of the output on
-  top).
+  (registers up to 4 rows, a dequantized panel above) and a last tile narrower than the others.
+  Bound: the products and their fp32 sums are the same, only the order differs, so the error is
+  a few ulps of sum |x| |w| (bf16: one rounding of the output on top).
 * Paged attention over a bf16/fp16 KV cache with fp32 queries equals the fp32 reference on the
   widened cache (the kernel widens exactly; fp32 tolerance).
 * Shards of block weights (rows, block columns, padding) dequantize to the shards of the
@@ -78,10 +77,7 @@ def test_qlinear_matches_reference(
     got = quant_linear(ext, x, pack(qw, int(ext.qlinear_tile())))
     want = quant_linear_ref(x, qw)
     assert got.dtype == dtype and got.shape == (rows, n)
-    n_blocks = qw.d.shape[1]
-    q = qw.codes.float().view(n, n_blocks, -1)
-    terms = (q * qw.d[..., None]).abs() + (0.0 if qw.m is None else qw.m[..., None].abs())
-    scale = x.float().abs() @ terms.view(n, k).t()  # sum |x| (|q d| + |m|) per output
+    scale = x.float().abs() @ qw.dequantize().abs().t()  # sum |x| |w| per output
     bound = 1e-6 * scale + (scale.abs() + 1e-3) * (2.0**-7 if dtype == torch.bfloat16 else 0.0)
     excess = (got.float() - want.float()).abs() - bound
     assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
@@ -95,7 +91,9 @@ def test_qlinear_launcher_refuses_bad_inputs(ext: ModuleType, gen: torch.Generat
     with pytest.raises(ValueError, match="dtype"):
         quant_linear(ext, torch.randn(2, 64).half(), packed)
     with pytest.raises(ValueError):  # the C++ checks: codes of another size
-        ext.qlinear(torch.randn(2, 64), packed.qs[:-1], packed.d, packed.m, 40, 4)
+        ext.qlinear(torch.randn(2, 64), packed.qs[:-1], packed.d, packed.m, 40, 1)  # q4_1
+    with pytest.raises(ValueError, match="float16"):  # scales as the file holds them
+        ext.qlinear(torch.randn(2, 64), packed.qs, packed.d.float(), packed.m, 40, 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         pack(QuantWeight("q8_0", qw.codes[:, :40].to(torch.int8), qw.d, None), 16)
 

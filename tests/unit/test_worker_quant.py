@@ -1,7 +1,7 @@
 """The worker's quantized weights behind the model's policy seam (services/worker/linear.py).
 
 On the tiny random model: every block format through the C++ kernel gives the logits the dense
-path gives on the same dequantized weights (up to rounding order), and so does int8 (weight-only,
+path gives on the same dequantized weights (up to summation order), and so does int8 (weight-only,
 one fp16 scale per group of weights along K) on its own rounded weights; the requantized
 settings stay close; a compact KV cache holds twice the blocks in the same bytes; `auto` keeps
 an unquantized checkpoint dense; the handshake names what the weights and the KV pool are; the
