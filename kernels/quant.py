@@ -129,10 +129,10 @@ class PackedWeight:
 
     n: int
     k: int
-    bits: int
+    fmt: str  # one of FORMATS
     qs: torch.Tensor  # uint8 [tiles * K * tile * bits / 8]
-    d: torch.Tensor  # float32 [tiles, K / 32, tile]
-    m: Optional[torch.Tensor]  # float32 like d, None for 8-bit codes
+    d: torch.Tensor  # float16 [tiles, K / 32, tile]
+    m: Optional[torch.Tensor]  # float16 like d for q4_1; None (q4_0: -8 d; q8_0: 0)
 
     def num_bytes(self) -> int:
         tensors = [self.qs, self.d] + ([self.m] if self.m is not None else [])
@@ -141,7 +141,8 @@ class PackedWeight:
 
 def pack(w: QuantWeight, tile: int) -> PackedWeight:
     """Tile layout of qlinear.cpp: per tile of `tile` columns, per k, the tile's codes (4-bit:
-    byte j = column j | column j + tile/2 << 4); scales per tile, block and column."""
+    byte j = column j | column j + tile/2 << 4); scales per tile, block and column as fp16, as
+    the file holds them (ValueError for a scale fp16 cannot hold exactly)."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"K must be a multiple of {GROUP}, got {k}")
@@ -156,8 +157,16 @@ def pack(w: QuantWeight, tile: int) -> PackedWeight:
     if w.bits == 4:
         half = tile // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)
-    m = None if w.m is None else by_tile(w.m)
-    return PackedWeight(n, k, w.bits, codes.contiguous().view(-1), by_tile(w.d), m)
+    m = _half(w.m, "m") if w.fmt == "q4_1" else None
+    return PackedWeight(n, k, w.fmt, codes.contiguous().view(-1), by_tile(_half(w.d, "d")),
+                        None if m is None else by_tile(m))  # fmt: skip
+
+
+def _half(t: torch.Tensor, name: str) -> torch.Tensor:
+    h = t.half()
+    if not torch.equal(h.float(), t.float()):
+        raise ValueError(f"block scales {name} must be fp16 numbers (as GGUF stores them)")
+    return h
 
 
 def quant_linear(ext: ModuleType, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -166,4 +175,4 @@ def quant_linear(ext: ModuleType, x: torch.Tensor, w: PackedWeight) -> torch.Ten
     check_tensor("x", x, ndim=2, dtypes=(torch.float32, torch.bfloat16))
     if x.shape[1] != w.k:
         raise ValueError(f"x has {x.shape[1]} features, the weight expects {w.k}")
-    return ext.qlinear(x.contiguous(), w.qs, w.d, w.m, w.n, w.bits)
+    return ext.qlinear(x.contiguous(), w.qs, w.d, w.m, w.n, FORMATS.index(w.fmt))

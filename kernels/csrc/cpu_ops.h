@@ -213,7 +213,7 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
 at::Tensor silu_and_mul(const at::Tensor& x);
 // qlinear.cpp <-> kernels.quant.quant_linear_ref
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                   const c10::optional<at::Tensor>& m, int64_t n, int64_t bits);
+                   const c10::optional<at::Tensor>& m, int64_t n, int64_t format);
 int64_t qlinear_tile();
 
 }  // namespace conveyor

@@ -3,21 +3,24 @@
 // reference: kernels.quant.quant_linear_ref; packing and launcher: kernels/quant.py.
 //
 // Every format is read as w = q * d + m per block of 32 weights along K: Q4_1 (q in 0..15, its
-// own d and m), Q4_0 (q in 0..15, m = -8 d), Q8_0 (q in -128..127, m = 0). d and m come from the
-// file's fp16 and q * d is exact in fp32, so each dequantized weight is the very fp32 number the
-// dequantized reference holds: the outputs differ from it only by summation order.
+// own d and m), Q4_0 (q in 0..15, m = -8 d, made in registers), Q8_0 (q in -128..127, m = 0); one
+// loop serves all three (Traits, Group). d and m stay the file's fp16 numbers, so the kernel
+// reads the file's bytes per weight (0.5625 / 0.625 / 1.0625), and widens them exactly.
 //
 // Packed layout (kernels/quant.py `pack`): columns (output features) in tiles of kTile = 2
 // vectors; per tile and k the tile's kTile codes are contiguous (4-bit: byte j holds column j in
-// its low nibble and column j + kTile/2 in its high one; 8-bit: one byte per column); d and m
-// per tile, group and column as fp32. So a k step loads one short run of bytes and two vectors of
-// scales, whatever the instruction set.
+// its low nibble and column j + kTile/2 in its high one; 8-bit: one byte per column); d (and
+// Q4_1's m) per tile, group and column as fp16. So a k step loads one short run of bytes, and a
+// group of 32 k steps two vectors of scales, whatever the instruction set.
 //
 // Two schedules, the same arithmetic: few rows dequantize each k step in registers and use it
-// for all rows (memory-bound decode); more rows dequantize the tile once into a thread-local
-// fp32 panel [K, kTile] and run a register-blocked GEMM over it (compute-bound). Threads split
-// the column tiles. The vectors are GCC generic vectors: 16 lanes where the compiler targets
-// AVX-512 (__AVX512F__), else 8 (AVX2, or two SSE registers); FMA where __FMA__ or AVX-512 say so.
+// for all rows (decode); more rows dequantize the tile once into a thread-local fp32 panel
+// [K, kTile] and run a register-blocked GEMM over it. Either way each weight is w = q d + m with
+// one rounding (q d is exact), the very fp32 number the dequantized reference holds, so the
+// outputs differ from it only by summation order. Threads split the column tiles. The vectors
+// are GCC generic vectors: 16 lanes where the compiler targets AVX-512 (__AVX512F__), else 8
+// (AVX2, or two SSE registers); FMA where __FMA__ or AVX-512 say so, fp16 widening where
+// __F16C__ does.
 
 #include "cpu_ops.h"
 
@@ -92,38 +95,75 @@ inline ivec widen(const uint8_t* p) {
 #endif
 }
 
-enum Format : int64_t { kQ4 = 0, kQ8 = 1 };  // 4-bit unsigned codes, 8-bit signed codes
+// GGUF's block formats, in kernels.quant.FORMATS order: w = q * d + m per 32 weights along K.
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
-// The codes of one tile at one k as floats: two vectors of kLanes columns.
+// Q4_0 (q in 0..15, m = -8 d, made in registers), Q4_1 (q in 0..15, m stored), Q8_0 (q in
+// -128..127, m = 0): one loop reads all three through these traits.
 template <int F>
-inline void codes(const uint8_t* qs, int64_t k, fvec& lo, fvec& hi) {
-  if constexpr (F == kQ4) {
-    const ivec v = widen<false>(qs + k * (kTile / 2));
-    lo = __builtin_convertvector(v & 15, fvec);
-    hi = __builtin_convertvector(v >> 4, fvec);
-  } else {
-    lo = __builtin_convertvector(widen<true>(qs + k * kTile), fvec);
-    hi = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec);
-  }
+struct Traits {
+  static constexpr int kBits = F == kQ8_0 ? 8 : 4;
+  static constexpr bool kStoredMin = F == kQ4_1;
+};
+
+// kLanes fp16 numbers from p as floats (exact: every half is a float).
+inline fvec load_half(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (fvec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return (fvec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  fvec out;
+  for (int i = 0; i < kLanes; ++i) out[i] = half_to_float(p[i]);
+  return out;
+#endif
 }
 
 struct Tile {
   const uint8_t* qs;  // codes of the tile [K, kTile] (packed as above)
-  const float* d;     // [G, kTile]
-  const float* m;     // [G, kTile], or nullptr (Q8_0: no offset)
+  const uint16_t* d;  // fp16 [G, kTile]
+  const uint16_t* m;  // fp16 [G, kTile] (Q4_1 only)
 };
 
-// The tile's weights at group g, k steps [k0, k0 + 32): w = q * d + m, in two vectors per k.
+// One group's scales for the tile's two vectors of columns, and its weights at any k of the
+// group: w = q * d + m, one rounding, as the reference's q * d (exact) + m.
+template <int F>
+struct Group {
+  fvec d0, d1, m0, m1;
+
+  Group(const Tile& t, int64_t g) {
+    d0 = load_half(t.d + g * kTile);
+    d1 = load_half(t.d + g * kTile + kLanes);
+    if constexpr (Traits<F>::kStoredMin) {
+      m0 = load_half(t.m + g * kTile);
+      m1 = load_half(t.m + g * kTile + kLanes);
+    } else if constexpr (F == kQ4_0) {
+      m0 = d0 * -8.0f;  // exact
+      m1 = d1 * -8.0f;
+    }
+  }
+
+  void weights(const uint8_t* qs, int64_t k, fvec& w0, fvec& w1) const {
+    if constexpr (Traits<F>::kBits == 4) {
+      const ivec v = widen<false>(qs + k * (kTile / 2));
+      w0 = fmadd(__builtin_convertvector(v & 15, fvec), d0, m0);
+      w1 = fmadd(__builtin_convertvector(v >> 4, fvec), d1, m1);
+    } else {
+      w0 = __builtin_convertvector(widen<true>(qs + k * kTile), fvec) * d0;
+      w1 = __builtin_convertvector(widen<true>(qs + k * kTile + kLanes), fvec) * d1;
+    }
+  }
+};
+
+// The tile's weights at group g, k steps [32 g, 32 g + 32), into the fp32 panel [K, kTile].
 template <int F>
 inline void dequant_group(const Tile& t, int64_t g, float* panel) {
-  const fvec d0 = load(t.d + g * kTile), d1 = load(t.d + g * kTile + kLanes);
-  const fvec m0 = t.m ? load(t.m + g * kTile) : fvec{};
-  const fvec m1 = t.m ? load(t.m + g * kTile + kLanes) : fvec{};
+  const Group<F> s(t, g);
   for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
-    fvec lo, hi;
-    codes<F>(t.qs, k, lo, hi);
-    store(panel + k * kTile, fmadd(lo, d0, m0));
-    store(panel + k * kTile + kLanes, fmadd(hi, d1, m1));
+    fvec w0, w1;
+    s.weights(t.qs, k, w0, w1);
+    store(panel + k * kTile, w0);
+    store(panel + k * kTile + kLanes, w1);
   }
 }
 
@@ -134,13 +174,10 @@ void direct_rows(const float* x, int64_t ldx, int64_t K, const Tile& t, float* o
   fvec acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = fvec{};
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    const fvec d0 = load(t.d + g * kTile), d1 = load(t.d + g * kTile + kLanes);
-    const fvec m0 = t.m ? load(t.m + g * kTile) : fvec{};
-    const fvec m1 = t.m ? load(t.m + g * kTile + kLanes) : fvec{};
+    const Group<F> s(t, g);
     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
-      fvec lo, hi;
-      codes<F>(t.qs, k, lo, hi);
-      const fvec w0 = fmadd(lo, d0, m0), w1 = fmadd(hi, d1, m1);
+      fvec w0, w1;
+      s.weights(t.qs, k, w0, w1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const fvec xv = splat(x[r * ldx + k]);
@@ -211,10 +248,10 @@ void write_out(const float* out, int64_t rows, int64_t width, T* y, int64_t ldy)
 
 template <int F, typename T>
 void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* qs,
-                  const float* d, const float* m, T* y) {
+                  const uint16_t* d, const uint16_t* m, T* y) {
   const int64_t num_tiles = (N + kTile - 1) / kTile;
   const int64_t G = K / kGroup;
-  const int64_t tile_bytes = F == kQ4 ? K * kTile / 2 : K * kTile;
+  const int64_t tile_bytes = K * kTile * Traits<F>::kBits / 8;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(static_cast<size_t>(kPanelRows * kTile));
     std::vector<float> panel(M > kDirectRows ? static_cast<size_t>(K * kTile) : 0);
@@ -236,48 +273,60 @@ void qlinear_impl(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t
   });
 }
 
+template <int F>
+void qlinear_any(const at::Tensor& xf, const at::Tensor& qs, const at::Tensor& d,
+                 const c10::optional<at::Tensor>& m, at::Tensor& y) {
+  const float* xp = xf.data_ptr<float>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = Traits<F>::kStoredMin ? reinterpret_cast<const uint16_t*>(m->data_ptr())
+                                         : nullptr;
+  const int64_t M = xf.size(0), K = xf.size(1), N = y.size(1);
+  if (y.scalar_type() == at::kBFloat16) {
+    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+    qlinear_impl<F>(xp, M, K, N, qs.data_ptr<uint8_t>(), dp, mp, yp);
+  } else {
+    qlinear_impl<F>(xp, M, K, N, qs.data_ptr<uint8_t>(), dp, mp, y.data_ptr<float>());
+  }
+}
+
+void check_scales(const char* name, const at::Tensor& t, int64_t numel) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kHalf && t.is_contiguous() && t.numel() == numel,
+                    name, " must be contiguous float16 of ", numel, " elements");
+}
+
 }  // namespace
 
 int64_t qlinear_tile() { return kTile; }
 
 // x [M, K] (float32 or bfloat16, contiguous) @ W^T -> [M, N] in x's dtype. qs: uint8 codes packed
-// per tile; d, m: float32 [num_tiles, G, kTile] (m undefined for 8-bit codes); bits 4 or 8.
+// per tile; d, m: float16 [num_tiles, G, kTile] (m only for Q4_1); format: a Format above.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                   const c10::optional<at::Tensor>& m, int64_t n, int64_t bits) {
+                   const c10::optional<at::Tensor>& m, int64_t n, int64_t format) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK_VALUE(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK_VALUE(format >= kQ4_0 && format <= kQ8_0, "format must be 0 (Q4_0), 1 (Q4_1) or 2");
+  const int64_t bits = format == kQ8_0 ? 8 : 4;
   const int64_t num_tiles = (n + kTile - 1) / kTile;
   const int64_t code_bytes = num_tiles * K * kTile * bits / 8;
   TORCH_CHECK_VALUE(qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                         qs.numel() == code_bytes,
                     "qs must be contiguous uint8 of ", code_bytes, " bytes");
   const int64_t scale_numel = num_tiles * (K / kGroup) * kTile;
-  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == scale_numel,
-                    "d must be contiguous float32 of ", scale_numel, " elements");
-  if (bits == 4) {
-    TORCH_CHECK_VALUE(m.has_value() && m->scalar_type() == at::kFloat && m->is_contiguous() &&
-                          m->numel() == scale_numel,
-                      "4-bit codes need m: contiguous float32 like d");
+  check_scales("d", d, scale_numel);
+  if (format == kQ4_1) {
+    TORCH_CHECK_VALUE(m.has_value(), "Q4_1 needs m");
+    check_scales("m", *m, scale_numel);
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE(bf16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
   at::Tensor xf = bf16 ? x.to(at::kFloat) : x;  // the products are fp32 either way
-  const float* xp = xf.data_ptr<float>();
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = bits == 4 ? m->data_ptr<float>() : nullptr;
-  if (bits == 4 && bf16) {
-    qlinear_impl<kQ4>(xp, M, K, n, qp, dp, mp, reinterpret_cast<uint16_t*>(y.data_ptr()));
-  } else if (bits == 4) {
-    qlinear_impl<kQ4>(xp, M, K, n, qp, dp, mp, y.data_ptr<float>());
-  } else if (bf16) {
-    qlinear_impl<kQ8>(xp, M, K, n, qp, dp, mp, reinterpret_cast<uint16_t*>(y.data_ptr()));
-  } else {
-    qlinear_impl<kQ8>(xp, M, K, n, qp, dp, mp, y.data_ptr<float>());
+  switch (format) {
+    case kQ4_0: qlinear_any<kQ4_0>(xf, qs, d, m, y); break;
+    case kQ4_1: qlinear_any<kQ4_1>(xf, qs, d, m, y); break;
+    default: qlinear_any<kQ8_0>(xf, qs, d, m, y); break;
   }
   return y;
 }

@@ -18,7 +18,8 @@ PIPELINE_MODES = ("auto", "on", "off")
 SPECULATIVE_MODES = ("off", "ngram")
 # Weights (services/worker/linear.py): "auto" serves a GGUF's own Q4_0/Q4_1/Q8_0 blocks (other
 # block formats as Q8_0) and an unquantized checkpoint as it is; "none" the dequantized tensors in
-# the compute dtype; a block format requantizes every linear layer to it; "int8" per-channel int8.
+# the compute dtype; a block format requantizes every linear layer to it; "int8" int8 weights
+# with an fp16 scale per 32 along K (services/worker/int8_linear.py).
 QUANTIZATIONS = ("auto", "none", "q4_0", "q4_1", "q8_0", "int8")
 BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")
 # KV cache storage (services/worker/kv_cache.py); attention computes in fp32 on the CPU.
@@ -42,7 +43,7 @@ class WorkerConfig:
         metadata={"choices": QUANTIZATIONS, "help": "weights: auto serves a GGUF's own blocks "
                   "(Q4_0/Q4_1/Q8_0; other block formats as q8_0) and a Hugging Face folder as it "
                   "is; none: the dequantized weights in the compute dtype; q4_0/q4_1/q8_0: every "
-                  "linear layer requantized to that format; int8: per-channel int8 weights"},
+                  "linear layer requantized to that format; int8: int8 weights, a scale per 32"},
     )  # fmt: skip
     kv_cache_dtype: str = field(
         default="auto",

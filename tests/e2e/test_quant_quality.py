@@ -4,9 +4,9 @@ Teacher-forced next-token agreement and perplexity ratio against fp32 transforme
 dequantized weights (the session's `hf_reference`), over the first 2,048 tokens of the natural
 text of bench/quant_quality.py (4 windows of 512; docs/PERFORMANCE.md has the whole text's
 figures). Bounds are the documented goals: the GGUF's own blocks >= 99.5% and <= 1.005 (they
-read the same numbers; only summation order differs), int8 (weight-only) >= 96% and <= 1.02 (its
-goal of 97% is not met: 96.45% over the whole text), a bf16 KV cache >= 99%. Then one small
-stack with every worker default (Q4_1 blocks served natively) answers a request.
+read the same numbers; only summation order differs), int8 (weight-only, fp16 scales per 32
+weights) >= 97% and <= 1.02, a bf16 KV cache >= 99%. Then one small stack with every worker
+default (Q4_1 blocks served natively) answers a request.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ NUM_TOKENS = 4 * WINDOW
 # setting -> (resolved quantization, minimum agreement, maximum perplexity ratio)
 GOALS = {
     "auto": ("gguf", 0.995, 1.005),
-    "int8": ("int8", 0.96, 1.02),  # documented: 96.45% over the whole text (goal 97%: not met)
+    "int8": ("int8", 0.97, 1.02),  # documented: 97.67% over the whole text (scales per 32)
     "auto//bfloat16": ("gguf", 0.99, 1.02),
 }
 

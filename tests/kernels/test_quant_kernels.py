@@ -91,7 +91,9 @@ def test_qlinear_launcher_refuses_bad_inputs(ext: ModuleType, gen: torch.Generat
     with pytest.raises(ValueError, match="dtype"):
         quant_linear(ext, torch.randn(2, 64).half(), packed)
     with pytest.raises(ValueError):  # the C++ checks: codes of another size
-        ext.qlinear(torch.randn(2, 64), packed.qs[:-1], packed.d, packed.m, 40, 4)
+        ext.qlinear(torch.randn(2, 64), packed.qs[:-1], packed.d, packed.m, 40, 1)  # q4_1
+    with pytest.raises(ValueError, match="float16"):  # scales as the file holds them
+        ext.qlinear(torch.randn(2, 64), packed.qs, packed.d.float(), packed.m, 40, 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         pack(QuantWeight("q8_0", qw.codes[:, :40].to(torch.int8), qw.d, None), 16)
 

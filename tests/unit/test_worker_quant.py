@@ -2,10 +2,10 @@
 
 On the tiny random model: every block format through the C++ kernel gives the logits the dense
 path gives on the same dequantized weights (up to summation order), and so does int8 (weight-only,
-one scale per output channel) on its own rounded weights; the requantized settings stay close;
-a compact KV cache holds twice the blocks in the same bytes; `auto` keeps an unquantized
-checkpoint dense; the handshake names what the weights and the KV pool are; the settings refuse
-what they cannot serve.
+one fp16 scale per group of weights along K) on its own rounded weights; the requantized
+settings stay close; a compact KV cache holds twice the blocks in the same bytes; `auto` keeps
+an unquantized checkpoint dense; the handshake names what the weights and the KV pool are; the
+settings refuse what they cannot serve.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from services.worker.config import (
     resolve_kv_cache_dtype,
     resolve_quantization,
 )
-from services.worker.int8_linear import Int8Weights, per_channel_int8
+from services.worker.int8_linear import GROUP_SIZE, Int8Weights, groupwise_int8
 from services.worker.linear import BlockWeights, DenseWeights
 from services.worker.model import LlamaModel
 from services.worker.ops import TorchOps
@@ -77,21 +77,25 @@ def test_block_weights_give_the_dense_logits_of_their_dequantized_weights(
     assert quant_model.weight_bytes() < ref_model.weight_bytes()
 
 
-def test_int8_weights_give_the_dense_logits_of_their_per_channel_rounding(tiny: Path) -> None:
+def test_int8_weights_give_the_dense_logits_of_their_groupwise_rounding(tiny: Path) -> None:
     ext = try_load_cpu_ext()
     assert ext is not None
     runner = ModelRunner(WorkerConfig(model=str(tiny), dtype="float32", kv_cache_memory=4 << 20))
     args = model_args(tiny)
     dense = dict(load_weights(tiny, torch.float32, "cpu"))
     rounded = {
-        n: per_channel_int8(t).dequantize() if n.endswith("_proj.weight")
+        n: groupwise_int8(t).dequantize() if n.endswith("_proj.weight")
         else quantize(t, "q8_0").dequantize() if n.endswith("embed_tokens.weight")
         else t
         for n, t in dense.items()
     }  # fmt: skip
-    codes = per_channel_int8(dense["model.layers.0.mlp.down_proj.weight"])
-    assert torch.equal(codes.d, codes.d[:, :1].expand_as(codes.d))  # one scale per row
+    codes = groupwise_int8(dense["model.layers.0.mlp.down_proj.weight"])
+    per_group = codes.d.view(codes.d.shape[0], -1, GROUP_SIZE // 32)
+    assert torch.equal(per_group, per_group[..., :1].expand_as(per_group))  # one per group
+    assert torch.equal(codes.d.half().float(), codes.d)  # fp16 scales, as the kernel holds them
     assert int(codes.codes.abs().max()) == 127
+    whole_rows = groupwise_int8(dense["model.layers.0.mlp.down_proj.weight"], group=1 << 20)
+    assert torch.equal(whole_rows.d, whole_rows.d[:, :1].expand_as(whole_rows.d))
     ops = TorchOps()
     int8_model = LlamaModel(args, dense, ops, 64, "cpu", policy=Int8Weights(torch.float32))
     ref_model = LlamaModel(args, rounded, ops, 64, "cpu", policy=DenseWeights(torch.float32))
