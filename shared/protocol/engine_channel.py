@@ -46,7 +46,7 @@ class SubmitRequest:
     slo_class: Optional[str] = None
     ttft_ms: Optional[float] = None
     tpot_ms: Optional[float] = None
-    on_slo_miss: Optional[str] = None  # "reject" | "best_effort"; None: the class's, else best_effort
+    on_slo_miss: Optional[str] = None  # "reject" | "best_effort"; None: the class's choice
 
 
 @dataclass(frozen=True, slots=True)
