@@ -40,9 +40,7 @@ def latency_targets(wire: dict[str, Any], rid: str) -> LatencyTargets:
         msg = f"`on_slo_miss` must be one of {', '.join(ON_SLO_MISS)}, not {short_repr(miss)}"
         raise ClientMessageError(ErrorCode.INVALID_PARAMS, msg, rid)
     name = wire.get("slo_class")
-    if name is not None and (
-        type(name) is not str or not 0 < len(name) <= MAX_CLASS_NAME_CHARS
-    ):
+    if name is not None and (type(name) is not str or not 0 < len(name) <= MAX_CLASS_NAME_CHARS):
         msg = f"`slo_class` must be a name of 1-{MAX_CLASS_NAME_CHARS} characters"
         raise ClientMessageError(ErrorCode.INVALID_FIELD, msg, rid)
     if not out and miss is None and name is None:
