@@ -36,6 +36,7 @@ from typing import Optional
 from services.scheduler.request import Request
 from services.scheduler.stats import StepRecord
 from shared.protocol.worker_channel import StepPlan
+from shared.step_cost import StepShape
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class InFlightStep:
     # `version` when the result arrives, the result may take the steady path
     # (services/scheduler/steady.py `SteadyDecodes.apply`)
     steady: bool
+    shape: Optional[StepShape] = None  # what it computes (the step-time predictor's input)
     sent_at: float = 0.0  # time.time() when the plan left (`mark_sent`)
     gap_s: Optional[float] = None  # previous result -> this plan, when sent back to back
 

@@ -55,6 +55,7 @@ from shared.protocol.engine_channel import (
 )
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.step_cost import StepCostPredictor
 
 
 class Scheduler:
@@ -88,6 +89,8 @@ class Scheduler:
         self._trace = trace
         self.live = LiveRequests(eos_token_ids, self._max_len, self.counters, trace)
         self.in_flight = InFlightSteps(config.max_plans_in_flight)
+        # step time from its shape, fitted from this engine's own steps (shared/step_cost.py)
+        self.predictor = StepCostPredictor()
         self._step_id = 0
         self._assemble(num_blocks)
 
@@ -190,6 +193,7 @@ class Scheduler:
     def _build(self, step: StepBuilder, now: float) -> StepPlan:
         """The filled step becomes a plan, recorded in flight with its step record."""
         self._step_id += 1
+        shape = step.shape()  # before build() advances the computed counts
         built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
         steady = self.steady.after_build(step, built)
         self.composition.built(len(step.decodes), step.num_chunks)
@@ -202,11 +206,16 @@ class Scheduler:
                              self.config.max_num_seqs, self.pool)  # fmt: skip
         self.counters.count_step(record)
         self.in_flight.add(InFlightStep(built.plan, record, built.sampled, built.sampled_rids,
-                                        built.filled, self._batch.version, steady))  # fmt: skip
+                                        built.filled, self._batch.version, steady,
+                                        shape))  # fmt: skip
         return built.plan
 
     def update(self, result: StepResult) -> OutputBatch:
-        """Called with the oldest in-flight plan's result (results.py `ResultApplier.update`)."""
+        """Called with the oldest in-flight plan's result (results.py `ResultApplier.update`);
+        the step's measured time feeds the step-time predictor."""
+        flight = self.in_flight.oldest()
+        if flight is not None and flight.shape is not None and flight.step_id == result.step_id:
+            self.predictor.observe(flight.shape, result.forward_s)
         return self._results.update(result)
 
     def after_plan(self) -> None:
@@ -215,6 +224,7 @@ class Scheduler:
         ahead the cached blocks the next step will allocate, traced requests' spans)."""
         if self._trace is not None:
             self._trace.flush()
+        self.predictor.maybe_refit()
         if self.config.enable_prefix_caching:
             # the most blocks one step can allocate: its tokens' blocks, plus one per request
             # for a partly filled block (decodes: their one token may need a new block)
@@ -298,6 +308,9 @@ class Scheduler:
             "prefix_caching": float(self.config.enable_prefix_caching),
         }
         out.update(self.counters.as_stats())
+        errors = self.predictor.errors()
+        if errors is not None:
+            out["step_predictor_p50_error"], out["step_predictor_p90_error"] = errors
         out.update(self.prefix_cache.stats())
         return out
 

@@ -17,6 +17,7 @@ from typing import Optional
 from services.scheduler.request import Request
 from services.scheduler.worker_view import WorkerView
 from shared.protocol.worker_channel import NewSequence, StepPlan
+from shared.step_cost import StepShape
 
 
 @dataclass(slots=True)
@@ -108,6 +109,21 @@ class StepBuilder:
             self._num_chunk_tokens -= entry[1]
         elif req in self.decodes:
             self.decodes.remove(req)
+
+    def shape(self) -> StepShape:
+        """What this step computes, for the step-time predictor (shared/step_cost.py); called
+        before `build` advances the computed counts. O(rows)."""
+        num_decodes = len(self.decodes)
+        context = sum(r.num_computed_tokens for r in self.decodes)  # each decode's start
+        pairs, kv, num_sampled = context + num_decodes, context + 2 * num_decodes, num_decodes
+        for req, n in self._chunks.values():
+            s = req.num_computed_tokens
+            pairs += n * s + n * (n + 1) // 2
+            kv += s + 2 * n
+            num_sampled += s + n >= len(req.token_ids)
+        rows, tokens = num_decodes + len(self._chunks), num_decodes + self._num_chunk_tokens
+        has_chunk = any(n > 1 for _, n in self._chunks.values())
+        return StepShape(rows, tokens, num_sampled, pairs, kv, has_chunk)
 
     def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
         """Assemble the plan (only what changed in the worker's batch) and advance each
