@@ -43,6 +43,8 @@ from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import RequestStatus
 from services.scheduler.results import ResultApplier
 from services.scheduler.running import RunningSet
+from services.scheduler.slo_classes import resolve_targets
+from services.scheduler.slo_policy import SloPolicy
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
@@ -91,6 +93,11 @@ class Scheduler:
         self.in_flight = InFlightSteps(config.max_plans_in_flight)
         # step time from its shape, fitted from this engine's own steps (shared/step_cost.py)
         self.predictor = StepCostPredictor()
+        self._slo_classes = config.slo_class_targets
+        self.slo: Optional[SloPolicy] = None
+        if config.policy == "slo":
+            self.slo = SloPolicy(self.predictor, config.max_wait, config.max_num_seqs,
+                                 config.chunk_size)  # fmt: skip
         self._step_id = 0
         self._assemble(num_blocks)
 
@@ -113,7 +120,7 @@ class Scheduler:
         )
         self._filler = StepFiller(
             config, rules, waiting, batch, self.pool, cache, steady, self.composition,
-            self._max_len,
+            self._max_len, self.slo,
         )  # fmt: skip
         self._results = ResultApplier(
             self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock
@@ -138,10 +145,22 @@ class Scheduler:
         )
         if problem is None and len(req.output_token_ids) >= req.sampling.max_tokens:
             problem = (ErrorCode.INVALID_PARAMS, "the resumed request has max_tokens already")
+        targets = resolve_targets(req, self._slo_classes, self.config.slo_default_class)
+        if problem is None and targets is None:
+            problem = (ErrorCode.INVALID_PARAMS, f"unknown slo_class {req.slo_class!r}")
+        now = self._clock()
+        decision = None
+        if problem is None and self.slo is not None and targets is not None:
+            resumed = req.attempt > 0 or bool(req.output_token_ids)
+            decision, problem = self.slo.on_arrival(
+                len(req.prompt_token_ids), targets, resumed, now, self._waiting.ordered(now)
+            )
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
-        request = self.live.admit(req, self._clock())
+        request = self.live.admit(req, now)
+        if decision is not None:
+            request.set_targets(decision.ttft_deadline, decision.tpot_s, decision.best_effort)
         self.prefix_cache.prepare(request)
         self._waiting.add(request)
         self.counters.num_admitted += 1
@@ -308,6 +327,9 @@ class Scheduler:
             "prefix_caching": float(self.config.enable_prefix_caching),
         }
         out.update(self.counters.as_stats())
+        if self.slo is not None:
+            out["num_slo_refused"] = self.slo.num_refused
+            out["num_slo_best_effort"] = self.slo.num_best_effort
         errors = self.predictor.errors()
         if errors is not None:
             out["step_predictor_p50_error"], out["step_predictor_p90_error"] = errors
