@@ -35,8 +35,8 @@ from services.scheduler.slo_classes import SloTargets
 from shared.protocol.errors import ErrorCode
 from shared.step_cost import StepCostPredictor, StepShape
 
-# Steps kept for the admission rate: those that ended with requests still waiting (the rate
-# is then the engine's, not the arrivals'); ~1-5 s of steps on the simulated H200.
+# Steps kept for the admission rate: those that began with requests waiting (the rate is then
+# the engine's, not the arrivals'); ~1-5 s of steps on the simulated H200.
 RATE_WINDOW_STEPS = 256
 # The step time aimed at is this share of the tightest TPOT: room for the predictor's error
 # and the step-time noise (a few %), and for the prefill chunks that lengthen some gaps.
@@ -74,6 +74,7 @@ class SloPolicy:
         # capacity-limited steps: (seconds since the previous step, requests admitted)
         self._steps: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW_STEPS)
         self._last_step_at: Optional[float] = None
+        self._backlogged = False  # the last fill left requests waiting
         self.num_refused = 0
         self.num_best_effort = 0
 
@@ -187,10 +188,13 @@ class SloPolicy:
         return t is None or t <= min(targets) * TPOT_HEADROOM
 
     def end_step(self, now: float, num_admitted: int, num_waiting: int) -> None:
-        """Called after each fill's admissions: a step that left requests waiting counts
-        towards the admission rate (one that emptied the queue measured the arrivals)."""
+        """Called after each fill's admissions: the interval since the previous fill counts
+        towards the admission rate when that fill left requests waiting (a backlog: what was
+        admitted since is the engine's rate, not the arrivals'). Counting by the state at the
+        interval's start, not its end, keeps the fill that empties the queue in the sample."""
         last, self._last_step_at = self._last_step_at, now
-        if num_waiting > 0 and last is not None and now > last:
+        backlogged, self._backlogged = self._backlogged, num_waiting > 0
+        if backlogged and last is not None and now > last:
             self._steps.append((now - last, num_admitted))
 
     def _mixed_shape(self, chunk: int) -> StepShape:
