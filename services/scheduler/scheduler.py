@@ -229,12 +229,16 @@ class Scheduler:
                                         shape))  # fmt: skip
         return built.plan
 
-    def update(self, result: StepResult) -> OutputBatch:
+    def update(self, result: StepResult, step_s: Optional[float] = None) -> OutputBatch:
         """Called with the oldest in-flight plan's result (results.py `ResultApplier.update`);
-        the step's measured time feeds the step-time predictor."""
+        the step's time feeds the step-time predictor: the worker's `forward_s`, or `step_s`
+        (the loop's measure: from when the step could begin to its result) when shorter. A
+        pipelined worker's `forward_s` counts from the step's launch, while the step before
+        it still ran, so it can be up to two steps long."""
         flight = self.in_flight.oldest()
         if flight is not None and flight.shape is not None and flight.step_id == result.step_id:
-            self.predictor.observe(flight.shape, result.forward_s)
+            seconds = result.forward_s if step_s is None else min(result.forward_s, step_s)
+            self.predictor.observe(flight.shape, seconds)
         return self._results.update(result)
 
     def after_plan(self) -> None:
