@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import httpx
 import orjson
@@ -66,6 +66,7 @@ class _Clock:
             index=self.req.index,
             prompt_len=self.req.prompt_len,
             success=True,
+            slo_class=self.req.slo_class,
             output_len=output_len if output_len is not None else self.num_tokens,
             start_wall=self.start_wall,
             ttft=times[0] - self.start,
@@ -79,6 +80,7 @@ class _Clock:
             index=self.req.index,
             prompt_len=self.req.prompt_len,
             success=False,
+            slo_class=self.req.slo_class,
             start_wall=self.start_wall,
             error=error,
             rid=rid,
@@ -90,11 +92,20 @@ class ConveyorBackend:
 
     name = "conveyor"
 
-    def __init__(self, address: str, timeout: float = 600.0, id_prefix: str = "bench") -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 600.0,
+        id_prefix: str = "bench",
+        targets: Optional[dict[str, dict[str, Any]]] = None,
+    ) -> None:
+        """`targets`: per goodput class, the fields sent with each of its requests (ttft_ms,
+        tpot_ms, on_slo_miss)."""
         # `timeout` bounds the wait for each reply; a request queued behind a long static batch
         # can legitimately wait minutes for its first token.
         self._client = AsyncClient(address=address, timeout=timeout)
         self._id_prefix = id_prefix
+        self._targets = targets or {}
 
     def request_id(self, req: BenchRequest) -> str:
         """The client id of a workload request (the step log's rids embed it)."""
@@ -110,6 +121,7 @@ class ConveyorBackend:
             temperature=sampling.temperature,
             ignore_eos=sampling.ignore_eos,
             seed=sampling.seed,
+            **self._targets.get(req.slo_class or "", {}),
         )
         try:
             async for chunk in stream:
@@ -183,10 +195,18 @@ async def _read_sse(resp: httpx.Response, clock: _Clock) -> tuple[Optional[str],
 
 
 def make_backend(
-    name: str, *, address: str, base_url: str, model: str, id_prefix: str = "bench"
+    name: str,
+    *,
+    address: str,
+    base_url: str,
+    model: str,
+    id_prefix: str = "bench",
+    targets: Optional[dict[str, dict[str, Any]]] = None,
 ) -> Backend:
+    """`targets`: per goodput class, the latency-target fields its requests carry (conveyor
+    backend only)."""
     if name == "conveyor":
-        return ConveyorBackend(address, id_prefix=id_prefix)
+        return ConveyorBackend(address, id_prefix=id_prefix, targets=targets)
     if name == "openai":
         return OpenAIBackend(base_url, model)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -28,7 +28,8 @@ from typing import Any, Optional
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import BACKENDS, SamplingChoice, make_backend
 from conveyor.bench.compare_plan import Scenario, add_compare_flags
-from conveyor.bench.metrics import compute_metrics, parse_slos, per_request_fields
+from conveyor.bench.goodput import ON_SLO_MISS, class_targets, with_classes
+from conveyor.bench.metrics import compute_metrics, parse_goodput, per_request_fields
 from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 from conveyor.bench.report import ProgressBar, format_result, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
@@ -48,7 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_arrival_flags(p.add_argument_group("arrivals"))
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("results/bench"))
-    o.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS", help="SLOs (ms)")
+    o.add_argument(
+        "--goodput",
+        nargs="*",
+        default=[],
+        metavar="ttft:MS",
+        help="SLOs (ms): ttft:MS tpot:MS for every request, or classes NAME=ttft:MS,tpot:MS"
+        "[,share:F] whose targets are sent with each request (refusals count as misses)",
+    )
+    o.add_argument("--on-slo-miss", choices=ON_SLO_MISS, default="reject",
+                   help="what requests of --goodput classes ask when out of reach")  # fmt: skip
     o.add_argument("--percentiles", default="90,99")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
@@ -176,7 +186,8 @@ def execute(
     args: argparse.Namespace, workload: WorkloadConfig, arrivals: ArrivalConfig, label: str
 ) -> RunOutcome:
     """Send the workload to the configured backend; a fresh client per run."""
-    requests = generate(workload)
+    _, classes = parse_goodput(args.goodput)
+    requests = with_classes(generate(workload), classes)
     sampling = SamplingChoice(temperature=args.temperature, ignore_eos=args.ignore_eos)
     progress = None if args.no_progress else ProgressBar(len(requests), label)
 
@@ -187,6 +198,7 @@ def execute(
             base_url=args.base_url,
             model=args.model or "default",
             id_prefix=f"bench-{uuid.uuid4().hex[:8]}",
+            targets=class_targets(classes, args.on_slo_miss),
         )
         try:
             return await run_workload(backend, requests, arrivals, sampling, progress)
@@ -200,9 +212,9 @@ def run_once(args: argparse.Namespace, command: str, out: Path) -> dict[str, Any
     """One run: execute, compute, print, save JSON and pictures; returns the result map."""
     workload, arrivals = workload_from_args(args), arrivals_from_args(args)
     percentiles = percentiles_from_args(args)
-    slos = parse_slos(args.goodput)
+    slos, classes = parse_goodput(args.goodput)
     outcome = execute(args, workload, arrivals, label=args.workload)
-    metrics = compute_metrics(outcome.traces, outcome.duration_s, percentiles, slos)
+    metrics = compute_metrics(outcome.traces, outcome.duration_s, percentiles, slos, classes)
     print(format_result(metrics, percentiles))
     result: dict[str, Any] = {
         "command": command,

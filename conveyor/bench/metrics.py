@@ -6,7 +6,8 @@ Definitions (all latencies measured by the client, from the moment the request i
 * TPOT: per request, (E2EL - TTFT) / (output tokens - 1), for requests with > 1 output token.
 * ITL: every gap between two successive chunks of a request, pooled over all requests.
 * Throughputs: totals over completed requests divided by the run's duration (first send to last
-  completion). Goodput: completed requests meeting every given SLO, per second.
+  completion). Goodput: completed requests meeting every given SLO, per second (with classes:
+  their own class's); a refused request never counts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (90.0, 99.0)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+# errors that are an engine's refusal at admission (a failed trace's error starts with its code)
+REFUSAL_CODES = ("slo_unattainable", "overloaded")
 
 Number = Union[int, float, None]
 
@@ -38,6 +41,7 @@ class RequestTrace:
     itls: tuple[float, ...] = field(default_factory=tuple)
     error: str = ""
     rid: Optional[str] = None
+    slo_class: Optional[str] = None  # its goodput class (`--goodput NAME=...`), if any
 
     @property
     def tpot(self) -> Optional[float]:
@@ -71,6 +75,49 @@ class SLOs:
         return all(slo is None or (v is not None and v * 1000.0 <= slo) for slo, v in checks)
 
 
+@dataclass(frozen=True, slots=True)
+class GoodputClass:
+    """A class of requests with its own targets (`--goodput NAME=ttft:MS,tpot:MS,share:F`):
+    `share` of the workload's requests belong to it, and its targets are sent with each."""
+
+    name: str
+    slos: SLOs
+    share: float = 1.0
+
+
+def parse_goodput(items: Sequence[str]) -> tuple[Optional[SLOs], list[GoodputClass]]:
+    """`--goodput`: vLLM's `ttft:MS tpot:MS` (one set of SLOs for every request), or classes
+    `NAME=ttft:MS,tpot:MS[,share:F]`, one item each (not both forms)."""
+    classes = [i for i in items if "=" in i]
+    if not classes:
+        return parse_slos(items), []
+    if len(classes) != len(items):
+        raise ValueError("--goodput: give either ttft:MS tpot:MS or NAME=ttft:MS,... classes")
+    out = []
+    for item in classes:
+        name, _, spec = item.partition("=")
+        parts = [x for x in spec.split(",") if x]
+        share = [float(x.partition(":")[2]) for x in parts if x.startswith("share:")]
+        slos = parse_slos([x for x in parts if not x.startswith("share:")])
+        if not name or slos is None or (share and not share[0] > 0):
+            raise ValueError(f"--goodput {item!r}: use NAME=ttft:MS,tpot:MS[,share:F]")
+        out.append(GoodputClass(name, slos, share[0] if share else 1.0))
+    return None, out
+
+
+def class_of(index: int, classes: Sequence[GoodputClass], seed: int = 0) -> Optional[str]:
+    """The class of workload request `index`: drawn by share, the same for every run."""
+    if not classes:
+        return None
+    total = sum(c.share for c in classes)
+    u = ((index * 2654435761 + seed) % 2**32) / 2**32 * total  # a fixed, well-spread draw
+    for c in classes:
+        if u < c.share:
+            return c.name
+        u -= c.share
+    return classes[-1].name
+
+
 def parse_slos(items: Sequence[str]) -> Optional[SLOs]:
     """`["ttft:200", "tpot:50"]` (vLLM's --goodput syntax, milliseconds) -> SLOs."""
     if not items:
@@ -97,8 +144,11 @@ def compute_metrics(
     duration_s: float,
     percentiles: Sequence[float] = DEFAULT_PERCENTILES,
     slos: Optional[SLOs] = None,
+    classes: Sequence[GoodputClass] = (),
 ) -> dict[str, Number]:
-    """The result fields of one run; `duration_s` from first send to last completion."""
+    """The result fields of one run; `duration_s` from first send to last completion. With
+    `classes`, each request is held to its own class's SLOs; a refused request (failed) is a
+    miss either way."""
     if not duration_s > 0:
         raise ValueError(f"duration must be > 0, got {duration_s}")
     done = [t for t in traces if t.success]
@@ -117,6 +167,12 @@ def compute_metrics(
     }
     if slos is not None:
         out["request_goodput"] = sum(1 for t in done if slos.met_by(t)) / duration_s
+    if classes:
+        by_name = {c.name: c.slos for c in classes}
+        met = [t for t in done if t.slo_class in by_name and by_name[t.slo_class].met_by(t)]
+        out["request_goodput"] = len(met) / duration_s
+        out["num_refused"] = sum(1 for t in traces if t.error.startswith(REFUSAL_CODES))
+        out["met_share_of_admitted"] = len(met) / len(done) if done else None
     samples = {
         "ttft": [t.ttft for t in done if t.ttft is not None],
         "tpot": [v for v in (t.tpot for t in done) if v is not None],

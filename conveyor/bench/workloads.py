@@ -36,6 +36,7 @@ class BenchRequest:
     index: int
     prompt_token_ids: list[int]
     max_tokens: int  # the output length asked for (exact when EOS is ignored)
+    slo_class: Optional[str] = None  # its goodput class, whose targets are sent with it
 
     @property
     def prompt_len(self) -> int:

@@ -268,7 +268,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def error_response(err: ApiError) -> Response:
-    return Response(orjson.dumps(err.body()), status_code=err.status, media_type="application/json")
+    headers = None if err.retry_after_s is None else {"Retry-After": str(err.retry_after_s)}
+    return Response(orjson.dumps(err.body()), status_code=err.status, headers=headers,
+                    media_type="application/json")  # fmt: skip
 
 
 def _json(body: dict[str, Any]) -> Response:

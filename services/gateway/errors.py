@@ -27,11 +27,14 @@ _STATUS_BY_ENGINE_CODE: dict[str, int] = {
     ErrorCode.CONSTRAINT_TOO_SLOW: 400,
     ErrorCode.EMBEDDINGS_UNSUPPORTED: 400,
     ErrorCode.OVERLOADED: 429,
+    ErrorCode.SLO_UNATTAINABLE: 429,  # with Retry-After (`retry_after_s`)
     ErrorCode.NOT_READY: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.WORKER_FAILED: 503,
     ErrorCode.ENGINE_UNREACHABLE: 503,  # also what the protocol client raises on silence
 }
+
+SLO_RETRY_AFTER_S = 1
 
 _TYPE_BY_STATUS: dict[int, str] = {
     400: "invalid_request_error",
@@ -50,6 +53,7 @@ class ApiError:
     type: str
     param: Optional[str] = None
     code: Optional[str] = None
+    retry_after_s: Optional[int] = None  # the Retry-After header, when set
 
     def body(self) -> dict[str, Any]:
         return {
@@ -79,7 +83,11 @@ def unauthorized() -> ApiError:
 def from_engine_error(code: str, message: str) -> ApiError:
     """An engine (protocol client) error -> the HTTP error a client should see."""
     status = _STATUS_BY_ENGINE_CODE.get(code, 500)
-    return ApiError(status, message, _TYPE_BY_STATUS.get(status, "server_error"), None, code)
+    # a latency target out of reach now may be in reach once the queue drains: a second is
+    # the scale of the waits it was predicted on
+    retry = SLO_RETRY_AFTER_S if code == ErrorCode.SLO_UNATTAINABLE else None
+    return ApiError(status, message, _TYPE_BY_STATUS.get(status, "server_error"), None, code,
+                    retry)  # fmt: skip
 
 
 def from_validation_errors(errors: Sequence[Any]) -> ApiError:

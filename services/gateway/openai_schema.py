@@ -82,6 +82,11 @@ class _SamplingFields(StructuredFields):
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     best_of: Optional[Int64] = None
+    # Conveyor extensions (docs/gateway.md, "Latency targets"): checked by the engine's frontend
+    slo_class: Optional[str] = None
+    ttft_ms: Optional[float] = Field(default=None, gt=0.0)
+    tpot_ms: Optional[float] = Field(default=None, gt=0.0)
+    on_slo_miss: Optional[Literal["reject", "best_effort"]] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -291,6 +296,10 @@ def _sampling_kwargs(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
         "stop_token_ids": req.stop_token_ids,
+        "slo_class": req.slo_class,
+        "ttft_ms": req.ttft_ms,
+        "tpot_ms": req.tpot_ms,
+        "on_slo_miss": req.on_slo_miss,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if req.stop is not None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
 from services.scheduler.composition import STEP_COMPOSITIONS, StepCompositionName
+from services.scheduler.slo_classes import DEFAULT_SLO_CLASSES, SloTargets, parse_slo_classes
 
-Policy = Literal["fcfs", "priority", "short-first", "lpm"]
+Policy = Literal["fcfs", "priority", "short-first", "lpm", "slo"]
 Batching = Literal["continuous", "dynamic", "static"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 BATCHING_MODES: tuple[str, ...] = get_args(Batching)
@@ -55,7 +56,23 @@ class SchedulerConfig:
     max_waiting: int = field(
         default=4096, metadata={"help": "waiting requests beyond which new ones get overloaded"}
     )
-    policy: Policy = field(default="fcfs", metadata={"help": "the waiting queue's order"})
+    policy: Policy = field(
+        default="fcfs",
+        metadata={"help": "the waiting queue's order; slo: by latency-target slack, refusing "
+                  "or deferring requests whose targets are predicted out of reach"},
+    )  # fmt: skip
+    # Named latency-target classes (services/scheduler/slo_classes.py has the syntax); only
+    # `--policy slo` acts on targets.
+    slo_classes: str = field(
+        default=DEFAULT_SLO_CLASSES,
+        metadata={"help": "latency-target classes, name:ttft_ms=N,tpot_ms=N[,on_slo_miss="
+                  "reject|best_effort];... (policy slo)"},
+    )  # fmt: skip
+    slo_default_class: Optional[str] = field(
+        default=None,
+        metadata={"help": "the class of a request that names none and gives no targets (none: "
+                  "no targets)"},
+    )  # fmt: skip
     batching: Batching = field(
         default="continuous", metadata={"help": "continuous, or dynamic/static batches"}
     )
@@ -129,6 +146,11 @@ class SchedulerConfig:
             raise ValueError("invalid scheduler config: " + "; ".join(problems))
 
     @property
+    def slo_class_targets(self) -> dict[str, SloTargets]:
+        """The parsed `slo_classes` (valid: checked in __post_init__)."""
+        return parse_slo_classes(self.slo_classes)
+
+    @property
     def max_plans_in_flight(self) -> int:
         return 2 if self.async_scheduling else 1
 
@@ -177,6 +199,15 @@ def config_problems(c: SchedulerConfig) -> list[str]:
         out.append(f"policy must be one of {', '.join(POLICIES)}")
     if c.batching not in BATCHING_MODES:
         out.append(f"batching must be one of {', '.join(BATCHING_MODES)}")
+    try:
+        classes = parse_slo_classes(c.slo_classes) if isinstance(c.slo_classes, str) else None
+    except ValueError as e:
+        classes = {}
+        out.append(str(e))
+    if classes is None:
+        out.append("slo_classes must be a string")
+    elif c.slo_default_class is not None and c.slo_default_class not in classes:
+        out.append(f"slo_default_class {c.slo_default_class!r} is not one of slo_classes")
     if c.step_composition not in STEP_COMPOSITIONS:
         out.append(f"step_composition must be one of {', '.join(STEP_COMPOSITIONS)}")
     return out

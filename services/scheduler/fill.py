@@ -24,6 +24,7 @@ from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
 from services.scheduler.running import RunningSet
+from services.scheduler.slo_policy import SloPolicy
 from services.scheduler.speculation import Speculation
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
@@ -42,9 +43,11 @@ class StepFiller:
         composition: StepComposition,
         max_len: int,
         speculation: Optional[Speculation] = None,
+        slo: Optional[SloPolicy] = None,
     ) -> None:
         """`max_len`: what max_model_len and the whole KV pool allow one request.
-        `speculation`: gives decodes draft limits (None: the worker does not speculate)."""
+        `speculation`: gives decodes draft limits (None: the worker does not speculate). `slo`:
+        the slo policy (policy slo only), asked for the step's budget and each admission."""
         self._config = config
         self._composition = composition
         self._rules = rules
@@ -57,6 +60,7 @@ class StepFiller:
         self._max_len = max_len
         self._block_size = pool.block_size
         self._speculation = speculation
+        self._slo = slo
 
     def fill(self, now: float, spare_protected: bool) -> StepBuilder:
         """The step: the first kind of forward the composition offers that schedules anything
@@ -75,8 +79,10 @@ class StepFiller:
     def _fill_forward(self, now: float, spare_protected: bool, forward: Forward) -> StepBuilder:
         """One pass over what `forward` may hold (see the module docstring)."""
         self._batch.begin_pass(spare_protected)
-        step = StepBuilder(forward.token_budget, self._block_size * self._caching,
-                           forward.max_chunks)  # fmt: skip
+        budget = forward.token_budget
+        if self._slo is not None:  # running requests' TPOT targets first
+            budget = min(budget, self._slo.begin_step(self._batch.requests.values(), budget))
+        step = StepBuilder(budget, self._block_size * self._caching, forward.max_chunks)
         if forward.decodes:
             prefills = self._schedule_decodes(step)
             if step.grown:  # before any lookup below, which may need their blocks
@@ -196,10 +202,12 @@ class StepFiller:
         not fit (no skipping ahead: that is what keeps fcfs fair and aging effective)."""
         admitted: list[Request] = []
         config, cache, pool, bs = self._config, self._cache, self._pool, self._block_size
-        batch = self._batch
+        batch, slo, is_aged = self._batch, self._slo, self._waiting.is_aged
         for req in self._waiting.ordered(now):
             if len(batch) >= config.max_num_seqs or step.budget_left == 0:
                 break
+            if slo is not None and not is_aged(req, now) and not slo.may_admit(req, len(batch)):
+                break  # it would break a running request's TPOT target
             hits = cache.lookup(req) if self._caching else []
             num_cached = len(hits) * bs
             n = min(len(req.token_ids) - num_cached, config.chunk_size, step.budget_left)
@@ -217,6 +225,8 @@ class StepFiller:
             step.add_chunk(req, n)
         for req in admitted:
             self._waiting.remove(req)
+        if slo is not None:
+            slo.end_step(now, len(admitted), len(self._waiting))
 
     def _make_room_for_priority(self, step: StepBuilder, now: float) -> None:
         """Priority policy, all slots taken: a waiting request with a better (lower) priority

@@ -36,6 +36,7 @@ from typing import Optional
 from services.scheduler.request import Request
 from services.scheduler.stats import StepRecord
 from shared.protocol.worker_channel import StepPlan
+from shared.step_cost import StepShape
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class InFlightStep:
     steady: bool
     # speculation: (request, draft limit) of each decode that might draft (`BuiltStep.drafts`)
     drafts: list[tuple[Request, int]] = field(default_factory=list)
+    shape: Optional[StepShape] = None  # what it computes (the step-time predictor's input)
     sent_at: float = 0.0  # time.time() when the plan left (`mark_sent`)
     gap_s: Optional[float] = None  # previous result -> this plan, when sent back to back
 

@@ -3,6 +3,8 @@
 * `fcfs`: arrival order.
 * `priority`: lower `priority` first, ties by arrival.
 * `short-first`: shortest prompt first (the seeds' "prefill_first").
+* `slo`: least TTFT slack first, best-effort requests last (slo_policy.py, which also decides
+  admission by latency targets).
 * `lpm`: longest cached prefix first (SGLang's name). The cached prefix of a waiting request
   changes as the cache fills and evicts, so the order is computed afresh by `ordered()`, from
   each request's cached length as last found: while no cached block has been dropped since
@@ -14,8 +16,8 @@ un-aged one, oldest first, so no request waits much past `max_wait` because of t
 for a free slot, budget or blocks): no stream of high-priority or short requests starves it.
 The same rule holds when the scheduler makes room for a better-ranked request (`is_aged`).
 
-Requests preempted under fcfs, short-first or lpm go back to the head of the queue (their work is
-partly done and they arrived earlier than anyone behind them). Under priority they rejoin by
+Requests preempted under fcfs, short-first, slo or lpm go back to the head of the queue (their
+work is partly done and they arrived earlier than anyone behind them). Under priority they rejoin by
 their key, so a preempted low-priority request cannot jump ahead of a higher-priority one.
 
 The victim is the request the policy ranks last: the latest arrival (fcfs, short-first) or the
@@ -30,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import Optional, Protocol
 
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.slo_policy import sort_key
 
 
 class CachedPrefixes(Protocol):
@@ -106,10 +109,11 @@ class WaitingQueue:
         self._cache = cache
         # lpm: rid -> (cache version, cached len) when last found, for waiting requests
         self._cached: dict[str, tuple[tuple[int, int], int]] = {}
-        self._sorts = policy in ("priority", "short-first")  # keeps `_sorted` up to date
+        self._sorts = policy in ("priority", "short-first", "slo")  # keeps `_sorted` up to date
         self._head: deque[Request] = deque()  # preempted (fcfs, short-first), oldest first
         self._by_arrival: dict[str, Request] = {}  # everyone not in _head, in arrival order
-        self._sorted: list[tuple[int, int, Request]] = []  # (key, seq_no, req) for sorted policies
+        # (key, seq_no, req) for sorted policies
+        self._sorted: list[tuple[tuple[float, ...], int, Request]] = []
 
     def __len__(self) -> int:
         return len(self._head) + len(self._by_arrival)
@@ -117,8 +121,10 @@ class WaitingQueue:
     def __contains__(self, req: Request) -> bool:
         return req.rid in self._by_arrival or req in self._head
 
-    def _key(self, req: Request) -> int:
-        return req.priority if self.policy == "priority" else req.num_prompt_tokens
+    def _key(self, req: Request) -> tuple[float, ...]:
+        if self.policy == "slo":
+            return sort_key(req)
+        return (req.priority if self.policy == "priority" else req.num_prompt_tokens,)
 
     def add(self, req: Request) -> None:
         """A new request: joins in policy order."""

@@ -73,6 +73,11 @@ class Request:
     first_token: Optional[float] = None
     finished: Optional[float] = None
     finish_reason: Optional[str] = None
+    # latency targets under `--policy slo` (slo_policy.py, decided on arrival): its TTFT
+    # deadline (scheduler clock), TPOT target in seconds, served after those that can make theirs
+    ttft_deadline: Optional[float] = None
+    tpot_s: Optional[float] = None
+    best_effort: bool = False
     # tracing (shared/tracing.py): the frontend's request span, and when it was preempted
     traceparent: Optional[str] = None
     preempted_times: Optional[list[float]] = None
@@ -105,6 +110,10 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.finished = now
+
+    def set_targets(self, ttft_deadline: float, tpot_s: Optional[float], best_effort: bool) -> None:
+        """The slo policy's decision on arrival (before it is queued; never changed after)."""
+        self.ttft_deadline, self.tpot_s, self.best_effort = ttft_deadline, tpot_s, best_effort
 
     def note_sampled(self, now: float) -> None:
         """Its first sample after (re)admission landed (the result path): no longer protected,

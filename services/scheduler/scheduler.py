@@ -43,6 +43,8 @@ from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import RequestStatus
 from services.scheduler.results import ResultApplier
 from services.scheduler.running import RunningSet
+from services.scheduler.slo_classes import resolve_targets
+from services.scheduler.slo_policy import SloPolicy
 from services.scheduler.speculation import SpecCounters, Speculation
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
@@ -56,6 +58,7 @@ from shared.protocol.engine_channel import (
 )
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.step_cost import StepCostPredictor
 
 
 class Scheduler:
@@ -97,6 +100,13 @@ class Scheduler:
         self._trace = trace
         self.live = LiveRequests(eos_token_ids, self._max_len, self.counters, trace)
         self.in_flight = InFlightSteps(config.max_plans_in_flight)
+        # step time from its shape, fitted from this engine's own steps (shared/step_cost.py)
+        self.predictor = StepCostPredictor()
+        self._slo_classes = config.slo_class_targets
+        self.slo: Optional[SloPolicy] = None
+        if config.policy == "slo":
+            self.slo = SloPolicy(self.predictor, config.max_wait, config.max_num_seqs,
+                                 config.chunk_size)  # fmt: skip
         self._step_id = 0
         self._assemble(num_blocks)
 
@@ -124,7 +134,7 @@ class Scheduler:
         )
         self._filler = StepFiller(
             config, rules, waiting, batch, self.pool, cache, steady, self.composition,
-            self._max_len, self.speculation,
+            self._max_len, self.speculation, self.slo,
         )  # fmt: skip
         self._results = ResultApplier(
             self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock,
@@ -150,10 +160,22 @@ class Scheduler:
         )
         if problem is None and len(req.output_token_ids) >= req.sampling.max_tokens:
             problem = (ErrorCode.INVALID_PARAMS, "the resumed request has max_tokens already")
+        targets = resolve_targets(req, self._slo_classes, self.config.slo_default_class)
+        if problem is None and targets is None:
+            problem = (ErrorCode.INVALID_PARAMS, f"unknown slo_class {req.slo_class!r}")
+        now = self._clock()
+        decision = None
+        if problem is None and self.slo is not None and targets is not None:
+            resumed = req.attempt > 0 or bool(req.output_token_ids)
+            decision, problem = self.slo.on_arrival(
+                len(req.prompt_token_ids), targets, resumed, now, self._waiting.ordered(now)
+            )
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
-        request = self.live.admit(req, self._clock())
+        request = self.live.admit(req, now)
+        if decision is not None:
+            request.set_targets(decision.ttft_deadline, decision.tpot_s, decision.best_effort)
         self.prefix_cache.prepare(request)
         self._waiting.add(request)
         self.counters.num_admitted += 1
@@ -205,6 +227,7 @@ class Scheduler:
     def _build(self, step: StepBuilder, now: float) -> StepPlan:
         """The filled step becomes a plan, recorded in flight with its step record."""
         self._step_id += 1
+        shape = step.shape()  # before build() advances the computed counts
         built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
         steady = self.steady.after_build(step, built)
         self.composition.built(len(step.decodes), step.num_chunks)
@@ -218,11 +241,19 @@ class Scheduler:
         self.counters.count_step(record)
         self.in_flight.add(InFlightStep(built.plan, record, built.sampled, built.sampled_rids,
                                         built.filled, self._batch.version, steady,
-                                        built.drafts))  # fmt: skip
+                                        built.drafts, shape))  # fmt: skip
         return built.plan
 
-    def update(self, result: StepResult) -> OutputBatch:
-        """Called with the oldest in-flight plan's result (results.py `ResultApplier.update`)."""
+    def update(self, result: StepResult, step_s: Optional[float] = None) -> OutputBatch:
+        """Called with the oldest in-flight plan's result (results.py `ResultApplier.update`);
+        the step's time feeds the step-time predictor: the worker's `forward_s`, or `step_s`
+        (the loop's measure: from when the step could begin to its result) when shorter. A
+        pipelined worker's `forward_s` counts from the step's launch, while the step before
+        it still ran, so it can be up to two steps long."""
+        flight = self.in_flight.oldest()
+        if flight is not None and flight.shape is not None and flight.step_id == result.step_id:
+            seconds = result.forward_s if step_s is None else min(result.forward_s, step_s)
+            self.predictor.observe(flight.shape, seconds)
         return self._results.update(result)
 
     def after_plan(self) -> None:
@@ -231,6 +262,7 @@ class Scheduler:
         ahead the cached blocks the next step will allocate, traced requests' spans)."""
         if self._trace is not None:
             self._trace.flush()
+        self.predictor.maybe_refit()
         if self.config.enable_prefix_caching:
             # the most blocks one step can allocate: its tokens' blocks, plus one per request
             # for a partly filled block (decodes: their one token may need a new block)
@@ -314,6 +346,12 @@ class Scheduler:
             "prefix_caching": float(self.config.enable_prefix_caching),
         }
         out.update(self.counters.as_stats())
+        if self.slo is not None:
+            out["num_slo_refused"] = self.slo.num_refused
+            out["num_slo_best_effort"] = self.slo.num_best_effort
+        errors = self.predictor.errors()
+        if errors is not None:
+            out["step_predictor_p50_error"], out["step_predictor_p90_error"] = errors
         out.update(self.prefix_cache.stats())
         out.update(self._spec_counters.as_stats())
         return out

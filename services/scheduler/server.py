@@ -255,12 +255,14 @@ class SchedulerServer:
         if self.sched is None or flight is None or flight.plan.step_id != result.step_id:
             self.log.warning("stale_result", step_id=result.step_id)
             return
+        # step N began when its plan left or when result N-1 arrived, whichever came later
+        step_s = received_at - max(flight.sent_at, self._last_result_at or 0.0)
         self._last_result_at = received_at
         self.last_step_id = result.step_id
         self._num_steps += 1
         plan = flight.plan
         self._dispatch.on_result(plan.num_scheduled_tokens, _decode_only(plan), result.forward_s)
-        outputs = self.sched.update(result)  # takes `flight` off the record
+        outputs = self.sched.update(result, step_s)  # takes `flight` off the record
         self._update_s = time.time() - received_at
         self.sched.step_completed(flight.rids)  # no suspects of a failed step any more
         # The worker waits for the next plan: send it before logging and emitting outputs.

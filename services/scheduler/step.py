@@ -17,6 +17,7 @@ from typing import Optional
 from services.scheduler.request import Request
 from services.scheduler.worker_view import WorkerView
 from shared.protocol.worker_channel import NewSequence, PlanDrafts, StepPlan
+from shared.step_cost import StepShape
 
 
 @dataclass(slots=True)
@@ -132,6 +133,21 @@ class StepBuilder:
                 kept = [(r, k) for r, k in self.drafts if r is not req]
                 self._num_draft_tokens -= sum(k for r, k in self.drafts if r is req)
                 self.drafts = kept
+
+    def shape(self) -> StepShape:
+        """What this step computes, for the step-time predictor (shared/step_cost.py); called
+        before `build` advances the computed counts. O(rows)."""
+        num_decodes = len(self.decodes)
+        context = sum(r.num_computed_tokens for r in self.decodes)  # each decode's start
+        pairs, kv, num_sampled = context + num_decodes, context + 2 * num_decodes, num_decodes
+        for req, n in self._chunks.values():
+            s = req.num_computed_tokens
+            pairs += n * s + n * (n + 1) // 2
+            kv += s + 2 * n
+            num_sampled += s + n >= len(req.token_ids)
+        rows, tokens = num_decodes + len(self._chunks), num_decodes + self._num_chunk_tokens
+        has_chunk = any(n > 1 for _, n in self._chunks.values())
+        return StepShape(rows, tokens, num_sampled, pairs, kv, has_chunk)
 
     def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
         """Assemble the plan (only what changed in the worker's batch) and advance each

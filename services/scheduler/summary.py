@@ -3,8 +3,9 @@
 Like vLLM's periodic "Avg prompt throughput ..." line: while there is work, the scheduler logs
 once per `interval_s` the prompt and generation tokens per second over that interval, the requests
 running / waiting / preempted, the KV pool's use, the prefix cache's hit rate (only when the
-core reports one), the drafts' acceptance (only while speculation drafts) and the median step
-time. Idle, it logs nothing.
+core reports one), the drafts' acceptance (only while speculation drafts), the median step time
+and the step-time predictor's p50 / p90 relative error (once it has fitted). Idle, it logs
+nothing.
 
 The server calls `on_step` after each step's result and `maybe_emit` from its housekeeping (at
 least every HOUSEKEEPING_S), so a line comes at most about half a second late. Rates are counter
@@ -23,6 +24,9 @@ PREFIX_HIT_KEY = "num_prefix_cache_hit_tokens"
 PREFIX_QUERY_KEY = "num_prefix_cache_query_tokens"
 # Speculation's counters (services/scheduler/speculation.py), present when the worker drafts.
 DRAFT_KEY, ACCEPTED_KEY = "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"
+# the step-time predictor's p50 / p90 relative error (shared/step_cost.py), once it has fitted
+PREDICTOR_P50_KEY = "step_predictor_p50_error"
+PREDICTOR_P90_KEY = "step_predictor_p90_error"
 
 
 class EngineSummary:
@@ -94,6 +98,9 @@ def summarize(
         "num_steps": len(step_s),
         "step_p50_ms": round(1000.0 * statistics.median(step_s), 1) if step_s else None,
     }
+    if PREDICTOR_P90_KEY in after:  # the step-time predictor's recent relative error
+        out["step_pred_err_p50_pct"] = round(100.0 * after.get(PREDICTOR_P50_KEY, 0.0), 1)
+        out["step_pred_err_p90_pct"] = round(100.0 * after[PREDICTOR_P90_KEY], 1)
     queries = delta(PREFIX_QUERY_KEY)
     if PREFIX_QUERY_KEY in after and queries > 0:
         out["prefix_cache_hit_pct"] = round(100.0 * delta(PREFIX_HIT_KEY) / queries, 1)

@@ -128,8 +128,10 @@ class RequestFlow:
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=default_seed(rid))
         resumed = cmd.resume_token_ids or []
+        t = cmd.targets
         submit = SubmitRequest(rid, checked, sampling, cmd.priority, time.time(), list(resumed),
-                               traceparent=traceparent)  # fmt: skip
+                               traceparent=traceparent, slo_class=t.slo_class, ttft_ms=t.ttft_ms,
+                               tpot_ms=t.tpot_ms, on_slo_miss=t.on_slo_miss)  # fmt: skip
         state = self._new_request(ident, cmd, submit, now)
         state.trace = trace
         if cmd.resume_token_ids is not None and not self._resumed(state, cmd, now):

@@ -10,6 +10,7 @@ client. Keeps no sockets.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -183,9 +184,9 @@ class ClientRequest:
         """The current attempt as an engine gets it (sent again while it waits for one)."""
         first = self.submit
         assert first is not None, self.rid
-        return SubmitRequest(self.engine_rid, first.prompt_token_ids, first.sampling,
-                             first.priority, first.arrival_time, list(self.token_ids),
-                             self.attempt, first.traceparent)  # fmt: skip
+        return dataclasses.replace(
+            first, rid=self.engine_rid, output_token_ids=list(self.token_ids), attempt=self.attempt
+        )
 
     def take_resumed(self, token_ids: list[int], text: str, now: float) -> bool:
         """A client resumed this request here (its `resume` field): the tokens and text it has

@@ -134,7 +134,8 @@ def completion_from_parts(
     )
 
 
-_OWN_FIELDS = ("tools", "traceparent")  # keyword parameters that are not sampling params
+# keyword parameters that are not sampling params: the map's own fields
+_OWN_FIELDS = ("tools", "traceparent", "slo_class", "ttft_ms", "tpot_ms", "on_slo_miss")
 
 
 def request_fields(

@@ -26,6 +26,7 @@ class ErrorCode:
     # engine state
     NOT_READY = "not_ready"  # no worker handshake yet (or worker lost)
     OVERLOADED = "overloaded"  # waiting queue full
+    SLO_UNATTAINABLE = "slo_unattainable"  # its latency target is predicted out of reach
     WORKER_FAILED = "worker_failed"  # the worker died or failed the step
     SHUTTING_DOWN = "shutting_down"  # draining: no new requests
     ENGINE_UNREACHABLE = "engine_unreachable"  # scheduler lost, or a client's timeout expired

@@ -85,6 +85,12 @@ class SimConfig:
         metadata={"help": "emitted token ids stay below this (none: min(vocabulary size, "
                   f"{DEFAULT_TOKEN_ID_HIGH}))"},
     )  # fmt: skip
+    # Real devices do not take the same time twice (clocks, other work, the host): a relative
+    # step-time noise, each step's modelled time times a factor ~ lognormal(0, step_noise)
+    step_noise: float = field(
+        default=0.0,
+        metadata={"help": "relative step-time noise (sd of a lognormal factor; 0: exact model)"},
+    )
     report_every: int = field(
         default=200,
         metadata={"help": "decode steps per batch size between engine-gap log lines"},
@@ -104,6 +110,8 @@ class SimConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if not isinstance(self.step_noise, (int, float)) or not 0.0 <= self.step_noise <= 1.0:
+            raise ValueError("step_noise must be in [0, 1]")
         if self.weight_dtype not in WEIGHT_DTYPE_BYTES:
             raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPE_BYTES)}")
         if self.block_size <= 0:

@@ -90,6 +90,7 @@ class SimRunner:
         self._forbidden = np.zeros(0, dtype=np.int64)  # every id forbidden to any sequence
         self._logprob_slots: set[int] = set()  # slots whose sequence asked for logprobs
         self._gaps = GapRecorder(config.report_every, self._log)
+        self._noise = np.random.default_rng(0)  # seeded: a run's noise is reproducible
         self._log.info(
             "sim_worker_start",
             note="SIMULATED worker: no model runs; step times come from a cost model",
@@ -132,7 +133,10 @@ class SimRunner:
             self._add_state(seq)
         drafts = self._speculate(step) if step.draft_limits else None
         token_ids, logprobs = self._sample(step)
-        _wait_until(start + step_seconds(self.device, self.model, step))
+        seconds = step_seconds(self.device, self.model, step)
+        if self.config.step_noise:
+            seconds *= float(self._noise.lognormal(0.0, self.config.step_noise))
+        _wait_until(start + seconds)
         end = time.perf_counter()
         self._gaps.step_finished(end)
         return StepResult(plan.step_id, token_ids, logprobs, forward_s=end - start, drafts=drafts)

@@ -39,6 +39,19 @@ class ChatMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class LatencyTargets:
+    """A request's latency targets (targets.py parses them; docs/protocol.md)."""
+
+    slo_class: Optional[str] = None
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+    on_slo_miss: Optional[str] = None  # None: the class's choice, else "best_effort"
+
+
+NO_TARGETS = LatencyTargets()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateCommand:
     """A validated `generate`: exactly one of prompt / messages / prompt_token_ids is set. An
     `embed` is one too: its sampling names a pooling (answered with `embedding`)."""
@@ -58,6 +71,7 @@ class GenerateCommand:
     resume_token_ids: Optional[list[int]] = None
     resume_text: str = ""
     traceparent: Optional[str] = None  # W3C trace context of the client's span (tracing)
+    targets: LatencyTargets = NO_TARGETS
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from shared.protocol.client_channel.structured import (
     tool_message_fields,
     tools_list,
 )
+from shared.protocol.client_channel.targets import latency_targets
 from shared.protocol.errors import ErrorCode, short_repr
 from shared.protocol.sampling import (
     INT64_MAX,
@@ -188,6 +189,7 @@ def _generate(wire: dict, rid: str) -> GenerateCommand:
         resume_token_ids=resume_ids,
         resume_text=resume_text,
         traceparent=valid_traceparent(wire.get("traceparent")),
+        targets=latency_targets(wire, rid),
     )
 
 

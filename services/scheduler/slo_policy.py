@@ -1,0 +1,221 @@
+"""`--policy slo`: admission and ordering by latency targets (docs/design/scheduler.md, "The slo
+policy"). One object, asked at three points of the scheduler's recipe:
+
+* **on arrival** (`Scheduler.add_request` -> `on_arrival`): the request's TTFT is predicted
+  (the waiting requests ahead of it in deadline order over the measured admission rate, plus its
+  own prefill at the predicted step time) and so is its lone decode step against its TPOT
+  target. Out of reach: refused at once with `slo_unattainable` when it asked
+  `on_slo_miss: "reject"`, else served best-effort (after every request that can still make
+  its targets). A resumed request (earlier outputs, or `attempt` > 0) is never refused. The
+  decision is made here, before any waiting, and never revisited.
+* **the waiting order** (policy.py `WaitingQueue`, key `sort_key`): earliest TTFT deadline
+  first (least slack), best-effort requests after all others, by arrival; a request without a
+  TTFT target has the aging bound as its deadline. Aging is the rule of every sorted policy:
+  a request that waited `max_wait` goes before all un-aged ones.
+* **each step** (fill.py): `begin_step` caps the step's token budget so that the predicted step
+  time stays within the tightest TPOT target among the running requests, and `may_admit` stops
+  admissions whose extra decode row would break it: running requests are protected before new
+  prefills are admitted. An aged request skips that check (only slots, budget and blocks hold
+  it back), so aging still bounds every wait; so does an empty batch.
+
+Predictions come from the step-time predictor the scheduler fits online (shared/step_cost.py);
+before its first fit the policy predicts nothing out of reach and caps nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Optional
+
+from services.scheduler.request import Request
+from services.scheduler.slo_classes import SloTargets
+from shared.protocol.errors import ErrorCode
+from shared.step_cost import StepCostPredictor, StepShape
+
+# Steps kept for the admission rate: those that began with requests waiting (the rate is then
+# the engine's, not the arrivals'); ~1-5 s of steps on the simulated H200.
+RATE_WINDOW_STEPS = 256
+# The step time aimed at is this share of the tightest TPOT: room for the predictor's error
+# and the step-time noise (a few %), and for the prefill chunks that lengthen some gaps.
+TPOT_HEADROOM = 0.9
+
+# A TTFT is predicted reachable within this share of its target: room for the path the
+# prediction does not see (frontend, tokenizer, the stream's first chunk) and for the
+# admission rate's noise. At 1.0 the simulated H200 at 2x load admitted to the edge and 17%
+# of the admitted missed (TTFT p99 2.3 s for 2 s; docs/lab/2026-12-slo.md).
+TTFT_HEADROOM = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalDecision:
+    """What `on_arrival` decided for an admitted request."""
+
+    ttft_deadline: float  # scheduler clock; the aging bound for a request without a target
+    tpot_s: Optional[float]
+    best_effort: bool
+
+
+def sort_key(req: Request) -> tuple[float, float]:
+    """The waiting order's key under slo: reachable requests by deadline, then best-effort."""
+    if req.best_effort:
+        return (1.0, req.arrival_time)
+    return (0.0, req.ttft_deadline if req.ttft_deadline is not None else req.arrival_time)
+
+
+class SloPolicy:
+    def __init__(
+        self, predictor: StepCostPredictor, max_wait: float, max_num_seqs: int, chunk_size: int
+    ) -> None:
+        self._predictor = predictor
+        self._max_wait = max_wait
+        self._max_num_seqs = max_num_seqs
+        self._chunk_size = chunk_size
+        # the running batch as of the last step: rows, cached tokens, tightest TPOT target (s)
+        self._num_rows = 0
+        self._context = 0
+        self._tightest: Optional[float] = None
+        # capacity-limited steps: (seconds since the previous step, requests admitted)
+        self._steps: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW_STEPS)
+        self._last_step_at: Optional[float] = None
+        self._backlogged = False  # the last fill left requests waiting
+        self.num_refused = 0
+        self.num_best_effort = 0
+
+    # ---- arrival -------------------------------------------------------------------------
+
+    def on_arrival(
+        self,
+        prompt_len: int,
+        targets: SloTargets,
+        resumed: bool,
+        now: float,
+        waiting: Iterable[Request],
+    ) -> tuple[Optional[ArrivalDecision], Optional[tuple[str, str]]]:
+        """(the decision, None) for a request to queue, or (None, (code, message)) to refuse.
+        Called once per request, before it is queued; `waiting`: the waiting requests."""
+        deadline = now + (targets.ttft_ms / 1000.0 if targets.ttft_ms else self._max_wait)
+        tpot_s = targets.tpot_ms / 1000.0 if targets.tpot_ms else None
+        miss = self._predicted_miss(prompt_len, targets, deadline, now, waiting)
+        if miss is None or resumed:
+            return ArrivalDecision(deadline, tpot_s, best_effort=miss is not None), None
+        if targets.on_slo_miss == "reject":
+            self.num_refused += 1
+            return None, (ErrorCode.SLO_UNATTAINABLE, miss)
+        self.num_best_effort += 1
+        return ArrivalDecision(deadline, tpot_s, best_effort=True), None
+
+    def _predicted_miss(
+        self,
+        prompt_len: int,
+        targets: SloTargets,
+        deadline: float,
+        now: float,
+        waiting: Iterable[Request],
+    ) -> Optional[str]:
+        """Why the targets are predicted out of reach, or None."""
+        if targets.tpot_ms is not None:
+            lone = self._predictor.predict(_decode_shape(1, prompt_len))
+            if lone is not None and lone * 1000.0 > targets.tpot_ms:
+                return f"a decode step is predicted at {lone * 1000.0:.0f} ms > tpot_ms"
+        if targets.ttft_ms is None:
+            return None
+        ttft = self.predicted_ttft(prompt_len, deadline, now, waiting)
+        if ttft is not None and ttft * 1000.0 > targets.ttft_ms * TTFT_HEADROOM:
+            return f"time to first token predicted at {ttft * 1000.0:.0f} ms > ttft_ms"
+        return None
+
+    def predicted_ttft(
+        self, prompt_len: int, deadline: float, now: float, waiting: Iterable[Request]
+    ) -> Optional[float]:
+        """Seconds until a new request's first token: the requests ahead of it (reachable,
+        earlier deadline) leave the queue at the measured admission rate, and it needs a free
+        slot too when the batch is full; then its prefill runs at the predicted step time."""
+        ahead = sum(1 for r in waiting if not r.best_effort and sort_key(r)[1] <= deadline)
+        ahead += self._num_rows >= self._max_num_seqs
+        queue_s = 0.0
+        if ahead:
+            rate = self.admission_rate()
+            if rate is not None:
+                queue_s = math.inf if rate == 0 else ahead / rate
+        chunk = min(self._chunk_size, prompt_len)
+        step = self._predictor.predict(self._mixed_shape(chunk))
+        if step is None:
+            return None if not ahead else queue_s
+        return queue_s + math.ceil(prompt_len / chunk) * step
+
+    def admission_rate(self) -> Optional[float]:
+        """Requests admitted per second while requests were left waiting; None before any."""
+        span = sum(dt for dt, _ in self._steps)
+        if span <= 0:
+            return None
+        return sum(n for _, n in self._steps) / span
+
+    # ---- each step ---------------------------------------------------------------------------
+
+    def begin_step(self, running: Iterable[Request], token_budget: int) -> int:
+        """Called at the start of each forward's fill with the running requests: notes the
+        batch and returns the token budget that keeps the predicted step within the tightest
+        TPOT target (never below one token per running request). O(running)."""
+        rows = context = 0
+        tightest: Optional[float] = None
+        for r in running:
+            rows += 1
+            context += r.num_computed_tokens
+            if r.tpot_s is not None and (tightest is None or r.tpot_s < tightest):
+                tightest = r.tpot_s
+        self._num_rows, self._context, self._tightest = rows, context, tightest
+        if tightest is None or self._predictor.predict(self._mixed_shape(0)) is None:
+            return token_budget
+        limit = tightest * TPOT_HEADROOM
+        lo, hi = 0, max(token_budget - rows, 0)  # prompt tokens beside the decodes
+        while lo < hi:  # the largest chunk whose step is predicted within `limit`
+            mid = (lo + hi + 1) // 2
+            t = self._predictor.predict(self._mixed_shape(mid))
+            if t is not None and t <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return max(rows + lo, rows, 1)
+
+    def may_admit(self, req: Request, num_running: int) -> bool:
+        """Whether admitting `req` (not aged) keeps the predicted decode step within the
+        tightest TPOT target, its own included. Called in admission order; an empty batch
+        always admits."""
+        if num_running == 0:
+            return True
+        targets = [t for t in (self._tightest, req.tpot_s) if t is not None]
+        if not targets:
+            return True
+        shape = _decode_shape(self._num_rows + 1, self._context + len(req.token_ids))
+        t = self._predictor.predict(shape)
+        return t is None or t <= min(targets) * TPOT_HEADROOM
+
+    def end_step(self, now: float, num_admitted: int, num_waiting: int) -> None:
+        """Called after each fill's admissions: the interval since the previous fill counts
+        towards the admission rate when that fill left requests waiting (a backlog: what was
+        admitted since is the engine's rate, not the arrivals'). Counting by the state at the
+        interval's start, not its end, keeps the fill that empties the queue in the sample."""
+        last, self._last_step_at = self._last_step_at, now
+        backlogged, self._backlogged = self._backlogged, num_waiting > 0
+        if backlogged and last is not None and now > last:
+            self._steps.append((now - last, num_admitted))
+
+    def _mixed_shape(self, chunk: int) -> StepShape:
+        """The running batch's decodes plus one prompt chunk of `chunk` tokens from 0."""
+        rows, context = self._num_rows, self._context
+        return StepShape(
+            num_rows=rows + (chunk > 0),
+            num_tokens=rows + chunk,
+            num_sampled=rows,
+            attention_pairs=context + rows + chunk * (chunk + 1) // 2,
+            kv_tokens=context + 2 * (rows + chunk),
+            has_chunk=chunk > 1,
+        )
+
+
+def _decode_shape(rows: int, context: int) -> StepShape:
+    """A decode-only step of `rows` rows over `context` cached tokens in all."""
+    return StepShape(rows, rows, rows, context + rows, context + 2 * rows, False)

@@ -1,0 +1,78 @@
+"""The scheduler's step-time predictor (shared/step_cost.py, issue 33): fitted from a step log
+of the simulated worker's cost model it recovers that model, and it does not fit another one
+(its own error report says so)."""
+
+from __future__ import annotations
+
+import random
+
+from services.worker.sim.cost_model import step_cost, step_work
+from services.worker.sim.profiles import DEVICES, MODELS
+from shared.step_cost import StepCostPredictor, StepShape, step_shape
+
+MODEL = MODELS["llama-3-8b"]
+
+
+def _steps(rng: random.Random, n: int) -> list[tuple[list[int], list[int], int]]:
+    """Decode-only steps of 1-256 rows and mixed steps with one prompt chunk."""
+    out = []
+    for _ in range(n):
+        rows = rng.randint(1, 256)
+        starts = [rng.randint(16, 4000) for _ in range(rows)]
+        tokens = [1] * rows
+        if rng.random() < 0.4:
+            starts.append(rng.choice([0, 512]))
+            tokens.append(rng.randint(64, 2048))
+        out.append((starts, tokens, rows + (rng.random() < 0.5) * (len(tokens) > rows)))
+    return out
+
+
+def _fitted(timed: list[tuple[StepShape, float]]) -> StepCostPredictor:
+    predictor = StepCostPredictor(window=len(timed), first_fit=len(timed))
+    for shape, seconds in timed:
+        predictor.observe(shape, seconds)
+    assert predictor.maybe_refit()
+    return predictor
+
+
+def _worst(predictor: StepCostPredictor, timed: list[tuple[StepShape, float]]) -> float:
+    errors = []
+    for shape, t in timed:
+        guess = predictor.predict(shape)
+        assert guess is not None
+        errors.append(abs(guess - t) / t)
+    return sorted(errors)[int(0.9 * len(errors))]
+
+
+def _log(device: str, seed: int, n: int = 300) -> list[tuple[StepShape, float]]:
+    rng = random.Random(seed)
+    return [(step_shape(s, t, k), step_cost(DEVICES[device], step_work(MODEL, s, t, k)).total_s)
+            for s, t, k in _steps(rng, n)]  # fmt: skip
+
+
+def test_recovers_the_simulated_h200_from_its_step_log_and_not_another_device() -> None:
+    predictor = _fitted(_log("h200", seed=1))
+    assert _worst(predictor, _log("h200", seed=2)) < 0.01  # held-out steps: p90 within 1%
+    # fitted on the H200 it does not predict the A100 (another cost model of the same form)
+    assert _worst(predictor, _log("a100", seed=2)) > 0.2
+
+
+def test_a_cost_outside_the_model_shows_in_its_error_report() -> None:
+    rng = random.Random(3)
+    # step time quadratic in the rows: no coefficients of the model give it
+    timed = [(step_shape(s, t, k), 1e-3 + 4e-6 * len(t) ** 2) for s, t, k in _steps(rng, 300)]
+    predictor = _fitted(timed[:200])
+    for shape, seconds in timed[200:]:  # predicted before observed: out-of-sample errors
+        predictor.observe(shape, seconds)
+    errors = predictor.errors()
+    assert errors is not None and errors[1] > 0.2, errors
+    assert _worst(predictor, timed[200:]) > 0.2
+
+
+def test_no_prediction_before_the_first_fit() -> None:
+    predictor = StepCostPredictor(first_fit=4)
+    shape = step_shape([10], [1], 1)
+    assert predictor.predict(shape) is None and predictor.errors() is None
+    for _ in range(3):
+        predictor.observe(shape, 0.01)
+    assert not predictor.maybe_refit()
