@@ -33,6 +33,7 @@ from shared.protocol.engine_channel import (
     FrontendHello,
     OutputBatch,
     PrefixCacheReset,
+    ReleaseLease,
     RequestOutput,
     RequestRejected,
     ResetPrefixCache,
@@ -55,6 +56,7 @@ class FrontendHost(Protocol):
     def submit_refusal(self) -> Optional[tuple[str, str]]: ...  # (code, message): drain, ...
     def stats(self) -> dict[str, float]: ...
     def drain_for_maintenance(self, drain: bool) -> None: ...  # DrainEngine
+    def release_lease(self, msg: ReleaseLease) -> None: ...  # a hand-over is over (prefill)
 
 
 class FrontendLink:
@@ -83,6 +85,7 @@ class FrontendLink:
             FrontendBye: lambda ident, _msg: self.frontend_gone(ident, "frontend said bye"),
             ResetPrefixCache: self._on_reset_prefix_cache,
             DrainEngine: lambda _ident, msg: host.drain_for_maintenance(msg.drain),
+            ReleaseLease: lambda _ident, msg: host.release_lease(msg),
         }
 
     def close(self) -> None:

@@ -32,9 +32,13 @@ def run_worker(
     max_frame_bytes: Optional[int] = None,
     curve_keys: Optional[Path] = None,
     tracing: Optional[Tracing] = None,
+    kv_addr: Optional[str] = None,
+    kv_pull_timeout_s: float = 1.0,
 ) -> int:
     """Load the model, then serve plans until shutdown. Returns the process exit code.
-    `tracing`: rank 0 sends a span per step (None: tracing off)."""
+    `tracing`: rank 0 sends a span per step (None: tracing off). `kv_addr`: where this
+    (prefill) worker serves leased KV; every single-rank worker can pull KV
+    (services/worker/kv_transfer.py)."""
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
@@ -65,6 +69,14 @@ def run_worker(
     if stop.is_set():
         return 0
     log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
+    kv = None
+    if parallel.world_size == 1:  # tensor-parallel hand-over (per-rank shards) is not built
+        import zmq
+
+        from services.worker.kv_transfer import KvTransfer
+
+        kv = KvTransfer(runner.kv_cache, zmq.Context.instance(), log, kv_addr, curve_keys,
+                        kv_pull_timeout_s)  # fmt: skip
     code = serve_worker(
         runner,
         plan_address,
@@ -76,6 +88,7 @@ def run_worker(
         curve_keys=curve_keys,
         pipeline=runner.pipelining,
         trace=StepTrace(tracing) if tracing is not None and parallel.rank == 0 else None,
+        kv=kv,
     )
     if code == 0:  # a broken group is not torn down: a collective on it could block
         runner.close()
