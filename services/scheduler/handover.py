@@ -112,6 +112,7 @@ class Pulls:
         self.worker_messages: list[Any] = []  # PullKv, sent by the loop
         self.done: list[HandoverDone] = []  # for the requests' frontends
         self.num_pulled = self.num_failed = self.num_bytes = 0
+        self.num_skipped: dict[str, int] = {}  # why a hand-over was recomputed, not pulled
         self.seconds = 0.0
 
     def __contains__(self, rid: str) -> bool:
@@ -125,14 +126,18 @@ class Pulls:
         assert src is not None
         num = len(src.block_ids)
         pool = self._pool
+        skip = None
         if not self._cache.enabled or src.block_size != pool.block_size or not src.kv_endpoint:
-            blocks = None
-        elif num == 0:  # a prompt shorter than a block: nothing worth pulling
-            blocks = None
-        else:
-            blocks = pool.allocate(num) if pool.can_allocate(num, keep_watermark=True) else None
+            skip = "unusable"  # no prefix cache to hand the blocks to, or another layout
+        elif num == 0:
+            skip = "short"  # a prompt shorter than a block: nothing worth pulling
+        elif not pool.can_allocate(num, keep_watermark=True):
+            skip = "no_blocks"
+        blocks = pool.allocate(num) if skip is None else None
         if blocks is None:
-            self.done.append(HandoverDone(req.rid, src, False))
+            skip = skip or "no_blocks"
+            self.num_skipped[skip] = self.num_skipped.get(skip, 0) + 1
+            self.done.append(HandoverDone(req.rid, src, False, code=skip))
             return False
         self._pending[req.rid] = _Pull(req, blocks)
         self.worker_messages.append(PullKv(req.rid, src, blocks))
@@ -167,7 +172,8 @@ class Pulls:
         else:
             self.num_failed += 1
         self._pool.free(pull.block_ids)
-        self.done.append(HandoverDone(msg.rid, src, msg.ok, msg.num_bytes, msg.seconds))
+        done = HandoverDone(msg.rid, src, msg.ok, msg.num_bytes, msg.seconds, msg.code)
+        self.done.append(done)
         return None if pull.cancelled else dataclasses.replace(pull.submit, kv_source=None)
 
     def drop_all(self) -> list[SubmitRequest]:
@@ -177,7 +183,7 @@ class Pulls:
         for pull in self._pending.values():
             src = pull.submit.kv_source
             assert src is not None
-            self.done.append(HandoverDone(pull.submit.rid, src, False))
+            self.done.append(HandoverDone(pull.submit.rid, src, False, code="worker_lost"))
             self.num_failed += 1
             if not pull.cancelled:
                 out.append(dataclasses.replace(pull.submit, kv_source=None))
@@ -188,6 +194,10 @@ class Pulls:
         return [pull.block_ids for pull in self._pending.values()]
 
     def stats(self) -> dict[str, float]:
-        return {"num_kv_pulling": len(self._pending), "num_kv_pulls": self.num_pulled,
-                "num_kv_pull_failures": self.num_failed, "kv_pull_bytes": self.num_bytes,
-                "kv_pull_seconds": self.seconds}  # fmt: skip
+        out: dict[str, float] = {
+            "num_kv_pulling": len(self._pending), "num_kv_pulls": self.num_pulled,
+            "num_kv_pull_failures": self.num_failed, "kv_pull_bytes": self.num_bytes,
+            "kv_pull_seconds": self.seconds,
+        }  # fmt: skip
+        out.update({f"num_kv_pulls_skipped_{k}": v for k, v in self.num_skipped.items()})
+        return out

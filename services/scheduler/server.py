@@ -250,7 +250,8 @@ class SchedulerServer:
         for msg in self.sched.take_worker_messages():
             self.workers.send_all(encode(msg))
         for done in self.sched.take_handover_done():
-            self.log.info("handover_done", rid=done.rid, ok=done.ok, lease_id=done.source.lease_id,
+            self.log.info("handover_done", rid=done.rid, ok=done.ok, code=done.code,
+                          lease_id=done.source.lease_id, num_blocks=len(done.source.block_ids),
                           num_bytes=done.num_bytes, seconds=done.seconds)  # fmt: skip
             owner = self.frontends.owners.get(done.rid)
             if owner is not None:

@@ -220,6 +220,7 @@ class HandoverDone:
     ok: bool
     num_bytes: int = 0
     seconds: float = 0.0
+    code: str = ""  # why not `ok`: "short", "no_blocks", "unusable" (never pulled), a pull's
 
 
 @dataclass(frozen=True, slots=True)
