@@ -36,6 +36,7 @@ from shared.protocol.kv_channel import KvRead, KvReadReply
 from shared.protocol.worker_channel import EndLease, GrantLease, KvPulled, PullKv
 
 LEASE_UNKNOWN = "lease_unknown"  # no such lease, or another generation: freed, maybe reused
+GRANT_WAIT_S = 0.5  # a read of a lease newer than every grant waits this long for its grant
 
 
 class KvTransfer:
@@ -59,6 +60,8 @@ class KvTransfer:
         self._curve_keys = curve_keys
         self._pull_timeout_ms = max(1, int(pull_timeout_s * 1000))
         self._leases: dict[int, tuple[int, list[int]]] = {}
+        self._max_granted = 0  # the newest lease granted (ids only grow)
+        self._deferred: list[tuple[bytes, KvRead, float]] = []  # reads waiting for a grant
         self._peers: dict[str, zmq.Socket] = {}
         self.server: Optional[zmq.Socket] = None
         self.endpoint = ""
@@ -82,6 +85,8 @@ class KvTransfer:
         """A hand-over message from the scheduler; the answer to send back (PullKv only)."""
         if isinstance(msg, GrantLease):
             self._leases[msg.lease_id] = (msg.generation, list(msg.block_ids))
+            self._max_granted = max(self._max_granted, msg.lease_id)
+            self._retry_deferred()
             return None
         if isinstance(msg, EndLease):
             self._leases.pop(msg.lease_id, None)
@@ -93,6 +98,7 @@ class KvTransfer:
     def on_readable(self) -> None:
         """The KV server is readable: answer every read waiting (one frame each)."""
         assert self.server is not None
+        now = time.monotonic()
         while self.server.poll(0, zmq.POLLIN):
             parts = self.server.recv_multipart(copy=False)
             ident = parts[0].bytes
@@ -104,15 +110,38 @@ class KvTransfer:
             if not isinstance(msg, KvRead):
                 self._refuse(ident, "unexpected_type", type(msg).__name__)
                 continue
-            lease = self._leases.get(msg.lease_id)
-            if lease is None or lease[0] != msg.generation:
-                message = f"lease {msg.lease_id} generation {msg.generation} is not held"
-                self._refuse(ident, LEASE_UNKNOWN, message)
-                continue
-            data = self._cache.gather(lease[1])  # [L, 2, n, bs, H, row], a buffer of its own
-            head = KvReadReply(True, shape=list(data.shape), dtype=_dtype_name(data.dtype))
-            payload = data.reshape(-1).view(torch.uint8).cpu().numpy()
-            self.server.send_multipart([ident, encode(head), payload], copy=False)
+            self._answer(ident, msg, now + GRANT_WAIT_S)
+
+    def tick(self, now: float) -> None:
+        """Called every loop turn: reads that waited for their grant past their time fail."""
+        late = [d for d in self._deferred if d[2] <= now]
+        self._deferred = [d for d in self._deferred if d[2] > now]
+        for ident, msg, _ in late:
+            self._answer(ident, msg, now)
+
+    def _answer(self, ident: bytes, msg: KvRead, wait_until: float) -> None:
+        """Serve a read of a lease held with its generation; refuse any other, except one
+        for a lease newer than every grant so far while `wait_until` has not passed: its
+        GrantLease may still be behind a plan on the scheduler's socket (this worker was
+        busy), so it waits for it (`_retry_deferred`, `tick`)."""
+        lease = self._leases.get(msg.lease_id)
+        if lease is None and msg.lease_id > self._max_granted and time.monotonic() < wait_until:
+            self._deferred.append((ident, msg, wait_until))
+            return
+        if lease is None or lease[0] != msg.generation:
+            message = f"lease {msg.lease_id} generation {msg.generation} is not held"
+            self._refuse(ident, LEASE_UNKNOWN, message)
+            return
+        assert self.server is not None
+        data = self._cache.gather(lease[1])  # [L, 2, n, bs, H, row], a buffer of its own
+        head = KvReadReply(True, shape=list(data.shape), dtype=_dtype_name(data.dtype))
+        payload = data.reshape(-1).view(torch.uint8).cpu().numpy()
+        self.server.send_multipart([ident, encode(head), payload], copy=False)
+
+    def _retry_deferred(self) -> None:
+        waiting, self._deferred = self._deferred, []
+        for ident, msg, wait_until in waiting:
+            self._answer(ident, msg, wait_until)
 
     def _refuse(self, ident: bytes, code: str, message: str) -> None:
         self._log.warning("kv_read_refused", code=code, message=message)

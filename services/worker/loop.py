@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, cast
@@ -207,8 +208,10 @@ def _serve_loop(
             trim_heap()
         if monitor in events:
             greeter.on_monitor(sock, monitor)
-        if kv_server is not None and kv_server in events:
-            guarded(log, "kv_read_failed", lambda _: kv.on_readable(), 0)  # type: ignore[union-attr]
+        if kv is not None and kv_server is not None:
+            if kv_server in events:
+                guarded(log, "kv_read_failed", lambda _: kv.on_readable(), 0)
+            kv.tick(time.monotonic())
         if sock not in events:
             steps.on_quiet()  # no plan behind the launched step: its result goes now
             continue
