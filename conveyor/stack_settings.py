@@ -72,7 +72,7 @@ class StackSettings:
     )  # fmt: skip
     kv_transport: str = field(
         default="ipc",
-        metadata={"internal": True, "choices": ("ipc", "tcp"),
+        metadata={"choices": ("ipc", "tcp"),
                   "help": "how decode workers reach a prefill worker's KV on this host: ipc, "
                   "or tcp loopback (what separate hosts would use; measurements)"},
     )  # fmt: skip

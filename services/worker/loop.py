@@ -118,8 +118,6 @@ def serve_worker(
             sock, monitor, greeter, steps, log, stop, max_frame_bytes, trim, trace, kv
         )
     finally:
-        if kv is not None:
-            kv.close()
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
         sock.disable_monitor()

@@ -39,14 +39,7 @@ def run_worker(
     `tracing`: rank 0 sends a span per step (None: tracing off). `kv_addr`: where this
     (prefill) worker serves leased KV; every single-rank worker can pull KV
     (services/worker/kv_transfer.py)."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
-        log.info("signal", signum=signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _stop_on_signals(log)
     if parallel.world_size > 1:
         try:
             check_model_divides(config.model, parallel.world_size)
@@ -69,14 +62,7 @@ def run_worker(
     if stop.is_set():
         return 0
     log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
-    kv = None
-    if parallel.world_size == 1:  # tensor-parallel hand-over (per-rank shards) is not built
-        import zmq
-
-        from services.worker.kv_transfer import KvTransfer
-
-        kv = KvTransfer(runner.kv_cache, zmq.Context.instance(), log, kv_addr, curve_keys,
-                        kv_pull_timeout_s)  # fmt: skip
+    kv = _kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
     code = serve_worker(
         runner,
         plan_address,
@@ -90,6 +76,42 @@ def run_worker(
         trace=StepTrace(tracing) if tracing is not None and parallel.rank == 0 else None,
         kv=kv,
     )
+    if kv is not None:
+        kv.close()
     if code == 0:  # a broken group is not torn down: a collective on it could block
         runner.close()
     return code
+
+
+def _stop_on_signals(log: Any) -> threading.Event:
+    """An event SIGTERM and SIGINT set (the loop finishes its step, then exits)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
+        log.info("signal", signum=signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _kv_transfer(
+    runner: Any,
+    parallel: ParallelConfig,
+    log: Any,
+    kv_addr: Optional[str],
+    curve_keys: Optional[Path],
+    pull_timeout_s: float,
+) -> Any:
+    """The worker's KV hand-over (services/worker/kv_transfer.py): a single-rank worker pulls
+    KV, and serves it at `kv_addr` when given; None for a tensor-parallel rank (its per-rank
+    hand-over of KV-head shards is not built)."""
+    if parallel.world_size != 1:
+        return None
+    import zmq
+
+    from services.worker.kv_transfer import KvTransfer
+
+    return KvTransfer(runner.kv_cache, zmq.Context.instance(), log, kv_addr, curve_keys,
+                      pull_timeout_s)  # fmt: skip
