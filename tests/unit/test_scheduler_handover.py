@@ -18,6 +18,7 @@ import dataclasses
 from test_scheduler_support import CheckingWorker, FakeClock, drive, make, submit
 
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.summary import summarize
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.kv_channel import KvHandover
 from shared.protocol.worker_channel import EndLease, GrantLease, KvPulled, PullKv
@@ -122,3 +123,16 @@ def test_an_unreleased_lease_expires_and_its_blocks_are_free() -> None:
     assert pre.take_worker_messages() == [EndLease(ref.lease_id)]
     assert pre.pool.num_used == 0 and not pre.release_lease(ref.lease_id, ref.generation)
     pre.check_invariants()
+
+
+def test_the_engine_summary_reports_the_transfer() -> None:
+    before = {"num_kv_pulls": 2, "kv_pull_bytes": 1 << 20, "kv_pull_seconds": 0.5}
+    after = {"num_kv_pulls": 6, "kv_pull_bytes": 5 << 20, "kv_pull_seconds": 0.504}
+    out = summarize(before, after, 5.0, [])
+    assert out["num_kv_pulls"] == 4 and out["kv_pull_mib"] == 4.0
+    assert out["kv_pull_gb_per_s"] == round((4 << 20) / 0.004 / 1e9, 2)
+    leases = summarize(
+        {"num_leases_granted": 1}, {"num_leases_granted": 4, "num_leases": 1}, 5.0, []
+    )
+    assert leases["num_leases_granted"] == 3 and leases["num_leases_held"] == 1
+    assert "num_kv_pulls" not in summarize({}, {}, 5.0, [])
