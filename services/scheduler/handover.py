@@ -70,6 +70,15 @@ class Leases:
         self.num_released += 1
         return True
 
+    def renew(self, lease_ids: list[int]) -> int:
+        """The frontend's RenewLeases: each held one lasts another time-out from now. How
+        many were held."""
+        deadline = self._clock() + self._timeout_s
+        held = [self._leases[i] for i in lease_ids if i in self._leases]
+        for lease in held:
+            lease.deadline = deadline
+        return len(held)
+
     def expire(self) -> int:
         """Housekeeping: leases past their deadline end. How many did."""
         now = self._clock()

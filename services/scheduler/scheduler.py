@@ -169,6 +169,10 @@ class Scheduler:
         """The frontend's ReleaseLease (a prefill engine): the lease's blocks are freed."""
         return self.leases.release(lease_id, generation)
 
+    def renew_leases(self, lease_ids: list[int]) -> int:
+        """The frontend's RenewLeases (a prefill engine): those still held last longer."""
+        return self.leases.renew(lease_ids)
+
     def expire_leases(self) -> int:
         """Housekeeping: leases past their time-out end; how many did."""
         return self.leases.expire()

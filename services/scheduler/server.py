@@ -40,7 +40,6 @@ from shared.protocol.engine_channel import (
     EngineNotReady,
     EngineReady,
     EngineShutdown,
-    ReleaseLease,
 )
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
@@ -229,12 +228,6 @@ class SchedulerServer:
             back_to_back = False
 
     # ---- KV hand-over (docs/design/disaggregation.md) ----------------------------------------
-
-    def release_lease(self, msg: ReleaseLease) -> None:
-        """A frontend's ReleaseLease (a prefill engine): the blocks are freed."""
-        if self.sched is not None and self.sched.release_lease(msg.lease_id, msg.generation):
-            self.log.info("lease_released", lease_id=msg.lease_id)
-        self._send_handover_messages()
 
     def on_kv_pulled(self, msg: KvPulled) -> None:
         """The worker's answer to a PullKv (a decode engine): the request is admitted."""

@@ -98,6 +98,8 @@ class Engines:
         roles = {e: self.role_of(e) for e in ready}
         prefill = [e for e in ready if roles[e] == "prefill"]
         decode = [e for e in ready if roles[e] != "prefill"]  # colocated ones decode too
+        if submit.kv_source is not None and not any(roles[e] == "decode" for e in ready):
+            return ready, dataclasses.replace(submit, kv_source=None)  # nobody to pull it
         if not prefill or not decode:
             return ready, submit
         if submit.output_token_ids or submit.kv_source is not None:

@@ -99,9 +99,9 @@ class Resumption:
         self._num_resumed_total += 1
         engine = self._engines.submit(submit, exclude=left if kv_source is None else None)
         if kv_source is not None and left is not None:
-            if engine is not None:
+            if engine is not None and self._engines.role_of(engine) == "decode":
                 self._handovers.opened(state.engine_rid, left, kv_source)
-            else:
+            else:  # no decode engine took it: it recomputes (or waits), the lease is of no use
                 self._handovers.release_now(left, kv_source)
         name = None if left is None else self._engines.name_of(left)
         self._log.info(

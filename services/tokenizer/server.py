@@ -91,7 +91,8 @@ class FrontendServer:
         self._engines = Engines(
             config, ctx, log, lambda e: self._flow.scheduler_gone(e), self.identity
         )
-        self._handovers = Handovers(self._engines, log)  # disaggregation's open leases
+        # disaggregation's open leases (renewed every heartbeat)
+        self._handovers = Handovers(self._engines, log, config.heartbeat_s)
         self._resumption = Resumption(
             config, self._table, self._engines, self._clients, log, self._handovers
         )
@@ -230,6 +231,7 @@ class FrontendServer:
             if link.silent_for(now) > cfg.scheduler_timeout_s:
                 msg = f"no word from the scheduler for {cfg.scheduler_timeout_s:g} s"
                 self._flow.engine_lost(link.index, LOST, msg)
+        self._handovers.renew(now)
         self._clients.heartbeat(self._table.connections(), now)
         self._reports.expire(now)
         self._resumption.expire(now)

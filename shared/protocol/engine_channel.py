@@ -89,6 +89,15 @@ class ReleaseLease:
 
 
 @dataclass(frozen=True, slots=True)
+class RenewLeases:
+    """Frontend -> prefill engine, once per heartbeat while hand-overs are open: these
+    leases are still wanted (a decode engine holds their request, its pull not yet done);
+    each lasts another lease time-out from now."""
+
+    lease_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class FrontendBye:
     """The frontend is shutting down: abort all its requests."""
 

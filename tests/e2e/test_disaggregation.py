@@ -213,8 +213,9 @@ def test_decode_worker_killed_during_a_burst(
     disagg: LocalStack, reference: list[Completion]
 ) -> None:
     """Once every stream has a chunk, `kill -9` the decode worker and restart it (as `up`'s
-    supervisor does): the decode scheduler recomputes what it held, requests arriving
-    meanwhile run on the prefill engine alone; every stream equals its reference."""
+    supervisor does): the decode scheduler recomputes what it held (its pulls in flight fail,
+    their leases are released); every stream equals its reference; a request sent while the
+    decode engine is not ready runs on the prefill engine alone (no hand-over)."""
     killed_at: list[float] = []
     held_after_kill: list[float] = []  # when the prefill engine was seen holding a lease
     done = threading.Event()
@@ -225,16 +226,37 @@ def test_decode_worker_killed_during_a_burst(
                 held_after_kill.append(time.monotonic())
             time.sleep(0.05)
 
+    alone: list[Completion] = []  # a request sent while the decode engine is not ready
+
+    def while_decode_is_down() -> None:
+        with Client(disagg.frontend_address, timeout=WAIT_S) as client:
+            deadline = time.monotonic() + WAIT_S
+            while client.health()["engines"][1]["ready"]:
+                assert time.monotonic() < deadline, "the decode engine never said not ready"
+                time.sleep(0.02)
+            alone.append(client.generate(PROMPTS[3], **PARAMS, request_id="alone"))
+
     def kill() -> None:
         os.kill(disagg.pids()["worker-1"], signal.SIGKILL)
         killed_at.append(time.monotonic())
         threading.Thread(target=watch_leases, daemon=True).start()
+        threading.Thread(target=while_decode_is_down, daemon=True).start()
         disagg.restart_workers(1)
 
     try:
         got = asyncio.run(streams(disagg.frontend_address, on_first=kill))
     finally:
         done.set()
+    deadline = time.monotonic() + WAIT_S
+    while not alone and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alone and alone[0].token_ids == reference[3].token_ids
+    received = [r for r in log_events(disagg, "tokenizer", "request_received")
+                if r["client_id"] == "alone"]  # fmt: skip
+    rid = received[0]["rid"]
+    assert received[0]["engine"] == "0"
+    moved = [r for r in log_events(disagg, "tokenizer", "request_resumed") if r["rid"] == rid]
+    assert moved == [], "the request was handed over while no decode engine was ready"
     for n, tokens in enumerate(got):
         assert tokens == reference[n % len(PROMPTS)].token_ids, PROMPTS[n % len(PROMPTS)]
     if held_after_kill:

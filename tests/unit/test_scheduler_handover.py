@@ -8,7 +8,8 @@ the output index; every context read is checked against the KV its blocks hold),
   worker's KV, starts from them as a prefix-cache hit and goes on exactly as the undisturbed
   request; releasing the lease frees the blocks;
 * a failed pull, and a worker lost during a pull, recompute instead, with the same tokens;
-* an unreleased lease expires after `lease_timeout_s` and its blocks are free again.
+* an unreleased lease expires after `lease_timeout_s` (renewed: later) and its blocks are
+  free again.
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ def test_an_aborted_pull_admits_nothing_and_frees_its_blocks() -> None:
 
 
 def test_an_unreleased_lease_expires_and_its_blocks_are_free() -> None:
+    """Renewed (the frontend's heartbeat) it lasts another time-out; then it expires."""
     pre, _, clock, ref = prefill()
     pre.take_worker_messages()
+    clock.advance(2.9)
+    assert pre.expire_leases() == 0 and pre.renew_leases([ref.lease_id, 999]) == 1
     clock.advance(2.9)
     assert pre.expire_leases() == 0 and pre.pool.num_used == len(ref.block_ids)
     clock.advance(0.2)
