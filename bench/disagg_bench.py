@@ -15,6 +15,10 @@ the medians of, from the services' own logs:
 * pull_s, MB, GB/s: the decode worker's pull alone (request, gather, transfer, scatter);
 * ratio: handover_s / prefill_s (the issue's goal: <= 10%).
 
+`--breakdown` (in this process, no stack): where a pull's time goes for `--breakdown-len`
+tokens of SmolLM2's KV (30 layers, 3 KV heads of 64, fp32, blocks of 16): the gather into one
+buffer, the send and receive of that frame over ipc and tcp loopback, the scatter into blocks.
+
 Run it alone (`flock -x`): timings on a shared machine swing. Writes <out>/disagg_cpu.json.
 """
 
@@ -44,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="ipc,tcp")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--breakdown", action="store_true", help="only the pull's parts, in process")
+    p.add_argument("--breakdown-len", type=int, default=1024)
     return p.parse_args(argv)
 
 
@@ -118,8 +124,57 @@ def summarize(rows: list[dict[str, Any]], transport: str) -> list[dict[str, Any]
     return out
 
 
+def breakdown(num_tokens: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each part of one pull of `num_tokens` tokens' blocks."""
+    import time
+
+    import torch
+    import zmq
+
+    from services.worker.kv_cache import KVCache
+    from services.worker.weights import ModelArgs
+
+    args = ModelArgs("llama", VOCAB, 576, 1536, 30, 9, 3, 64, 1e-5, 1e5, 2048, True, False)
+    num = num_tokens // 16
+    src, dst = (KVCache(args, 4 * num, 16, "float32", "cpu") for _ in range(2))
+    blocks = list(range(num, 2 * num))
+    out: dict[str, list[float]] = {"gather": [], "scatter": [], "ipc": [], "tcp": []}
+    ctx = zmq.Context.instance()
+    for name, addr in (
+        ("ipc", f"ipc://{tempfile.mkdtemp()}/kv.sock"),
+        ("tcp", "tcp://127.0.0.1:0"),
+    ):
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind(addr)
+        dealer.connect(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            data = src.gather(blocks)
+            t1 = time.perf_counter()
+            dealer.send(b"read")
+            ident, _ = router.recv_multipart()
+            router.send_multipart([ident, data.reshape(-1).view(torch.uint8).numpy()], copy=False)
+            frame = dealer.recv(copy=False)
+            t2 = time.perf_counter()
+            got = torch.frombuffer(frame.buffer, dtype=torch.float32).view(data.shape)
+            dst.scatter(blocks, got)
+            t3 = time.perf_counter()
+            out["gather"].append(t1 - t0)
+            out[name].append(t2 - t1)
+            out["scatter"].append(t3 - t2)
+        router.close()
+        dealer.close()
+    return {k: statistics.median(v) for k, v in out.items()} | {"bytes": float(data.numel() * 4)}
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.breakdown:
+        parts = breakdown(args.breakdown_len)
+        print(f"{args.breakdown_len} tokens, {parts['bytes'] / 1e6:.1f} MB: " + ", ".join(
+            f"{k} {v * 1e3:.1f} ms ({parts['bytes'] / v / 1e9:.2f} GB/s)"
+            for k, v in parts.items() if k != "bytes"))  # fmt: skip
+        return 0
     lens = [int(x) for x in args.input_lens.split(",")]
     table = []
     for transport in args.transports.split(","):
