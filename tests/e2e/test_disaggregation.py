@@ -8,6 +8,7 @@ here; the session engine (colocated) is the reference.
   afterwards is refused (its blocks may be reused);
 * a forged KV read (a lease the prefill worker does not hold, a garbled frame) is refused and
   logged, and the prefill worker goes on serving;
+* with CURVE keys the KV moves; a reader with a key not admitted gets nothing, and is logged;
 * `kill -9` of the decode worker during a burst of streams: every stream completes with its
   undisturbed text, the prefill engine's leases are freed within 5 s, no block is left used on
   either side.
@@ -24,6 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +33,7 @@ import zmq
 
 from conveyor.launcher import LocalStack
 from shared.client import AsyncClient, Client, Completion
+from shared.curve import generate_keys, load_public_key, server_public_path
 from shared.protocol.codec import decode, encode
 from shared.protocol.engine_channel import OutputBatch, SubmitRequest
 from shared.protocol.kv_channel import KvHandover, KvRead, KvReadReply
@@ -264,3 +267,34 @@ def test_decode_worker_killed_during_a_burst(
         assert held_s < LEASE_FREED_S + SLOW_HOST_MARGIN_S, f"a lease held {held_s:.1f} s"
     wait_idle(disagg, 10.0 + SLOW_HOST_MARGIN_S)
     assert log_events(disagg, "scheduler-1", "worker_lost"), "the decode worker was not lost"
+
+
+def test_with_curve_keys_the_kv_moves_and_an_unknown_key_is_refused(tmp_path: Path) -> None:
+    """A stack with `--curve-keys`: the decode worker pulls with the worker key pair; a reader
+    whose key is not in authorized_workers/ never completes the handshake (no answer), and
+    the prefill worker logs the refusal."""
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    worker = dataclasses.replace(ENGINE_WORKER, kv_cache_memory=96 << 20, max_model_len=512)
+    settings = engine_settings(tmp_path / "logs", gateway=False, prefill_engines=1,
+                               decode_engines=1, worker_config=worker, curve_keys=keys)  # fmt: skip
+    for stack in running_stack(settings):
+        server_key, client_key = stack.client_keys
+        with Client(stack.frontend_address, timeout=WAIT_S, server_key=server_key,
+                    client_key=client_key) as client:  # fmt: skip
+            got = client.generate(PROMPTS[3], **PARAMS)
+            assert client.stats()["engines"]["1"]["num_kv_pulls"] == 1
+        assert got.finish_reason == "length"
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = load_public_key(server_public_path(keys))
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.connect(f"ipc://{stack.run_dir}/worker-0-kv.sock")
+        try:
+            sock.send(encode(KvRead(1, 1)))
+            assert not sock.poll(2000), "a reader with an unknown key was answered"
+        finally:
+            sock.close()
+        refused = log_events(stack, "worker-0", "curve_client_refused")
+        assert refused, "the refused reader was not logged"
