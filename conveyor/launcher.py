@@ -87,7 +87,7 @@ class LocalStack:
             raise StackError("already started")
         self.run_dir = Path(tempfile.mkdtemp(prefix="conveyor-"))
         s = self.settings
-        sched_addrs = [self._start_engine(i) for i in range(s.data_parallel_size)]
+        sched_addrs = [self._start_engine(i) for i in range(s.num_engines)]
         frontend = dataclasses.replace(
             s.frontend_config, frontend_address=self.frontend_address,
             scheduler_addresses=tuple(sched_addrs), frontend_id=new_frontend_id(),
@@ -109,7 +109,7 @@ class LocalStack:
     def engine_names(self, index: int) -> tuple[str, str]:
         """The service names (and log file stems) of engine `index`: its scheduler and its
         rank-0 worker (rank r > 0 is "<worker>-<r>")."""
-        if self.settings.data_parallel_size == 1:
+        if self.settings.num_engines == 1:
             return "scheduler", "worker"
         return f"scheduler-{index}", f"worker-{index}"
 
@@ -125,7 +125,7 @@ class LocalStack:
         server = dataclasses.replace(
             s.server_config, frontend_address=sched_addr, worker_address=self._worker_addrs[index],
             num_workers=1 if s.worker == "sim" else s.tensor_parallel_size,
-            drain_timeout_s=s.drain_timeout_s, curve_keys=s.curve_keys,
+            drain_timeout_s=s.drain_timeout_s, curve_keys=s.curve_keys, role=s.role_of(index),
         )  # fmt: skip
         self._spawn(scheduler, "services.scheduler", [s.scheduler_config, server], engine=index)
         self._spawn_workers(index)
@@ -136,8 +136,15 @@ class LocalStack:
         loopback port (each (re)start gets its own, so a restarted group never meets a dying
         one's store)."""
         s = self.settings
-        link = WorkerProcessConfig(worker_addr=self._worker_addrs[engine], curve_keys=s.curve_keys)
         base = self.engine_names(engine)[1]
+        # a prefill engine's worker serves its leased KV to the decode workers
+        kv_addr = None
+        if s.role_of(engine) == "prefill":
+            ipc = f"ipc://{self.run_dir}/{base}-kv.sock"
+            kv_addr = ipc if s.kv_transport == "ipc" else "tcp://127.0.0.1:0"  # any free port
+        link = WorkerProcessConfig(
+            worker_addr=self._worker_addrs[engine], curve_keys=s.curve_keys, kv_addr=kv_addr
+        )
         if s.worker == "sim":
             self._spawn(base, "services.worker.sim", [s.sim(), link], engine=engine)
             return
@@ -179,7 +186,7 @@ class LocalStack:
         env.pop("CONVEYOR_ENGINE", None)
         if engine is not None:
             env["CONVEYOR_ENGINE"] = str(engine)  # the `engine` field of its log lines
-            if self.settings.data_parallel_size > 1 and is_worker_rank(name):
+            if self.settings.num_engines > 1 and is_worker_rank(name):
                 env.update(self._engine_devices(engine, env))
         env.update(self.settings.env)
         return env
@@ -193,7 +200,7 @@ class LocalStack:
         out = {"CUDA_VISIBLE_DEVICES": devices[engine] if engine < len(devices) else str(engine)}
         if "OMP_NUM_THREADS" not in os.environ:
             cores = len(os.sched_getaffinity(0))
-            out["OMP_NUM_THREADS"] = str(max(1, cores // self.settings.data_parallel_size))
+            out["OMP_NUM_THREADS"] = str(max(1, cores // self.settings.num_engines))
         return out
 
     def _note(self, text: str) -> None:

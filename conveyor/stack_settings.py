@@ -31,7 +31,7 @@ DEFAULT_LOG_DIR = Path("logs")  # also where `conveyor logs` looks
 # The scheduler's max_frame_bytes (frames from the frontend) is left to the scheduler itself:
 # `up --max-frame-bytes` is the clients' limit (the tokenizer's, which the gateway follows).
 SCHEDULER_SETS = ("frontend_address", "worker_address", "num_workers", "drain_timeout_s",
-                  "curve_keys", "max_frame_bytes")  # fmt: skip
+                  "curve_keys", "max_frame_bytes", "role")  # fmt: skip
 TOKENIZER_SETS = ("frontend_address", "scheduler_addresses", "frontend_id", "model",
                   "drain_timeout_s", "curve_keys")  # fmt: skip
 GATEWAY_SETS = ("engine_addr", "max_frame_bytes", "server_key", "client_key")
@@ -57,6 +57,24 @@ class StackSettings:
         default=1,
         metadata={"help": "engines (scheduler + worker each, own KV pool; on CUDA the i-th "
                   "visible GPU each) behind the one frontend"},
+    )  # fmt: skip
+    # disaggregation (docs/design/disaggregation.md): P prefill + D decode engines instead of
+    # data_parallel_size colocated ones; engines 0..P-1 prefill, P..P+D-1 decode
+    prefill_engines: int = field(
+        default=0,
+        metadata={"help": "prefill engines (prompts and their first token; the KV then moves "
+                  "to a decode engine); with --decode-engines, instead of --data-parallel-size"},
+    )  # fmt: skip
+    decode_engines: int = field(
+        default=0,
+        metadata={"help": "decode engines (they pull a prompt's KV from a prefill engine's "
+                  "worker and stream the rest)"},
+    )  # fmt: skip
+    kv_transport: str = field(
+        default="ipc",
+        metadata={"choices": ("ipc", "tcp"),
+                  "help": "how decode workers reach a prefill worker's KV on this host: ipc, "
+                  "or tcp loopback (what separate hosts would use; measurements)"},
     )  # fmt: skip
     # worker ranks of one tensor-parallel group (services "worker", "worker-1", ...; with
     # several engines "worker-<i>", "worker-<i>-1", ...); the simulated worker stays one
@@ -114,6 +132,14 @@ class StackSettings:
             raise ValueError(f"worker must be one of {', '.join(WORKER_KINDS)}")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
+        if self.kv_transport not in ("ipc", "tcp"):
+            raise ValueError("kv_transport must be ipc or tcp")
+        if self.prefill_engines < 0 or self.decode_engines < 0:
+            raise ValueError("prefill_engines and decode_engines must be >= 0")
+        if (self.prefill_engines > 0) != (self.decode_engines > 0):
+            raise ValueError("give both --prefill-engines and --decode-engines (or neither)")
+        if self.prefill_engines and self.data_parallel_size != 1:
+            raise ValueError("--prefill-engines/--decode-engines replace --data-parallel-size")
         if not 0 < self.gateway_config.http_port < 65536:
             raise ValueError("http_port must be a TCP port")
         if self.drain_timeout_s < 0:
@@ -122,6 +148,17 @@ class StackSettings:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.worker == "sim":  # the simulated group must split the simulated model
             self.sim()
+
+    @property
+    def num_engines(self) -> int:
+        """Engines behind the frontend: P + D when disaggregated, else data_parallel_size."""
+        return self.prefill_engines + self.decode_engines or self.data_parallel_size
+
+    def role_of(self, engine: int) -> str:
+        """Engine `engine`'s role: the first prefill_engines prefill, the rest decode."""
+        if not self.prefill_engines:
+            return "colocated"
+        return "prefill" if engine < self.prefill_engines else "decode"
 
     def sim(self) -> SimConfig:
         """The simulated worker's config (it models the whole tensor-parallel group)."""

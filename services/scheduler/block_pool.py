@@ -126,6 +126,15 @@ class BlockPool:
         self._free[:0] = blocks  # popped after the plain free blocks, oldest first
         return num_moved
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """One more reference to each of these owned blocks (a KV hand-over's lease:
+        services/scheduler/handover.py)."""
+        refs = self._ref_counts
+        for block in block_ids:
+            if refs[block] <= 0:
+                raise ValueError(f"block {block} shared but not owned")
+            refs[block] += 1
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; a block with no reference left becomes cached
         (registered) or free. Released in reverse, deepest first: of blocks released together

@@ -139,6 +139,12 @@ class SchedulerConfig:
             "always send it at once",
         },
     )
+    # disaggregation (docs/design/disaggregation.md): a prefill engine's lease on a hand-over
+    lease_timeout_s: float = field(
+        default=3.0,
+        metadata={"help": "a prefill engine frees a hand-over's KV blocks this many seconds "
+                  "after its first token unless the frontend released them earlier"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         problems = config_problems(self)
@@ -190,6 +196,8 @@ def config_problems(c: SchedulerConfig) -> list[str]:
         v = getattr(c, name)
         if not _is_num(v) or v < 0:
             out.append(f"{name} must be a number >= 0")
+    if not _is_num(c.lease_timeout_s) or c.lease_timeout_s <= 0:
+        out.append("lease_timeout_s must be a number > 0")
     if not _is_num(c.watermark) or not 0.0 <= c.watermark < 1.0:
         out.append("watermark must be in [0, 1)")
     for name in ("enable_prefix_caching", "async_scheduling", "just_in_time_plans"):

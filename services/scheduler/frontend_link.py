@@ -33,6 +33,8 @@ from shared.protocol.engine_channel import (
     FrontendHello,
     OutputBatch,
     PrefixCacheReset,
+    ReleaseLease,
+    RenewLeases,
     RequestOutput,
     RequestRejected,
     ResetPrefixCache,
@@ -83,6 +85,8 @@ class FrontendLink:
             FrontendBye: lambda ident, _msg: self.frontend_gone(ident, "frontend said bye"),
             ResetPrefixCache: self._on_reset_prefix_cache,
             DrainEngine: lambda _ident, msg: host.drain_for_maintenance(msg.drain),
+            ReleaseLease: self._on_release_lease,
+            RenewLeases: self._on_renew_leases,
         }
 
     def close(self) -> None:
@@ -148,6 +152,19 @@ class FrontendLink:
         self.owners[req.rid] = ident
         self.log.info("request_admitted", rid=req.rid, num_prompt_tokens=len(req.prompt_token_ids),
                       num_output_tokens=len(req.output_token_ids), attempt=req.attempt)  # fmt: skip
+
+    def _on_release_lease(self, _ident: bytes, msg: ReleaseLease) -> None:
+        """A prefill engine's hand-over is over (docs/design/disaggregation.md): its blocks
+        are freed; the loop sends the EndLease to the worker before its next plan."""
+        sched = self._host.sched
+        if sched is not None and sched.release_lease(msg.lease_id, msg.generation):
+            self.log.info("lease_released", lease_id=msg.lease_id)
+
+    def _on_renew_leases(self, _ident: bytes, msg: RenewLeases) -> None:
+        """The frontend's heartbeat names the hand-overs it still waits on: they last on."""
+        sched = self._host.sched
+        if sched is not None:
+            sched.renew_leases(msg.lease_ids)
 
     def _on_reset_prefix_cache(self, ident: bytes, msg: ResetPrefixCache) -> None:
         sched = self._host.sched

@@ -58,6 +58,9 @@ class LiveRequests:
             stop_ids |= self._eos_ids
         self._seq_no += 1
         num_prompt = len(req.prompt_token_ids)
+        max_len = min(self._max_len, num_prompt + req.sampling.max_tokens)
+        if req.hand_over:  # a prefill engine's request ends at its first new token
+            max_len = min(max_len, num_prompt + len(req.output_token_ids) + 1)
         request = Request(
             rid=req.rid,
             token_ids=[*req.prompt_token_ids, *req.output_token_ids],
@@ -66,9 +69,10 @@ class LiveRequests:
             priority=req.priority,
             seq_no=self._seq_no,
             arrival_time=now,
-            max_len=min(self._max_len, num_prompt + req.sampling.max_tokens),
+            max_len=max_len,
             stop_ids=frozenset(stop_ids),
             traceparent=req.traceparent,
+            hands_over=req.hand_over,
         )
         self._live[req.rid] = request
         return request

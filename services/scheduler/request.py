@@ -81,6 +81,8 @@ class Request:
     # tracing (shared/tracing.py): the frontend's request span, and when it was preempted
     traceparent: Optional[str] = None
     preempted_times: Optional[list[float]] = None
+    # disaggregation: ends "handover" after its first token, its KV leased (handover.py)
+    hands_over: bool = False
 
     @property
     def known_to_worker(self) -> bool:

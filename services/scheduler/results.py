@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Optional
 
 from services.scheduler.batching import BatchingRules
+from services.scheduler.handover import Leases
 from services.scheduler.inflight import InFlightStep, InFlightSteps
 from services.scheduler.live import LiveRequests
 from services.scheduler.prefix_cache import PrefixCache
@@ -41,9 +42,12 @@ class ResultApplier:
         rules: BatchingRules,
         counters: Counters,
         clock: Callable[[], float],
+        leases: Leases,
         speculation: Optional[Speculation] = None,
     ) -> None:
-        """`speculation`: applies the accepted drafts of steps that gave draft limits."""
+        """`leases`: a prefill engine's hand-overs (handover.py). `speculation`: applies the
+        accepted drafts of steps that gave draft limits."""
+        self._leases = leases
         self._live = live
         self._batch = batch
         self._cache = cache
@@ -195,15 +199,20 @@ class ResultApplier:
         """`req` sampled its last token (`new_tokens[-1]`, after any accepted drafts): finish
         it; its final output (with its embedding, an embedding request's, from the result)."""
         reason = "stop" if new_tokens[-1] in req.stop_ids else "length"
+        if reason == "length" and req.hands_over and _short_of_max_tokens(req):
+            reason = "handover"  # a prefill engine's request: its decode engine goes on
         self._live.finish(req, reason, now)
         if self._caching:  # what it computed stays findable once its blocks are freed
             self._cache.register_computed(req)
+        handover = self._leases.grant(req) if reason == "handover" else None
         if self._padding:
             req.padding = True  # keeps its slot and blocks until the whole batch is done
         else:
             self._batch.drop(req)
         lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []
         out = req.output(new_tokens, lps, reason)
+        if handover is not None:
+            out = dataclasses.replace(out, handover=handover)
         if result.embeddings and req.rid in result.embeddings:
             return dataclasses.replace(out, embedding=result.embeddings[req.rid])
         return out
@@ -224,3 +233,9 @@ class ResultApplier:
                 self._live.finish(req, "error", now)
                 outputs.append(req.output([], [], "error", ErrorCode.WORKER_FAILED, message))
         return outputs
+
+
+def _short_of_max_tokens(req: Request) -> bool:
+    """Whether `req` may still generate (its own max_tokens and max_model_len allow more)."""
+    num_outputs = len(req.token_ids) - req.num_prompt_tokens
+    return num_outputs < req.sampling.max_tokens

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Optional
+from typing import Any, Optional
 
 from services.scheduler.admission import admission_problem
 from services.scheduler.batching import BatchingRules
@@ -36,6 +36,7 @@ from services.scheduler.composition import composition_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.faults import Bisection
 from services.scheduler.fill import StepFiller
+from services.scheduler.handover import Leases, Pulls
 from services.scheduler.inflight import InFlightStep, InFlightSteps
 from services.scheduler.live import LiveRequests
 from services.scheduler.policy import WaitingQueue
@@ -44,20 +45,21 @@ from services.scheduler.request import RequestStatus
 from services.scheduler.results import ResultApplier
 from services.scheduler.running import RunningSet
 from services.scheduler.slo_classes import resolve_targets
-from services.scheduler.slo_policy import SloPolicy
+from services.scheduler.slo_policy import ArrivalDecision, SloPolicy
 from services.scheduler.speculation import SpecCounters, Speculation
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
 from services.scheduler.tracing import SchedulerTrace
 from shared.protocol.engine_channel import (
+    HandoverDone,
     OutputBatch,
     RequestOutput,
     RequestRejected,
     SubmitRequest,
 )
 from shared.protocol.errors import ErrorCode
-from shared.protocol.worker_channel import StepPlan, StepResult
+from shared.protocol.worker_channel import KvPulled, StepPlan, StepResult
 from shared.step_cost import StepCostPredictor
 
 
@@ -136,9 +138,12 @@ class Scheduler:
             config, rules, waiting, batch, self.pool, cache, steady, self.composition,
             self._max_len, self.speculation, self.slo,
         )  # fmt: skip
+        # a KV hand-over's two sides (handover.py): leases (prefill), pulls (decode)
+        self.leases = Leases(self.pool, config.lease_timeout_s, self._clock)
+        self.pulls = Pulls(self.pool, cache)
         self._results = ResultApplier(
             self.live, batch, cache, self.in_flight, steady, rules, self.counters, self._clock,
-            self.speculation,
+            self.leases, self.speculation,
         )  # fmt: skip
         self.faults = Bisection(
             self.live, waiting, batch, cache, self.in_flight, rules, config.async_scheduling,
@@ -160,6 +165,8 @@ class Scheduler:
         )
         if problem is None and len(req.output_token_ids) >= req.sampling.max_tokens:
             problem = (ErrorCode.INVALID_PARAMS, "the resumed request has max_tokens already")
+        if problem is None and req.rid in self.pulls:
+            problem = (ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already live")
         targets = resolve_targets(req, self._slo_classes, self.config.slo_default_class)
         if problem is None and targets is None:
             problem = (ErrorCode.INVALID_PARAMS, f"unknown slo_class {req.slo_class!r}")
@@ -173,14 +180,52 @@ class Scheduler:
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
-        request = self.live.admit(req, now)
+        if req.kv_source is not None and self.pulls.start(req):
+            return None  # admitted once its KV is here (pull_done; served without targets)
+        self._admit(req, decision)
+        return None
+
+    def _admit(self, req: SubmitRequest, decision: Optional[ArrivalDecision] = None) -> None:
+        request = self.live.admit(req, self._clock())
         if decision is not None:
             request.set_targets(decision.ttft_deadline, decision.tpot_s, decision.best_effort)
         self.prefix_cache.prepare(request)
         self._waiting.add(request)
         self.counters.num_admitted += 1
         self.counters.num_resumptions_admitted += req.attempt > 0
-        return None
+
+    def pull_done(self, msg: KvPulled) -> None:
+        """The worker's answer to a PullKv: the request is admitted (its pulled blocks are a
+        prefix-cache hit, or it recomputes); its HandoverDone waits in `take_handover_done`."""
+        submit = self.pulls.finish(msg)
+        if submit is not None:
+            self._admit(submit)
+
+    def release_lease(self, lease_id: int, generation: int) -> bool:
+        """The frontend's ReleaseLease (a prefill engine): the lease's blocks are freed."""
+        return self.leases.release(lease_id, generation)
+
+    def renew_leases(self, lease_ids: list[int]) -> int:
+        """The frontend's RenewLeases (a prefill engine): those still held last longer."""
+        return self.leases.renew(lease_ids)
+
+    def expire_leases(self) -> int:
+        """Housekeeping: leases past their time-out end; how many did."""
+        return self.leases.expire()
+
+    def take_worker_messages(self) -> list[Any]:
+        """What the hand-over must tell the worker (GrantLease, EndLease, PullKv), in order;
+        the loop sends it before the next plan."""
+        out = [*self.leases.worker_messages, *self.pulls.worker_messages]
+        self.leases.worker_messages.clear()
+        self.pulls.worker_messages.clear()
+        return out
+
+    def take_handover_done(self) -> list[HandoverDone]:
+        """Pulls that ended (each for its request's frontend, which releases the lease)."""
+        out = list(self.pulls.done)
+        self.pulls.done.clear()
+        return out
 
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]:
         """Idempotent; frees the request's blocks at once. Its final output if it was live.
@@ -190,7 +235,7 @@ class Scheduler:
         """
         req = self.live.get(rid)
         if req is None:
-            return None
+            return RequestOutput(rid, [], "abort") if self.pulls.cancel(rid) else None
         if req.status is RequestStatus.WAITING:
             self.faults.remove_waiting(req)  # the queue, or held aside by bisection
         else:
@@ -297,8 +342,13 @@ class Scheduler:
         for req in self.live:
             self.live.finish(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
+        done = self.pulls.done
+        for submit in self.pulls.drop_all():
+            outputs.append(RequestOutput(submit.rid, [], "error", error_code=code,
+                                         error_message=message))  # fmt: skip
         self.in_flight.clear()
         self._assemble(self.pool.num_blocks)
+        self.pulls.done.extend(done)
         return outputs
 
     def requeue_all(self, max_retries: int, code: str, message: str) -> list[RequestOutput]:
@@ -309,8 +359,11 @@ class Scheduler:
         the prefix cache; the first plan resets the worker's batch (a worker that only
         reconnected still holds the old one)."""
         live = sorted(self.live, key=lambda r: r.seq_no)
+        pulling = self.pulls.drop_all()  # their KV went with the worker: they recompute
+        done = self.pulls.done
         self.in_flight.clear()
         self._assemble(self.pool.num_blocks)  # held requests rejoin the queue below
+        self.pulls.done.extend(done)
         now = self._clock()
         outputs = []
         for req in live:
@@ -326,6 +379,8 @@ class Scheduler:
             req.num_worker_retries += 1
             req.requeue()
             self._waiting.add_preempted(req)
+        for submit in pulling:
+            self._admit(submit)
         return outputs
 
     # ---- observability -----------------------------------------------------------------------
@@ -354,6 +409,8 @@ class Scheduler:
             out["step_predictor_p50_error"], out["step_predictor_p90_error"] = errors
         out.update(self.prefix_cache.stats())
         out.update(self._spec_counters.as_stats())
+        out.update(self.leases.stats())
+        out.update(self.pulls.stats())
         return out
 
     def can_schedule(self) -> bool:
@@ -363,7 +420,7 @@ class Scheduler:
 
     def is_live(self, rid: str) -> bool:
         """True while `rid` waits or runs (not yet finished or aborted)."""
-        return rid in self.live
+        return rid in self.live or rid in self.pulls
 
     def has_work(self) -> bool:
         """True while anything waits or runs (static padding included)."""
@@ -374,7 +431,8 @@ class Scheduler:
         blocks): tests call it after every step."""
         running = list(self._batch.requests.values())
         caching = self.config.enable_prefix_caching
-        self.pool.check_invariants([r.block_ids for r in running], shared_ok=caching)
+        tables = [r.block_ids for r in running] + self.leases.tables() + self.pulls.tables()
+        self.pool.check_invariants(tables, shared_ok=caching)
         self.prefix_cache.check_invariants(running)
         self._waiting.check_invariants()
         self._batch.check_invariants(self.config.max_num_seqs, self.block_size)

@@ -36,9 +36,14 @@ from services.scheduler.step_log import StepLogColumns
 from services.scheduler.summary import EngineSummary
 from services.scheduler.worker_link import WorkerLink
 from shared.protocol.codec import encode
-from shared.protocol.engine_channel import EngineNotReady, EngineReady, EngineShutdown
+from shared.protocol.engine_channel import (
+    EngineNotReady,
+    EngineReady,
+    EngineShutdown,
+)
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
+    KvPulled,
     StepPlan,
     StepResult,
     WorkerFailure,
@@ -123,6 +128,7 @@ class SchedulerServer:
                 if fe in events:
                     self.frontends.on_readable()
                 self._housekeeping()
+                self._send_handover_messages()
         finally:
             self.workers.close()
             self.frontends.close()
@@ -176,6 +182,8 @@ class SchedulerServer:
             num_running=int(load.get("num_running", 0)),
             kv_usage=float(load.get("kv_usage", 0.0)),
             prefix_caching=bool(load.get("prefix_caching", 1.0)),
+            role=self.config.role,
+            kv_endpoint=first.kv_endpoint,
         )
 
     def stats(self) -> dict[str, float]:
@@ -197,6 +205,7 @@ class SchedulerServer:
         scheduling, the second built while the worker runs the first, or held while the
         dispatch policy says so: `_hold_next`)."""
         self._hold_until = None
+        self._send_handover_messages()  # an EndLease goes before any plan reusing its blocks
         while self._workers_up() and not self._stopped and self.sched.can_schedule():
             newest = self.sched.in_flight.newest()
             if newest is not None and self._hold_next(newest):
@@ -217,6 +226,29 @@ class SchedulerServer:
             assert flight is not None and flight.plan is plan  # schedule() recorded it
             flight.mark_sent(sent_at, gap)
             back_to_back = False
+
+    # ---- KV hand-over (docs/design/disaggregation.md) ----------------------------------------
+
+    def on_kv_pulled(self, msg: KvPulled) -> None:
+        """The worker's answer to a PullKv (a decode engine): the request is admitted."""
+        if self.sched is not None:
+            self.sched.pull_done(msg)
+        self._send_handover_messages()
+
+    def _send_handover_messages(self) -> None:
+        """What the hand-over owes the worker (in order, before the next plan) and the
+        frontends (each HandoverDone to its request's frontend)."""
+        if self.sched is None:
+            return
+        for msg in self.sched.take_worker_messages():
+            self.workers.send_all(encode(msg))
+        for done in self.sched.take_handover_done():
+            self.log.info("handover_done", rid=done.rid, ok=done.ok, code=done.code,
+                          lease_id=done.source.lease_id, num_blocks=len(done.source.block_ids),
+                          num_bytes=done.num_bytes, seconds=done.seconds)  # fmt: skip
+            owner = self.frontends.owners.get(done.rid)
+            if owner is not None:
+                self.frontends.send(owner, done)
 
     def _hold_next(self, flight: InFlightStep) -> bool:
         """Called with plan N in flight (`flight`, none behind it) before building plan N+1:
@@ -343,6 +375,8 @@ class SchedulerServer:
         now = time.monotonic()
         self._summary.maybe_emit(now, lambda: None if self.sched is None else self.sched.stats())
         self._check_requeue_timeout(now)
+        if self.sched is not None and (num := self.sched.expire_leases()):
+            self.log.warning("leases_expired", num_leases=num)
         self.frontends.check_silence(now)
         if self._maintenance.overdue(now, len(self.frontends.owners)):
             self.frontends.fail_all(ErrorCode.SHUTTING_DOWN, "the engine was drained")

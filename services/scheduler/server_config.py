@@ -9,19 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inflight import InFlightSteps
 from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.env import DRAIN_TIMEOUT_S
 from shared.protocol.engine_channel import (
+    HandoverDone,
     OutputBatch,
     RequestOutput,
     RequestRejected,
     SubmitRequest,
 )
-from shared.protocol.worker_channel import StepPlan, StepResult, WorkerReady
+from shared.protocol.worker_channel import KvPulled, StepPlan, StepResult, WorkerReady
 
 
 class SchedulerCore(Protocol):
@@ -44,6 +45,12 @@ class SchedulerCore(Protocol):
     def stats(self) -> dict[str, float]: ...
     def reset_prefix_cache(self) -> int: ...
     def after_plan(self) -> None: ...
+    def pull_done(self, msg: KvPulled) -> None: ...
+    def release_lease(self, lease_id: int, generation: int) -> bool: ...
+    def expire_leases(self) -> int: ...
+    def renew_leases(self, lease_ids: list[int]) -> int: ...
+    def take_worker_messages(self) -> list[Any]: ...
+    def take_handover_done(self) -> list[HandoverDone]: ...
 
 
 # Builds the core once the worker handshake says how big the KV pool is.
@@ -95,6 +102,14 @@ class ServerConfig:
         default=30.0,
         metadata={"help": "seconds requeued requests wait for a worker before worker_failed"},
     )
+    # disaggregation (docs/design/disaggregation.md); `conveyor up --prefill-engines P
+    # --decode-engines D` sets it per engine
+    role: str = field(
+        default="colocated",
+        metadata={"choices": ("colocated", "prefill", "decode"),
+                  "help": "what this engine does: colocated (prompts and decodes), prefill "
+                  "(prompts and their first token, then hands the KV over), decode"},
+    )  # fmt: skip
     curve_keys: Optional[Path] = field(
         default=None,
         metadata={"help": "CURVE on both sockets: the folder of `conveyor keys generate`; only "
@@ -103,6 +118,8 @@ class ServerConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise ValueError("role must be colocated, prefill or decode")
         if self.max_retries < 0 or self.requeue_timeout_s <= 0:
             raise ValueError("max_retries must be >= 0 and requeue_timeout_s > 0")
         if self.num_workers < 1:

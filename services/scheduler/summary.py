@@ -108,4 +108,11 @@ def summarize(
     if drafts > 0:  # speculation: the share of the interval's drafts the target accepted
         out["num_draft_tokens"] = int(drafts)
         out["draft_acceptance_pct"] = round(100.0 * delta(ACCEPTED_KEY) / drafts, 1)
+    if pulls := delta("num_kv_pulls"):  # a decode engine's KV hand-overs in the interval
+        seconds = delta("kv_pull_seconds")
+        out.update(num_kv_pulls=int(pulls), kv_pull_mib=round(delta("kv_pull_bytes") / 2**20, 1),
+                   kv_pull_gb_per_s=round(delta("kv_pull_bytes") / seconds / 1e9, 2)
+                   if seconds else None)  # fmt: skip
+    if leases := delta("num_leases_granted"):  # a prefill engine's
+        out.update(num_leases_granted=int(leases), num_leases_held=int(after["num_leases"]))
     return out

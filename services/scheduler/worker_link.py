@@ -26,6 +26,7 @@ from services.scheduler.server_config import ServerConfig
 from shared.curve import WORKERS_DOMAIN
 from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.worker_channel import (
+    KvPulled,
     StepResult,
     WorkerFailure,
     WorkerReady,
@@ -42,6 +43,7 @@ class WorkerHost(Protocol):
     def on_result(self, result: StepResult, received_at: float) -> None: ...
     def on_step_failed(self, failure: WorkerFailure) -> None: ...
     def on_worker_lost(self, reason: str) -> None: ...
+    def on_kv_pulled(self, msg: KvPulled) -> None: ...  # a PullKv's answer (decode engine)
 
 
 class WorkerLink:
@@ -65,6 +67,7 @@ class WorkerLink:
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             StepResult: host.on_result,
             WorkerFailure: lambda msg, _at: host.on_step_failed(msg),
+            KvPulled: lambda msg, _at: host.on_kv_pulled(msg),
         }
 
     def close(self) -> None:

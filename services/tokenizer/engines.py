@@ -8,6 +8,7 @@ never block: a link that cannot take a frame says so and the caller picks anothe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -73,12 +74,16 @@ class Engines:
     def submit(self, submit: SubmitRequest, exclude: Optional[int]) -> Optional[int]:
         """Send a request to the engine the router picks among the ready ones (not `exclude`);
         an engine whose send fails is skipped. The engine that took it (now counted as
-        carrying it), or None when none did."""
+        carrying it), or None when none did. With engine roles (docs/design/disaggregation.md)
+        a new prompt goes to a prefill engine, asked to hand over, while a decode engine is
+        ready; a request that has outputs (resumed, or handed over) to a decode engine."""
         ids = submit.prompt_token_ids
         ready = [link.index for link in self.links if link.ready and link.index != exclude]
+        ready, submit = self._by_role(ready, submit)
+        by_load = submit.kv_source is not None
         frame = encode(submit)
         while ready:
-            engine = self._router.choose(ids, ready)
+            engine = self._router.choose(ids, ready, by_load)
             if engine is None:
                 return None
             if self.links[engine].send(frame):
@@ -86,6 +91,32 @@ class Engines:
                 return engine
             ready.remove(engine)
         return None
+
+    def _by_role(self, ready: list[int], submit: SubmitRequest) -> tuple[list[int], SubmitRequest]:
+        """The ready engines that suit `submit` (all of them when none of its role is ready)
+        and the submit to send (`hand_over` set for a prefill engine)."""
+        roles = {e: self.role_of(e) for e in ready}
+        prefill = [e for e in ready if roles[e] == "prefill"]
+        decode = [e for e in ready if roles[e] != "prefill"]  # colocated ones decode too
+        if submit.kv_source is not None and not any(roles[e] == "decode" for e in ready):
+            return ready, dataclasses.replace(submit, kv_source=None)  # nobody to pull it
+        if not prefill or not decode:
+            return ready, submit
+        if submit.output_token_ids or submit.kv_source is not None:
+            return decode, submit
+        if not any(roles[e] == "decode" for e in decode):
+            return ready, submit  # colocated engines only: no hand-over
+        return prefill, dataclasses.replace(submit, hand_over=True)
+
+    def role_of(self, engine: int) -> str:
+        """An engine's role as it last said (EngineReady); "colocated" before it did."""
+        ready = self.links[engine].ready
+        return ready.role if ready is not None else "colocated"
+
+    def kv_endpoint_of(self, engine: int) -> str:
+        """Where a prefill engine's worker serves leased KV ("" when unknown)."""
+        ready = self.links[engine].ready
+        return ready.kv_endpoint if ready is not None else ""
 
     def release(self, engine: Optional[int]) -> None:
         """One of this frontend's requests left `engine` (it ended, or moved elsewhere; None:

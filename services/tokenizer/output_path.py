@@ -18,9 +18,14 @@ from services.tokenizer.engine_link import EngineLink
 from services.tokenizer.engines import Engines
 from services.tokenizer.latency_window import LatencyWindow
 from services.tokenizer.request_flow import RequestFlow
-from services.tokenizer.request_state import ClientRequest, Progress
+from services.tokenizer.request_state import NOTHING_TO_SEND, ClientRequest, Progress
 from services.tokenizer.request_table import RequestTable
-from shared.protocol.engine_channel import AbortRequest, OutputBatch, RequestTimings
+from shared.protocol.engine_channel import (
+    AbortRequest,
+    OutputBatch,
+    RequestOutput,
+    RequestTimings,
+)
 
 
 class OutputPath:
@@ -67,12 +72,26 @@ class OutputPath:
             self._deliver(rid, state, state.on_token(token, lps, now), None, now)
         for out in (*batch.multi, *batch.finished):  # multi: several tokens, not final
             state = get(out.rid)
-            if state is not None and state.engine == engine:
+            if out.handover is not None:  # a prefill engine's first token: the request goes on
+                self._hand_over(link, out, state, now)
+            elif state is not None and state.engine == engine:
                 began = time.monotonic() if state.trace is not None else now
                 progress = state.on_output(out, now)
                 if state.trace is not None:
                     state.trace.detokenized(began, time.monotonic())
                 self._deliver(out.rid, state, progress, out.timings, now)
+
+    def _hand_over(
+        self, link: EngineLink, out: RequestOutput, state: Optional[ClientRequest], now: float
+    ) -> None:
+        """The first token goes to the client as any token does; the request moves to a decode
+        engine (request_flow.py `on_handover`)."""
+        progress = NOTHING_TO_SEND
+        if state is not None and state.engine == link.index:
+            lps = out.logprobs[0] if out.logprobs else None
+            progress = state.on_token(out.new_token_ids[0], lps, now)
+            self._deliver(out.rid, state, progress, None, now)
+        self._flow.on_handover(link, out, progress)
 
     def _deliver(
         self,

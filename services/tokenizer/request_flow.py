@@ -25,7 +25,8 @@ from services.tokenizer.constraint_check import ConstraintCheck
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.engine_link import DRAINING, EngineLink
 from services.tokenizer.engines import Engines
-from services.tokenizer.request_state import ClientRequest
+from services.tokenizer.handovers import Handovers
+from services.tokenizer.request_state import ClientRequest, Progress
 from services.tokenizer.request_table import RequestTable
 from services.tokenizer.resumption import Resumption
 from services.tokenizer.stop_strings import StopStrings
@@ -38,6 +39,7 @@ from shared.protocol.engine_channel import (
     EngineNotReady,
     EngineReady,
     EngineShutdown,
+    RequestOutput,
     RequestRejected,
     SubmitRequest,
 )
@@ -70,6 +72,7 @@ class RequestFlow:
         drain: Drain,
         log: Any,
         rid_prefix: str,
+        handovers: Handovers,
         tracing: Optional[Tracing] = None,
     ) -> None:
         """`rid_prefix`: what every rid of this process starts with (its socket identity and
@@ -82,6 +85,7 @@ class RequestFlow:
         self._engines = engines
         self._clients = clients
         self._resumption = resumption
+        self._handovers = handovers
         self._drain = drain  # read only: has SIGTERM asked to stop?
         self._log = log
         self._constraints = ConstraintCheck(codec)  # structured outputs, compiled at admission
@@ -224,6 +228,7 @@ class RequestFlow:
         the table, off its engine (or out of the resumption's wait)."""
         state = self._table.pop(rid)
         self._engines.release(state.engine)
+        self._handovers.release(rid)
         if state.trace is not None:
             state.trace.end(state.first_token_at, state.last_token_at)
         self._resumption.forget(rid)
@@ -266,6 +271,22 @@ class RequestFlow:
         self.close(msg.rid)
         self._log.info("request_rejected", rid=state.rid, code=msg.code, engine=link.name)
         self._clients.send_error(state.identity, state.error(msg.code, msg.message))
+
+    # ---- KV hand-over (docs/design/disaggregation.md) -------------------------------------
+
+    def on_handover(self, link: EngineLink, out: RequestOutput, progress: Progress) -> None:
+        """A prefill engine's request ended "handover" (its first token applied: `progress`):
+        unless that token ended it here (a stop string), it resumes on a decode engine with
+        the lease's reference; a hand-over nobody takes is released at once."""
+        assert out.handover is not None
+        ref = dataclasses.replace(
+            out.handover, kv_endpoint=self._engines.kv_endpoint_of(link.index)
+        )
+        state = self._table.get(out.rid)
+        if state is None or state.engine != link.index or progress.finished:
+            self._handovers.release_now(link.index, ref)
+            return
+        self._resumption.resume(state, "handover", False, time.monotonic(), kv_source=ref)
 
     # ---- engines coming and going ----------------------------------------------------------
 

@@ -21,15 +21,18 @@ calls `resume` the same way.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 from services.tokenizer.client_link import ClientLink
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engines import Engines
+from services.tokenizer.handovers import Handovers
 from services.tokenizer.request_state import ClientRequest
 from services.tokenizer.request_table import RequestTable
 from shared.protocol.engine_channel import AbortRequest
 from shared.protocol.errors import ErrorCode
+from shared.protocol.kv_channel import KvHandover
 
 
 class Resumption:
@@ -44,8 +47,10 @@ class Resumption:
         engines: Engines,
         clients: ClientLink,
         log: Any,
+        handovers: Handovers,
     ) -> None:
         self._config = config
+        self._handovers = handovers
         self._table = table
         self._engines = engines
         self._clients = clients
@@ -63,16 +68,28 @@ class Resumption:
         """Requests waiting for an engine now."""
         return len(self._parked)
 
-    def resume(self, state: ClientRequest, reason: str, fault: bool, now: float) -> None:
+    def resume(
+        self,
+        state: ClientRequest,
+        reason: str,
+        fault: bool,
+        now: float,
+        kv_source: Optional[KvHandover] = None,
+    ) -> None:
         """The current attempt of `state` is over on its engine (`reason`, logged and sent with
         the abort): fence and abort it, then run the next attempt on another ready engine, or
-        park it. `fault`: counted against `max_resumes` (a drain is not)."""
+        park it. `fault`: counted against `max_resumes` (a drain is not). `kv_source`: a
+        prefill engine's hand-over (docs/design/disaggregation.md): the next attempt goes to a
+        decode engine with it (any ready engine may take it, the prefill one included)."""
         left = state.engine
         if left is not None:
             self._engines.send(left, AbortRequest(state.engine_rid, reason))
             self._engines.release(left)
         old_rid = state.engine_rid
+        self._handovers.release(old_rid)  # a lease the ended attempt carried
         submit = state.next_attempt(fault)
+        if kv_source is not None:
+            submit = dataclasses.replace(submit, kv_source=kv_source)
         self._table.rekey(state, old_rid)
         self._parked.pop(old_rid, None)
         if state.num_faults > self._config.max_resumes:
@@ -80,7 +97,12 @@ class Resumption:
             self._fail(state, message)
             return
         self._num_resumed_total += 1
-        engine = self._engines.submit(submit, exclude=left)
+        engine = self._engines.submit(submit, exclude=left if kv_source is None else None)
+        if kv_source is not None and left is not None:
+            if engine is not None and self._engines.role_of(engine) == "decode":
+                self._handovers.opened(state.engine_rid, left, kv_source)
+            else:  # no decode engine took it: it recomputes (or waits), the lease is of no use
+                self._handovers.release_now(left, kv_source)
         name = None if left is None else self._engines.name_of(left)
         self._log.info(
             "request_resumed", rid=state.rid, attempt=state.attempt, reason=reason,

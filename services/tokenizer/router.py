@@ -99,10 +99,16 @@ class Router:
         # block key -> engines that were sent a prompt with this block (LRU order)
         self._blocks: OrderedDict[bytes, set[int]] = OrderedDict()
 
-    def choose(self, prompt_ids: Sequence[int], ready: Sequence[int]) -> Optional[int]:
-        """The engine for a prompt among `ready` (engine indexes); None when none is ready."""
+    def choose(
+        self, prompt_ids: Sequence[int], ready: Sequence[int], by_load: bool = False
+    ) -> Optional[int]:
+        """The engine for a prompt among `ready` (engine indexes); None when none is ready.
+        `by_load`: least-load whatever the policy (a decode engine for a hand-over: the
+        prompt's KV comes with it, so where its prefix is cached does not matter)."""
         if not ready:
             return None
+        if by_load:
+            return self._least_loaded(ready)
         if self.config.policy == "round-robin":
             return self._next_after(self._last, ready)
         if self.cache_aware:

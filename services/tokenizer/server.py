@@ -33,6 +33,7 @@ from services.tokenizer.client_link import ClientLink
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engine_link import EngineLink
 from services.tokenizer.engines import Engines
+from services.tokenizer.handovers import Handovers
 from services.tokenizer.output_path import OutputPath
 from services.tokenizer.reports import Reports
 from services.tokenizer.request_flow import LOST, RequestFlow
@@ -45,6 +46,7 @@ from shared.protocol.engine_channel import (
     EngineNotReady,
     EngineReady,
     EngineShutdown,
+    HandoverDone,
     OutputBatch,
     PrefixCacheReset,
     RequestRejected,
@@ -89,10 +91,14 @@ class FrontendServer:
         self._engines = Engines(
             config, ctx, log, lambda e: self._flow.scheduler_gone(e), self.identity
         )
-        self._resumption = Resumption(config, self._table, self._engines, self._clients, log)
+        # disaggregation's open leases (renewed every heartbeat)
+        self._handovers = Handovers(self._engines, log, config.heartbeat_s)
+        self._resumption = Resumption(
+            config, self._table, self._engines, self._clients, log, self._handovers
+        )
         self._flow = RequestFlow(
             config, codec, self._table, self._engines, self._clients, self._resumption,
-            self._drain, log, f"{self.identity}-", tracing,
+            self._drain, log, f"{self.identity}-", self._handovers, tracing,
         )  # fmt: skip
         self._output = OutputPath(self._table, self._flow, self._engines, self._clients, log)
         self._reports = Reports(
@@ -113,6 +119,8 @@ class FrontendServer:
             EngineReady: self._flow.on_engine_ready,
             EngineNotReady: self._flow.on_engine_not_ready,
             EngineShutdown: self._flow.on_shutdown,
+            # a decode engine holds a hand-over's KV (or gave up): its lease is released
+            HandoverDone: lambda _link, msg: self._handovers.done(msg.rid, msg.ok),
             StatsReply: self._reports.on_stats_reply,
             PrefixCacheReset: self._reports.on_prefix_cache_reset,
         }
@@ -223,6 +231,7 @@ class FrontendServer:
             if link.silent_for(now) > cfg.scheduler_timeout_s:
                 msg = f"no word from the scheduler for {cfg.scheduler_timeout_s:g} s"
                 self._flow.engine_lost(link.index, LOST, msg)
+        self._handovers.renew(now)
         self._clients.heartbeat(self._table.connections(), now)
         self._reports.expire(now)
         self._resumption.expire(now)

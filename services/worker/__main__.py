@@ -54,6 +54,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             link.max_frame_bytes,
             link.curve_keys,
             tracing,
+            link.kv_addr,
+            link.kv_pull_timeout_s,
         )
     finally:
         if tracing is not None:

@@ -100,6 +100,23 @@ class KVCache:
         """Bytes of the whole pool (K and V of every layer) on this rank."""
         return self._pool.numel() * self._pool.element_size()
 
+    def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of `num_blocks` blocks of every layer, as `gather` returns them."""
+        shape = self._pool.shape
+        return (shape[0], shape[1], num_blocks, *shape[3:])
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks' K and V, [L, 2, n, bs, Hkv, row] (a KV hand-over's payload:
+        services/worker/kv_transfer.py). Called between steps."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
+        return self._pool.index_select(2, index)
+
+    def scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write `data` ([L, 2, n, bs, Hkv, row], as `gather` made it) into these blocks.
+        Called between steps, on blocks no held sequence uses yet."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
+        self._pool.index_copy_(2, index, data.to(self._pool.device))
+
     def check_invariants(self, tables: Iterable[tuple[list[int], int]]) -> None:
         """Raise AssertionError when the pool or the use the held sequences make of it is
         inconsistent; reads only (tests call it between steps; O(blocks held)). `tables`: each

@@ -26,10 +26,12 @@ Idle for `POLL_MS` after steps, the loop trims the heap (heap.py): RSS stays bou
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -55,6 +57,9 @@ from shared.protocol.worker_channel import (
 )
 from shared.transport import guarded, set_heartbeat
 
+if TYPE_CHECKING:  # torch: the simulated worker never loads it
+    from services.worker.kv_transfer import KvTransfer
+
 EXIT_GROUP_LOST = 3  # exit code: this rank cannot go on without its group; restart the group
 
 
@@ -72,6 +77,7 @@ def serve_worker(
     trim_heap_when_idle: Optional[bool] = None,
     pipeline: bool = False,
     trace: Optional[StepTrace] = None,
+    kv: Optional[KvTransfer] = None,
 ) -> int:
     """Serve plans from the scheduler at `plan_address` until WorkerShutdown or `stop` is set.
 
@@ -99,7 +105,7 @@ def serve_worker(
     # one that counted this worker lost) hears the handshake again.
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(plan_address)
-    greeter = _Greeter(runner, rank, plan_address, log, ready_file)
+    greeter = _Greeter(runner, rank, plan_address, log, ready_file, kv)
 
     send = _sender(sock, trace)
     steps = (
@@ -108,7 +114,9 @@ def serve_worker(
         else Steps(send, runner, rank, log)
     )
     try:
-        return _serve_loop(sock, monitor, greeter, steps, log, stop, max_frame_bytes, trim, trace)
+        return _serve_loop(
+            sock, monitor, greeter, steps, log, stop, max_frame_bytes, trim, trace, kv
+        )
     finally:
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
@@ -135,9 +143,17 @@ class _Greeter:
     ready file (container healthchecks look at it)."""
 
     def __init__(
-        self, runner: StepRunner, rank: int, address: str, log: Any, ready_file: Optional[Path]
+        self,
+        runner: StepRunner,
+        rank: int,
+        address: str,
+        log: Any,
+        ready_file: Optional[Path],
+        kv: Optional[KvTransfer] = None,
     ) -> None:
         self._ready = runner.ready_message(rank=rank)
+        if kv is not None and kv.endpoint:  # the scheduler tells frontends where leases wait
+            self._ready = dataclasses.replace(self._ready, kv_endpoint=kv.endpoint)
         self._address = address
         self._log = log
         self._ready_file = ready_file
@@ -172,10 +188,14 @@ def _serve_loop(
     max_frame_bytes: Optional[int],
     trim: bool,
     trace: Optional[StepTrace],
+    kv: Optional[KvTransfer] = None,
 ) -> int:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
+    kv_server = kv.server if kv is not None else None
+    if kv_server is not None:
+        poller.register(kv_server, zmq.POLLIN)
     num_steps = 0
     trimmed_at = 0  # num_steps when the heap was last trimmed
     seq_log = _SequenceLog(log)
@@ -186,6 +206,10 @@ def _serve_loop(
             trim_heap()
         if monitor in events:
             greeter.on_monitor(sock, monitor)
+        if kv is not None and kv_server is not None:
+            if kv_server in events:
+                guarded(log, "kv_read_failed", lambda _: kv.on_readable(), 0)
+            kv.tick(time.monotonic())
         if sock not in events:
             steps.on_quiet()  # no plan behind the launched step: its result goes now
             continue
@@ -193,7 +217,7 @@ def _serve_loop(
         outcome = guarded(
             log,
             "worker_message_failed",
-            lambda f: _on_frame(sock, steps, log, f, max_frame_bytes, seq_log, trace),
+            lambda f: _on_frame(sock, steps, log, f, max_frame_bytes, seq_log, trace, kv),
             frame,
             lambda exc: _send_failure(
                 sock, ErrorCode.INTERNAL, f"worker error: {type(exc).__name__}"
@@ -223,6 +247,7 @@ def _on_frame(
     max_frame_bytes: Optional[int],
     seq_log: _SequenceLog,
     trace: Optional[StepTrace] = None,
+    kv: Optional[KvTransfer] = None,
 ) -> str:
     """One frame from the scheduler, answered: "step" (a plan ran), "shutdown", "group_lost"
     (this rank must exit for its group to restart) or "other". Anything but a plan first sends
@@ -240,6 +265,11 @@ def _on_frame(
             trace.on_plan(msg)
         return steps.on_plan(msg)
     steps.flush()
+    if kv is not None and kv.handles(msg):
+        answer = kv.on_message(msg)
+        if answer is not None:
+            sock.send(encode(answer))
+        return "other"
     if isinstance(msg, WorkerShutdown):
         log.info("worker_shutdown_asked", reason=msg.reason, restart=msg.restart)
         return "group_lost" if msg.restart else "shutdown"

@@ -31,8 +31,21 @@ class WorkerProcessConfig:
         metadata={"help": "CURVE to the scheduler: the folder of `conveyor keys generate` "
                   "(server.key and worker.key_secret)"},
     )  # fmt: skip
+    # disaggregation (docs/design/disaggregation.md): the launcher sets kv_addr on prefill engines
+    kv_addr: Optional[str] = field(
+        default=None,
+        metadata={"help": "bind address where decode workers pull this worker's leased KV "
+                  "blocks (a prefill engine's worker; none: serves no KV)"},
+    )  # fmt: skip
+    kv_pull_timeout_s: float = field(
+        default=1.0,
+        metadata={"help": "seconds a decode worker waits for a prefill worker's KV before "
+                  "its scheduler recomputes the prompt instead (under the lease time-out)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.kv_pull_timeout_s <= 0:
+            raise ValueError("kv_pull_timeout_s must be > 0")
         if not self.worker_addr:
             raise ValueError("worker_addr must not be empty")
         if self.max_frame_bytes is not None and self.max_frame_bytes <= 0:

@@ -32,17 +32,14 @@ def run_worker(
     max_frame_bytes: Optional[int] = None,
     curve_keys: Optional[Path] = None,
     tracing: Optional[Tracing] = None,
+    kv_addr: Optional[str] = None,
+    kv_pull_timeout_s: float = 1.0,
 ) -> int:
     """Load the model, then serve plans until shutdown. Returns the process exit code.
-    `tracing`: rank 0 sends a span per step (None: tracing off)."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
-        log.info("signal", signum=signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    `tracing`: rank 0 sends a span per step (None: tracing off). `kv_addr`: where this
+    (prefill) worker serves leased KV; every single-rank worker can pull KV
+    (services/worker/kv_transfer.py)."""
+    stop = _stop_on_signals(log)
     if parallel.world_size > 1:
         try:
             check_model_divides(config.model, parallel.world_size)
@@ -65,6 +62,7 @@ def run_worker(
     if stop.is_set():
         return 0
     log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
+    kv = _kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
     code = serve_worker(
         runner,
         plan_address,
@@ -76,7 +74,44 @@ def run_worker(
         curve_keys=curve_keys,
         pipeline=runner.pipelining,
         trace=StepTrace(tracing) if tracing is not None and parallel.rank == 0 else None,
+        kv=kv,
     )
+    if kv is not None:
+        kv.close()
     if code == 0:  # a broken group is not torn down: a collective on it could block
         runner.close()
     return code
+
+
+def _stop_on_signals(log: Any) -> threading.Event:
+    """An event SIGTERM and SIGINT set (the loop finishes its step, then exits)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Optional[FrameType]) -> None:
+        log.info("signal", signum=signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _kv_transfer(
+    runner: Any,
+    parallel: ParallelConfig,
+    log: Any,
+    kv_addr: Optional[str],
+    curve_keys: Optional[Path],
+    pull_timeout_s: float,
+) -> Any:
+    """The worker's KV hand-over (services/worker/kv_transfer.py): a single-rank worker pulls
+    KV, and serves it at `kv_addr` when given; None for a tensor-parallel rank (its per-rank
+    hand-over of KV-head shards is not built)."""
+    if parallel.world_size != 1:
+        return None
+    import zmq
+
+    from services.worker.kv_transfer import KvTransfer
+
+    return KvTransfer(runner.kv_cache, zmq.Context.instance(), log, kv_addr, curve_keys,
+                      pull_timeout_s)  # fmt: skip

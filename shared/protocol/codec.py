@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import msgpack
 
-from shared.protocol import engine_channel, worker_channel
+from shared.protocol import engine_channel, kv_channel, worker_channel
 from shared.protocol.errors import ErrorCode, short_repr
 
 
@@ -230,7 +230,7 @@ def _need(v: Any, t: type, path: str) -> Any:
 
 
 def _register_channels() -> None:
-    for module in (worker_channel, engine_channel):
+    for module in (worker_channel, engine_channel, kv_channel):
         for name in dir(module):
             obj = getattr(module, name)
             if (

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from shared.protocol.kv_channel import KvHandover
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import TokenLogprobs
 
@@ -47,6 +48,11 @@ class SubmitRequest:
     ttft_ms: Optional[float] = None
     tpot_ms: Optional[float] = None
     on_slo_miss: Optional[str] = None  # "reject" | "best_effort"; None: the class's choice
+    # disaggregation (docs/design/disaggregation.md): `hand_over` asks a prefill engine to stop
+    # after the first token and lease the prompt's KV; `kv_source` tells a decode engine where
+    # that KV waits (it pulls it, or recomputes what it could not pull)
+    hand_over: bool = False
+    kv_source: Optional[KvHandover] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,24 @@ class DrainEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseLease:
+    """Frontend -> prefill engine: the hand-over of this lease is over (the decode engine
+    holds the KV, or gave up, or the request ended): its blocks are freed now."""
+
+    lease_id: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class RenewLeases:
+    """Frontend -> prefill engine, once per heartbeat while hand-overs are open: these
+    leases are still wanted (a decode engine holds their request, its pull not yet done);
+    each lasts another lease time-out from now."""
+
+    lease_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class FrontendBye:
     """The frontend is shutting down: abort all its requests."""
 
@@ -107,6 +131,8 @@ class EngineReady:
     num_running: int = 0  # requests in the running batch
     kv_usage: float = 0.0  # fraction of KV blocks in use
     prefix_caching: bool = True  # whether this engine keeps a prefix cache
+    role: str = "colocated"  # "colocated", "prefill" or "decode" (docs/design/disaggregation.md)
+    kv_endpoint: str = ""  # a prefill engine's worker KV address (where leases are read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +179,7 @@ class RequestOutput:
     # prompt tokens whose KV came from the prefix cache when the request was first scheduled
     num_cached_tokens: int = 0
     embedding: Optional[list[float]] = None  # an embedding request's pooled state (final)
+    handover: Optional[KvHandover] = None  # finish_reason "handover": where its KV is leased
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +229,19 @@ class RequestRejected:
     rid: str
     code: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverDone:
+    """Decode engine -> the request's frontend: its pull of `source` ended (`ok`: the KV is
+    here; else the engine recomputes it). The frontend then releases the lease."""
+
+    rid: str
+    source: KvHandover
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    code: str = ""  # why not `ok`: "short", "no_blocks", "unusable" (never pulled), a pull's
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
+from shared.protocol.kv_channel import KvHandover
 from shared.protocol.sampling import SamplingParams
 
 
@@ -38,6 +39,7 @@ class WorkerReady:
     # speculative decoding: the worker's proposer ("ngram", "sim"); None: it does not
     # speculate, so the scheduler gives no draft limits (docs/design/speculation.md)
     proposer: Optional[str] = None
+    kv_endpoint: str = ""  # where decode workers pull this worker's leased KV ("": nowhere)
 
     def __post_init__(self) -> None:
         # Checked on decode (the codec turns this into invalid_field): a WorkerReady that
@@ -178,6 +180,51 @@ class WorkerShutdown:
 
     reason: str = ""
     restart: bool = False
+
+
+# ---- disaggregation: KV hand-over (docs/design/disaggregation.md) ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GrantLease:
+    """Scheduler -> prefill worker: `block_ids` hold a finished prefill's KV and may be read
+    (shared/protocol/kv_channel.py) under this lease until `EndLease`. Sent before the
+    hand-over reaches any frontend."""
+
+    lease_id: int
+    generation: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EndLease:
+    """Scheduler -> prefill worker: the lease is over (confirmed or expired); sent before any
+    plan that may reuse its blocks, so a later read is refused."""
+
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullKv:
+    """Scheduler -> decode worker: copy `source`'s blocks from the prefill worker into
+    `block_ids` (allocated to this pull alone), then answer `KvPulled`."""
+
+    rid: str
+    source: KvHandover
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KvPulled:
+    """Decode worker -> scheduler: the answer to `PullKv` (`ok` False: nothing usable was
+    written; `code` says why)."""
+
+    rid: str
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    code: str = ""
+    message: str = ""
 
 
 def check_plan(plan: StepPlan) -> None:
