@@ -184,3 +184,32 @@ class Bisection:
             self._live.finish(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
         return outputs
+
+
+def requeue_after_loss(
+    live_requests: list[Request],
+    waiting: WaitingQueue,
+    live: LiveRequests,
+    max_retries: int,
+    code: str,
+    message: str,
+    now: float,
+) -> list[RequestOutput]:
+    """`Scheduler.requeue_all`'s rule, once the parts are new: waiting requests keep their
+    places, each running one recomputes from the queue's head unless it already restarted
+    `max_retries` times (then it ends with `code`). Returns the error outputs."""
+    outputs = []
+    for req in live_requests:
+        if req.status is RequestStatus.WAITING:
+            waiting.add(req)
+            continue
+        req.reset_for_recompute()  # its table's pool is gone with the worker's KV
+        req.forget_preemption()  # noted against the old core's versions
+        if req.num_worker_retries >= max_retries:
+            live.finish(req, "error", now)
+            outputs.append(req.output([], [], "error", code, message))
+            continue
+        req.num_worker_retries += 1
+        req.requeue()
+        waiting.add_preempted(req)
+    return outputs

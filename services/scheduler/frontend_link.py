@@ -157,14 +157,14 @@ class FrontendLink:
         """A prefill engine's hand-over is over (docs/design/disaggregation.md): its blocks
         are freed; the loop sends the EndLease to the worker before its next plan."""
         sched = self._host.sched
-        if sched is not None and sched.release_lease(msg.lease_id, msg.generation):
+        if sched is not None and sched.leases.release(msg.lease_id, msg.generation):
             self.log.info("lease_released", lease_id=msg.lease_id)
 
     def _on_renew_leases(self, _ident: bytes, msg: RenewLeases) -> None:
         """The frontend's heartbeat names the hand-overs it still waits on: they last on."""
         sched = self._host.sched
         if sched is not None:
-            sched.renew_leases(msg.lease_ids)
+            sched.leases.renew(msg.lease_ids)
 
     def _on_reset_prefix_cache(self, ident: bytes, msg: ResetPrefixCache) -> None:
         sched = self._host.sched

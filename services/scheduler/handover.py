@@ -93,6 +93,12 @@ class Leases:
         self.worker_messages.append(EndLease(lease_id))  # sent before the next plan
         self._pool.free(lease.block_ids)
 
+    def take_messages(self) -> list[Any]:
+        """GrantLease / EndLease for the worker, in order; the loop sends them before the next
+        plan."""
+        out, self.worker_messages = self.worker_messages, []
+        return out
+
     def tables(self) -> list[list[int]]:
         """Each lease's blocks (the pool's invariant counts their references)."""
         return [lease.block_ids for lease in self._leases.values()]
@@ -197,6 +203,20 @@ class Pulls:
             if not pull.cancelled:
                 out.append(dataclasses.replace(pull.submit, kv_source=None))
         self._pending.clear()
+        return out
+
+    def take_messages(self) -> list[Any]:
+        """PullKv for the worker, in order (sent before the next plan)."""
+        out, self.worker_messages = self.worker_messages, []
+        return out
+
+    def keep_done(self, done: list[HandoverDone]) -> None:
+        """Ended pulls an earlier Pulls had not yet handed out (the core started afresh)."""
+        self.done.extend(done)
+
+    def take_done(self) -> list[HandoverDone]:
+        """Pulls that ended, each for its request's frontend (which releases the lease)."""
+        out, self.done = self.done, []
         return out
 
     def tables(self) -> list[list[int]]:

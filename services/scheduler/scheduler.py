@@ -6,17 +6,11 @@ flight at a time, or two with `async_scheduling` (overlap: plan N+1 is built whi
 assuming every running request goes on; services/scheduler/inflight.py).
 
 The parts, built by `_assemble` with their dependencies passed in (map: docs/design/scheduler.md):
-* `live` (live.py): the live requests, admitted and not finished;
-* waiting queue (policy.py), running set (running.py), block pool (block_pool.py), prefix
-  cache (prefix_cache.py): the queues, the batch and the KV blocks;
-* `in_flight` (inflight.py): the one record of plans in flight, which the loop reads too;
-* the step filler (fill.py): what one step computes; `schedule()` is its recipe;
-* `composition` (composition.py): the step composition, the policy the filler asks which work
-  goes into the next forward (mixed, prefill-first, decode-first);
-* the result applier (results.py): `update()`;
-* `steady` (steady.py): the steady-decode fast path, the one seam the filler, `schedule()` and
-  the result path call;
-* `faults` (faults.py): bisection of a failed step.
+`live` (live.py); the waiting queue (policy.py), running set (running.py), block pool and prefix
+cache; `in_flight` (inflight.py, read by the loop too); the step filler (fill.py), asked by
+`schedule()`, with the `composition` (composition.py), `speculation` (speculation.py) and `slo`
+(slo_policy.py) policies; the result applier (results.py, `update()`); `steady` (steady.py, the
+steady-decode fast path); `faults` (faults.py); `leases` / `pulls` (handover.py, KV hand-overs).
 
 Invariants kept after every call, each checked by its owner's read-only `check_invariants()`
 (composed by `check_invariants()` here; tests call it after every step): tokens per step <= the
@@ -34,7 +28,7 @@ from services.scheduler.batching import BatchingRules
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.composition import composition_for
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.faults import Bisection
+from services.scheduler.faults import Bisection, requeue_after_loss
 from services.scheduler.fill import StepFiller
 from services.scheduler.handover import Leases, Pulls
 from services.scheduler.inflight import InFlightStep, InFlightSteps
@@ -44,15 +38,13 @@ from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import RequestStatus
 from services.scheduler.results import ResultApplier
 from services.scheduler.running import RunningSet
-from services.scheduler.slo_classes import resolve_targets
-from services.scheduler.slo_policy import ArrivalDecision, SloPolicy
+from services.scheduler.slo_policy import ArrivalDecision, SloPolicy, check_arrival
 from services.scheduler.speculation import SpecCounters, Speculation
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
 from services.scheduler.tracing import SchedulerTrace
 from shared.protocol.engine_channel import (
-    HandoverDone,
     OutputBatch,
     RequestOutput,
     RequestRejected,
@@ -167,16 +159,13 @@ class Scheduler:
             problem = (ErrorCode.INVALID_PARAMS, "the resumed request has max_tokens already")
         if problem is None and req.rid in self.pulls:
             problem = (ErrorCode.DUPLICATE_ID, f"request {req.rid!r} is already live")
-        targets = resolve_targets(req, self._slo_classes, self.config.slo_default_class)
-        if problem is None and targets is None:
-            problem = (ErrorCode.INVALID_PARAMS, f"unknown slo_class {req.slo_class!r}")
         now = self._clock()
         decision = None
-        if problem is None and self.slo is not None and targets is not None:
-            resumed = req.attempt > 0 or bool(req.output_token_ids)
-            decision, problem = self.slo.on_arrival(
-                len(req.prompt_token_ids), targets, resumed, now, self._waiting.ordered(now)
-            )
+        if problem is None:
+            decision, problem = check_arrival(
+                req, self._slo_classes, self.config.slo_default_class, self.slo,
+                lambda: self._waiting.ordered(now), now,
+            )  # fmt: skip
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
@@ -196,36 +185,15 @@ class Scheduler:
 
     def pull_done(self, msg: KvPulled) -> None:
         """The worker's answer to a PullKv: the request is admitted (its pulled blocks are a
-        prefix-cache hit, or it recomputes); its HandoverDone waits in `take_handover_done`."""
+        prefix-cache hit, or it recomputes); its HandoverDone waits in `pulls.take_done`."""
         submit = self.pulls.finish(msg)
         if submit is not None:
             self._admit(submit)
 
-    def release_lease(self, lease_id: int, generation: int) -> bool:
-        """The frontend's ReleaseLease (a prefill engine): the lease's blocks are freed."""
-        return self.leases.release(lease_id, generation)
-
-    def renew_leases(self, lease_ids: list[int]) -> int:
-        """The frontend's RenewLeases (a prefill engine): those still held last longer."""
-        return self.leases.renew(lease_ids)
-
-    def expire_leases(self) -> int:
-        """Housekeeping: leases past their time-out end; how many did."""
-        return self.leases.expire()
-
     def take_worker_messages(self) -> list[Any]:
         """What the hand-over must tell the worker (GrantLease, EndLease, PullKv), in order;
         the loop sends it before the next plan."""
-        out = [*self.leases.worker_messages, *self.pulls.worker_messages]
-        self.leases.worker_messages.clear()
-        self.pulls.worker_messages.clear()
-        return out
-
-    def take_handover_done(self) -> list[HandoverDone]:
-        """Pulls that ended (each for its request's frontend, which releases the lease)."""
-        out = list(self.pulls.done)
-        self.pulls.done.clear()
-        return out
+        return [*self.leases.take_messages(), *self.pulls.take_messages()]
 
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]:
         """Idempotent; frees the request's blocks at once. Its final output if it was live.
@@ -342,13 +310,9 @@ class Scheduler:
         for req in self.live:
             self.live.finish(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
-        done = self.pulls.done
-        for submit in self.pulls.drop_all():
+        for submit in self._start_afresh():
             outputs.append(RequestOutput(submit.rid, [], "error", error_code=code,
                                          error_message=message))  # fmt: skip
-        self.in_flight.clear()
-        self._assemble(self.pool.num_blocks)
-        self.pulls.done.extend(done)
         return outputs
 
     def requeue_all(self, max_retries: int, code: str, message: str) -> list[RequestOutput]:
@@ -359,29 +323,22 @@ class Scheduler:
         the prefix cache; the first plan resets the worker's batch (a worker that only
         reconnected still holds the old one)."""
         live = sorted(self.live, key=lambda r: r.seq_no)
-        pulling = self.pulls.drop_all()  # their KV went with the worker: they recompute
-        done = self.pulls.done
-        self.in_flight.clear()
-        self._assemble(self.pool.num_blocks)  # held requests rejoin the queue below
-        self.pulls.done.extend(done)
-        now = self._clock()
-        outputs = []
-        for req in live:
-            if req.status is RequestStatus.WAITING:
-                self._waiting.add(req)
-                continue
-            req.reset_for_recompute()  # its table's pool is gone with the worker's KV
-            req.forget_preemption()  # noted against the old core's versions
-            if req.num_worker_retries >= max_retries:
-                self.live.finish(req, "error", now)
-                outputs.append(req.output([], [], "error", code, message))
-                continue
-            req.num_worker_retries += 1
-            req.requeue()
-            self._waiting.add_preempted(req)
+        pulling = self._start_afresh()  # their KV went with the worker: they recompute
+        outputs = requeue_after_loss(live, self._waiting, self.live, max_retries, code, message,
+                                     self._clock())  # fmt: skip
         for submit in pulling:
             self._admit(submit)
         return outputs
+
+    def _start_afresh(self) -> list[SubmitRequest]:
+        """No plan in flight, new empty parts (the worker's KV is gone); returns the requests
+        whose KV pull was cut off (their HandoverDone stay queued for their frontends)."""
+        pulling = self.pulls.drop_all()
+        done = self.pulls.take_done()
+        self.in_flight.clear()
+        self._assemble(self.pool.num_blocks)
+        self.pulls.keep_done(done)
+        return pulling
 
     # ---- observability -----------------------------------------------------------------------
 
@@ -402,15 +359,13 @@ class Scheduler:
         }
         out.update(self.counters.as_stats())
         if self.slo is not None:
-            out["num_slo_refused"] = self.slo.num_refused
-            out["num_slo_best_effort"] = self.slo.num_best_effort
-        errors = self.predictor.errors()
-        if errors is not None:
+            out.update(num_slo_refused=self.slo.num_refused,
+                       num_slo_best_effort=self.slo.num_best_effort)  # fmt: skip
+        if (errors := self.predictor.errors()) is not None:
             out["step_predictor_p50_error"], out["step_predictor_p90_error"] = errors
-        out.update(self.prefix_cache.stats())
-        out.update(self._spec_counters.as_stats())
-        out.update(self.leases.stats())
-        out.update(self.pulls.stats())
+        for part in (self.prefix_cache.stats(), self._spec_counters.as_stats(),
+                     self.leases.stats(), self.pulls.stats()):  # fmt: skip
+            out.update(part)
         return out
 
     def can_schedule(self) -> bool:

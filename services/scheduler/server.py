@@ -242,7 +242,7 @@ class SchedulerServer:
             return
         for msg in self.sched.take_worker_messages():
             self.workers.send_all(encode(msg))
-        for done in self.sched.take_handover_done():
+        for done in self.sched.pulls.take_done():
             self.log.info("handover_done", rid=done.rid, ok=done.ok, code=done.code,
                           lease_id=done.source.lease_id, num_blocks=len(done.source.block_ids),
                           num_bytes=done.num_bytes, seconds=done.seconds)  # fmt: skip
@@ -375,7 +375,7 @@ class SchedulerServer:
         now = time.monotonic()
         self._summary.maybe_emit(now, lambda: None if self.sched is None else self.sched.stats())
         self._check_requeue_timeout(now)
-        if self.sched is not None and (num := self.sched.expire_leases()):
+        if self.sched is not None and (num := self.sched.leases.expire()):
             self.log.warning("leases_expired", num_leases=num)
         self.frontends.check_silence(now)
         if self._maintenance.overdue(now, len(self.frontends.owners)):

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.handover import Leases, Pulls
 from services.scheduler.inflight import InFlightSteps
 from shared.addresses import DEFAULT_SCHEDULER_ADDR, DEFAULT_WORKER_ADDR
 from shared.env import DRAIN_TIMEOUT_S
 from shared.protocol.engine_channel import (
-    HandoverDone,
     OutputBatch,
     RequestOutput,
     RequestRejected,
@@ -30,6 +30,8 @@ class SchedulerCore(Protocol):
 
     config: SchedulerConfig
     in_flight: InFlightSteps  # the one record of plans in flight: the loop reads it
+    leases: Leases  # a prefill engine's KV hand-overs: the loop releases, renews, expires
+    pulls: Pulls  # a decode engine's: the loop takes the ended ones for their frontends
 
     def add_request(self, req: SubmitRequest) -> Optional[RequestRejected]: ...
     def abort_request(self, rid: str, reason: str = "abort") -> Optional[RequestOutput]: ...
@@ -46,11 +48,7 @@ class SchedulerCore(Protocol):
     def reset_prefix_cache(self) -> int: ...
     def after_plan(self) -> None: ...
     def pull_done(self, msg: KvPulled) -> None: ...
-    def release_lease(self, lease_id: int, generation: int) -> bool: ...
-    def expire_leases(self) -> int: ...
-    def renew_leases(self, lease_ids: list[int]) -> int: ...
     def take_worker_messages(self) -> list[Any]: ...
-    def take_handover_done(self) -> list[HandoverDone]: ...
 
 
 # Builds the core once the worker handshake says how big the KV pool is.

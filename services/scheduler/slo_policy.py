@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Optional
 
 from services.scheduler.request import Request
-from services.scheduler.slo_classes import SloTargets
+from services.scheduler.slo_classes import SloTargets, resolve_targets
+from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.errors import ErrorCode
 from shared.step_cost import StepCostPredictor, StepShape
 
@@ -214,6 +215,26 @@ class SloPolicy:
             kv_tokens=context + 2 * (rows + chunk),
             has_chunk=chunk > 1,
         )
+
+
+def check_arrival(
+    req: SubmitRequest,
+    classes: dict[str, SloTargets],
+    default_class: Optional[str],
+    slo: Optional[SloPolicy],
+    waiting: Callable[[], Iterable[Request]],
+    now: float,
+) -> tuple[Optional[ArrivalDecision], Optional[tuple[str, str]]]:
+    """Called by `Scheduler.add_request` for a request that passed the other checks: its
+    targets (slo_classes.py) and, under --policy slo, whether they can be met. (the decision,
+    None), or (None, why it is refused). `waiting`: the queue in its order, read only here."""
+    targets = resolve_targets(req, classes, default_class)
+    if targets is None:
+        return None, (ErrorCode.INVALID_PARAMS, f"unknown slo_class {req.slo_class!r}")
+    if slo is None:
+        return None, None
+    resumed = req.attempt > 0 or bool(req.output_token_ids)
+    return slo.on_arrival(len(req.prompt_token_ids), targets, resumed, now, waiting())
 
 
 def _decode_shape(rows: int, context: int) -> StepShape:

@@ -1,8 +1,7 @@
-"""Where requests open and close: admission of a `generate`, and every way a request ends
-other than its final output (a client's abort, a client gone, the engine's refusal, shutdown);
-and when a request must move to another engine (its engine lost, draining, or refusing it for
-a reason that is the engine's, not the request's), handing it to the resumption
-(resumption.py).
+"""Where requests open and close: admission of a `generate`, every way a request ends other
+than its final output (a client's abort, a client gone, the engine's refusal, shutdown), and
+when it must move to another engine (lost, draining, or refusing it for its own reason): the
+resumption (resumption.py).
 
 Each request runs on one engine at a time, chosen when it arrives. An engine that is lost (its
 scheduler closed the connection, said EngineShutdown, or was silent for `scheduler_timeout_s`)

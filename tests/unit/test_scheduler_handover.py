@@ -74,11 +74,11 @@ def test_the_prompt_kv_moves_and_the_request_goes_on_as_undisturbed() -> None:
     run = drive(dec, dec_worker, dec_clock)
     assert run.tokens("r") == whole[1:]
     assert run.plans[0].start_positions == [40], "the pulled blocks were not a prefix hit"
-    (done,) = dec.take_handover_done()
+    (done,) = dec.pulls.take_done()
     assert done.ok and done.num_bytes == 1234
     assert dec.pool.num_used == 0
-    assert pre.release_lease(ref.lease_id, ref.generation)
-    assert not pre.release_lease(ref.lease_id, ref.generation), "released twice"
+    assert pre.leases.release(ref.lease_id, ref.generation)
+    assert not pre.leases.release(ref.lease_id, ref.generation), "released twice"
     assert pre.take_worker_messages() == [EndLease(ref.lease_id)]
     assert pre.pool.num_used == 0 and pre.stats()["num_leases_released"] == 1
     pre.check_invariants()
@@ -94,7 +94,7 @@ def test_a_failed_pull_and_a_lost_worker_recompute_the_same_tokens() -> None:
             assert dec.requeue_all(3, "worker_failed", "lost") == []
         else:
             dec.pull_done(KvPulled("r", False, code="lease_unknown"))
-        (done,) = dec.take_handover_done()
+        (done,) = dec.pulls.take_done()
         assert not done.ok and done.code == ("worker_lost" if lose_worker else "lease_unknown")
         run = drive(dec, dec_worker, dec_clock)
         assert run.tokens("r") == whole[1:]
@@ -119,13 +119,13 @@ def test_an_unreleased_lease_expires_and_its_blocks_are_free() -> None:
     pre, _, clock, ref = prefill()
     pre.take_worker_messages()
     clock.advance(2.9)
-    assert pre.expire_leases() == 0 and pre.renew_leases([ref.lease_id, 999]) == 1
+    assert pre.leases.expire() == 0 and pre.leases.renew([ref.lease_id, 999]) == 1
     clock.advance(2.9)
-    assert pre.expire_leases() == 0 and pre.pool.num_used == len(ref.block_ids)
+    assert pre.leases.expire() == 0 and pre.pool.num_used == len(ref.block_ids)
     clock.advance(0.2)
-    assert pre.expire_leases() == 1
+    assert pre.leases.expire() == 1
     assert pre.take_worker_messages() == [EndLease(ref.lease_id)]
-    assert pre.pool.num_used == 0 and not pre.release_lease(ref.lease_id, ref.generation)
+    assert pre.pool.num_used == 0 and not pre.leases.release(ref.lease_id, ref.generation)
     pre.check_invariants()
 
 
