@@ -131,7 +131,7 @@ def test_one_trace_per_request(traced: tuple[LocalStack, Receiver]) -> None:
         with receiver.lock:
             steps = [s for s in receiver.spans if s["name"] == "worker.step"
                      and (CLIENT_TRACE, request["id"]) in s["links"]]  # fmt: skip
-        if steps or time.monotonic() > deadline:
+        if len(steps) >= 2 or time.monotonic() > deadline:  # spans come in batches
             break
         time.sleep(0.1)
     assert steps, "no worker step linked the request"
