@@ -127,13 +127,7 @@ class Client:
                 request_id, prompt, messages, prompt_token_ids, False, priority, params
             )
         )
-        try:
-            msg = self._next_for(rid, RESULT_KINDS)
-        except EngineError:
-            self._abandon(rid)  # timed out: don't leave it running
-            raise
-        self._core.forget(rid)
-        return self._core.completion(msg)
+        return self._core.completion(self._one_reply(rid, RESULT_KINDS))
 
     def embed(
         self,
@@ -150,13 +144,7 @@ class Client:
         rid = self._start(
             *self._core.embed(prompt, prompt_token_ids, pooling, priority, request_id, traceparent)
         )
-        try:
-            msg = self._next_for(rid, EMBED_KINDS)
-        except EngineError:
-            self._abandon(rid)  # timed out: don't leave it running
-            raise
-        self._core.forget(rid)
-        return embedding_from_reply(msg)
+        return embedding_from_reply(self._one_reply(rid, EMBED_KINDS))
 
     def stream(
         self,
@@ -245,6 +233,17 @@ class Client:
         if not self._sock.poll(int(self.connect_timeout * 1000), zmq.POLLOUT):
             raise self._core.connect_error()
         self._sock.send(frame)
+
+    def _one_reply(self, rid: str, kinds: tuple[str, ...]) -> dict[str, Any]:
+        """The final reply of a non-streaming request; on a time-out the request is aborted in
+        the engine (nothing left running) and EngineError raised."""
+        try:
+            msg = self._next_for(rid, kinds)
+        except EngineError:
+            self._abandon(rid)
+            raise
+        self._core.forget(rid)
+        return msg
 
     def _next_for(self, rid: str, kinds: tuple[str, ...]) -> dict[str, Any]:
         """The first kept or new reply for `rid` whose type is one of `kinds`; replies for
