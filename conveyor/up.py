@@ -121,10 +121,11 @@ def exposure_refusal(settings: StackSettings) -> Optional[str]:
             "DIR`, docs/protocol.md section 1.1) or bind a loopback address (tcp://127.0.0.1:PORT)"
         )
     http = settings.gateway_config
-    if settings.gateway and http.api_key is None and not is_loopback_host(http.http_host):
+    if settings.gateway and not http.requires_key and not is_loopback_host(http.http_host):
         return (
             f"the HTTP gateway on {http.http_host} would be reachable from other machines "
-            "without an API key; pass --api-key KEY (CONVEYOR_API_KEY) or --http-host 127.0.0.1"
+            "without an API key; pass --api-key KEY (CONVEYOR_API_KEY), --api-key-file FILE or "
+            "--http-host 127.0.0.1"
         )
     return None
 

@@ -23,7 +23,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         http_port=config.http_port,
         engine_addr=config.engine_addr,
         model=config.served_model_name,
-        auth=config.api_key is not None,
+        auth=config.requires_key,
     )
     # Our own JSON log lines (one per request, with rid) replace uvicorn's access log and its
     # plain-text lifecycle lines; uvicorn's warnings and errors still reach stderr.

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from services.gateway.admission import Admission, Slot, client_key
+from services.gateway.api_keys import ApiKeys
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.config import GatewayConfig
@@ -76,6 +77,7 @@ class Gateway:
             client_key=config.client_key,
             resume_timeout=config.frontend_resume_timeout_s,
         )
+        self.keys = ApiKeys.load(config.api_key, config.api_key_file)  # None: no authentication
         self.admission = Admission(config.max_requests_per_client)
         self.health = HealthWatch(self.client)
         self.registry = CollectorRegistry()
@@ -164,8 +166,12 @@ class Gateway:
         )
         span = open_span(self.tracing, f"gateway.{kind}", request, meta.id)
         trace = {"traceparent": self.tracing.traceparent(span)} if self.tracing and span else {}
+        key_class = self.keys.slo_class(request.scope) if self.keys is not None else None
+        default = {"slo_class": key_class} if key_class is not None else {}  # the body's wins
         calls = [
-            replace(c, kwargs={**c.kwargs, "request_id": f"{meta.id}-{c.index}", **trace})
+            replace(
+                c, kwargs={**default, **c.kwargs, "request_id": f"{meta.id}-{c.index}", **trace}
+            )
             for c in plan.calls
         ]
         plan = replace(plan, calls=calls)
@@ -297,8 +303,8 @@ def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = Non
 
     app = FastAPI(title="Conveyor OpenAI-compatible gateway", lifespan=lifespan)
     app.state.gateway = gw
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if gw.keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=gw.keys)
     # added last, so it runs first: a huge body is refused before anything reads it
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     # outermost: /health and the refusals of clients at their cap, before any of the above (an

@@ -7,26 +7,25 @@ signals untouched. /health and /metrics stay open, as on vLLM, for probes and sc
 
 from __future__ import annotations
 
-import hmac
-
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import unauthorized
 
 PROTECTED_PREFIX = "/v1"
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self._app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             await self._app(scope, receive, send)
             return
-        if self._authorized(scope):
+        if self._keys.match(scope) is not None:
             await self._app(scope, receive, send)
             return
         err = unauthorized()
@@ -43,10 +42,3 @@ class ApiKeyMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body})
-
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                # constant-time: the key must not leak through response timing
-                return hmac.compare_digest(value, self._expected)
-        return False

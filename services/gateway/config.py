@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from services.gateway.api_keys import ApiKeys
 from shared.addresses import DEFAULT_FRONTEND_ADDR, DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT
 from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import check_client_keys
@@ -56,6 +57,13 @@ class GatewayConfig:
         default=None,  # None: no authentication
         metadata={"help": "require 'Authorization: Bearer KEY' on /v1/*"},
     )
+    # several keys, each with the latency-target class its requests get (services/gateway/
+    # api_keys.py): one team's dashboard interactive, another's nightly jobs batch
+    api_key_file: Optional[Path] = field(
+        default=None,
+        metadata={"help": "accept the API keys in this file, one per line: KEY [SLO_CLASS] "
+                  "(the engine latency-target class of the key's requests that name none)"},
+    )  # fmt: skip
     served_model_name: str = field(
         default_factory=default_model_name,  # the `model` clients send and /v1/models lists
         metadata={"default_text": "the name of CONVEYOR_MODEL", "help": "model name clients use"},
@@ -107,6 +115,11 @@ class GatewayConfig:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it out to disable authentication)")
+        if self.api_key_file is not None:
+            try:
+                ApiKeys.load(self.api_key, self.api_key_file)  # a bad file stops the start
+            except OSError as e:
+                raise ValueError(f"api_key_file: {e}") from None
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.max_choices < 1:
@@ -121,6 +134,11 @@ class GatewayConfig:
             raise ValueError("frontend_resume_timeout_s must be >= 0, frontend addresses set")
         if self.engine_timeout_s <= 0 or self.stats_interval_s <= 0:
             raise ValueError("engine_timeout_s and stats_interval_s must be > 0")
+
+    @property
+    def requires_key(self) -> bool:
+        """Whether /v1/* asks for an API key (`--api-key` or `--api-key-file`)."""
+        return self.api_key is not None or self.api_key_file is not None
 
 
 CONFIGS = (GatewayConfig, LogConfig)

@@ -1,7 +1,9 @@
 """`--policy slo` on a real stack with the SIMULATED worker (issue 33): under overload,
 requests whose latency targets are reachable are served within them, and one whose target is
 out of reach is refused at once, `slo_unattainable` on the client protocol and 429 with
-Retry-After over HTTP; a best-effort one is served anyway.
+Retry-After over HTTP; a best-effort one is served anyway. Over HTTP a request that names no
+class gets its API key's (`--api-key-file`): the same body is refused with one key and served
+with another.
 
 The simulated H200 runs Llama-3-8B: a prefill step costs >= 3 ms (the weights are read once), so
 a 1 ms TTFT is out of reach once the step-time predictor has fitted (after 64 steps, which the
@@ -28,18 +30,25 @@ pytestmark = pytest.mark.e2e
 
 PROMPT = "The conveyor belt carries parcels"
 REACHABLE = {"ttft_ms": 30_000.0, "tpot_ms": 50.0}
+# "urgent" cannot be met (a prefill step costs >= 3 ms) and refuses rather than serve late
+CLASSES = "urgent:ttft_ms=1,on_slo_miss=reject;bulk:ttft_ms=30000"
+KEYS = {"urgent": "sk-urgent", "bulk": "sk-bulk", None: "sk-plain"}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
+    key_file = tmp_path_factory.mktemp("keys") / "api_keys"
+    key_file.write_text("".join(f"{key} {cls or ''}\n" for cls, key in KEYS.items()))
     settings = StackSettings(
         worker="sim",
         sim_config=SimConfig(device="h200", model="llama-3-8b"),
         frontend_address=f"tcp://127.0.0.1:{free_port()}",
         gateway=True,
-        gateway_config=GatewayConfig(http_port=free_port()),
+        gateway_config=GatewayConfig(http_port=free_port(), api_key_file=key_file),
         log_dir=tmp_path_factory.mktemp("logs"),
-        scheduler_config=SchedulerConfig(policy="slo", max_num_seqs=4, max_num_batched_tokens=256),
+        scheduler_config=SchedulerConfig(
+            policy="slo", max_num_seqs=4, max_num_batched_tokens=256, slo_classes=CLASSES
+        ),  # fmt: skip
     )
     yield from running_stack(settings)
 
@@ -72,7 +81,8 @@ def test_at_overload_reachable_targets_are_met_and_unreachable_ones_refused(
             url = f"http://127.0.0.1:{stack.settings.gateway_config.http_port}"
             async with httpx.AsyncClient(timeout=30.0) as http:
                 body = {"prompt": PROMPT, "max_tokens": 8, "ttft_ms": 1, "on_slo_miss": "reject"}
-                reply = await http.post(url + "/v1/completions", json=body)
+                auth = {"Authorization": f"Bearer {KEYS[None]}"}
+                reply = await http.post(url + "/v1/completions", json=body, headers=auth)
         return await load, refused_s, (refused.value, late), reply
 
     served, refused_s, (error, late), reply = asyncio.run(scenario())
@@ -90,3 +100,21 @@ def test_at_overload_reachable_targets_are_met_and_unreachable_ones_refused(
     with Client(address) as c:
         engine = c.stats()["engine"]
     assert engine["num_slo_refused"] >= 2 and engine["num_slo_best_effort"] >= 1, engine
+
+
+def test_a_request_naming_no_class_gets_its_api_keys_class(stack: LocalStack) -> None:
+    url = f"http://127.0.0.1:{stack.settings.gateway_config.http_port}/v1/completions"
+    with Client(stack.frontend_address) as c:  # the predictor has fitted (as the test above)
+        c.generate(PROMPT, max_tokens=80, temperature=0.0)
+    body = {"prompt": PROMPT, "max_tokens": 4}
+
+    def post(key: str, **extra: object) -> httpx.Response:
+        auth = {"Authorization": f"Bearer {key}"}
+        return httpx.post(url, json={**body, **extra}, headers=auth, timeout=30.0)
+
+    refused = post(KEYS["urgent"])  # the key's class: unreachable, and it refuses
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "slo_unattainable"
+    for served in (post(KEYS["bulk"]), post(KEYS[None]), post(KEYS["urgent"], slo_class="bulk")):
+        assert served.status_code == 200, served.text  # the body's own class wins over the key's
+        assert served.json()["usage"]["completion_tokens"] == 4
+    assert post("sk-unknown").status_code == 401
