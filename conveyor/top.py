@@ -1,8 +1,11 @@
 """`conveyor top`: a live view of running engines, refreshed from their `stats` replies.
 
-One row per engine (`--address` may be repeated): requests running and waiting, KV cache use,
-prompt and generation tokens per second (counter differences between two refreshes), TTFT and
-TPOT percentiles over the last minute (the frontend's window), requests finished in that minute.
+One column per engine (`--address` may be repeated; a frontend with several engines, data
+parallel or prefill and decode apart, shows each of them): its role (colocated, prefill or
+decode), requests running and waiting, KV cache use, the KV hand-overs' leases it holds and
+the KV it pulled, prompt and generation tokens per second (counter differences between two
+refreshes), TTFT and TPOT percentiles over the last minute (the frontend's window, the same for
+every engine behind it), requests finished in that minute.
 `q` or Ctrl-C quits. Drawn with `rich`; an engine that does not answer shows why in its row and
 is asked again at the next refresh.
 """
@@ -45,6 +48,7 @@ class EngineView:
     prompt_tokens_per_s: Optional[float] = None
     generation_tokens_per_s: Optional[float] = None
     error: Optional[str] = None
+    role: Optional[str] = None  # colocated, prefill or decode (the frontend's health reply)
 
 
 class EngineSampler:
@@ -63,34 +67,51 @@ class EngineSampler:
         self.address = address
         self._client = Client(address, timeout=timeout, connect_timeout=min(timeout, 1.0),
                               server_key=server_key, client_key=client_key)  # fmt: skip
-        self._previous: Optional[tuple[float, dict[str, float]]] = None
+        self._previous: dict[str, tuple[float, dict[str, float]]] = {}  # by engine name
 
-    def sample(self) -> EngineView:
-        """One `stats` round trip (at most `timeout` seconds)."""
+    def sample(self) -> list[EngineView]:
+        """One `health` and one `stats` round trip (each at most `timeout` seconds): one view
+        of the frontend's engines together, or one per engine when it has several."""
         from shared.client import EngineError
 
         try:
+            roles = {e.get("engine"): e.get("role") for e in self._client.health()["engines"]}
             reply = self._client.stats()
         except EngineError as exc:
-            self._previous = None
-            return EngineView(self.address, error=f"{exc.code}: {exc.message}")
+            self._previous.clear()
+            return [EngineView(self.address, error=f"{exc.code}: {exc.message}")]
         now = time.monotonic()
-        engine = reply.get("engine") or None
+        per_engine = reply.get("engines") or {}
+        if len(per_engine) < 2:
+            role = next(iter(roles.values()), None)
+            return [self._view(self.address, "", reply, reply.get("engine") or None, now, role)]
+        return [self._view(f"{self.address} #{name}", name, reply, engine or None, now,
+                           roles.get(name)) for name, engine in per_engine.items()]  # fmt: skip
+
+    def _view(
+        self, label: str, name: str, reply: dict[str, Any], engine: Optional[dict[str, float]],
+        now: float, role: Optional[str],
+    ) -> EngineView:  # fmt: skip
         rates: dict[str, Optional[float]] = {}
-        if engine is not None and self._previous is not None:
-            then, before = self._previous
+        previous = self._previous.get(name)
+        if engine is not None and previous is not None:
+            then, before = previous
             elapsed = max(now - then, 1e-6)
-            for key, name in (("num_prefill_tokens", "prompt"), ("num_output_tokens", "gen")):
+            for key, rate in (("num_prefill_tokens", "prompt"), ("num_output_tokens", "gen")):
                 grown = engine.get(key, 0.0) - before.get(key, 0.0)
-                rates[name] = max(grown, 0.0) / elapsed
-        self._previous = (now, dict(engine)) if engine is not None else None
+                rates[rate] = max(grown, 0.0) / elapsed
+        if engine is not None:
+            self._previous[name] = (now, dict(engine))
+        else:
+            self._previous.pop(name, None)
         return EngineView(
-            self.address,
-            ready=bool(reply.get("ready")),
+            label,
+            ready=bool(reply.get("ready")) and engine is not None,
             engine=engine,
             frontend=reply.get("frontend") or None,
             prompt_tokens_per_s=rates.get("prompt"),
             generation_tokens_per_s=rates.get("gen"),
+            role=role,
         )
 
     def close(self) -> None:
@@ -98,8 +119,9 @@ class EngineSampler:
 
 
 # The table's rows, one column per engine (narrow terminals fit several engines this way).
-ROWS = ("state", "running", "waiting", "KV use", "prompt tok/s", "gen tok/s",
-        "TTFT ms p50/90/99", "TPOT ms p50/90/99", "done in 1 min")  # fmt: skip
+ROWS = ("state", "role", "running", "waiting", "KV use", "KV leases", "KV pulled MB",
+        "prompt tok/s", "gen tok/s", "TTFT ms p50/90/99", "TPOT ms p50/90/99",
+        "done in 1 min")  # fmt: skip
 
 
 def render(views: list[EngineView], interval: float) -> Group:
@@ -126,8 +148,11 @@ def _column(view: EngineView) -> tuple[Any, ...]:
     if not view.ready or not engine:
         return Text("not ready", style="yellow"), *blank
     state = Text("draining", style="yellow") if engine.get("draining") else Text("ready", "green")
-    return (state, _int(engine.get("num_running")), _int(engine.get("num_waiting")),
-            f"{100.0 * engine.get('kv_usage', 0.0):.1f}%", _rate(view.prompt_tokens_per_s),
+    pulled = engine.get("kv_pull_bytes")
+    return (state, view.role or "-", _int(engine.get("num_running")),
+            _int(engine.get("num_waiting")), f"{100.0 * engine.get('kv_usage', 0.0):.1f}%",
+            _int(engine.get("num_leases")), "-" if pulled is None else f"{pulled / 1e6:.1f}",
+            _rate(view.prompt_tokens_per_s),
             _rate(view.generation_tokens_per_s), _quantiles(frontend, "ttft"),
             _quantiles(frontend, "tpot"), _int(frontend.get("num_finished_1m")))  # fmt: skip
 
@@ -204,12 +229,13 @@ def cmd_top(args: argparse.Namespace) -> int:
     console = Console()
     try:
         if args.once:
-            console.print(render([s.sample() for s in samplers], args.interval))
+            console.print(render([v for s in samplers for v in s.sample()], args.interval))
             return 0
         with _keys(sys.stdin) as fd, Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
                 started = time.monotonic()
-                live.update(render([s.sample() for s in samplers], args.interval), refresh=True)
+                views = [v for s in samplers for v in s.sample()]
+                live.update(render(views, args.interval), refresh=True)
                 if _quit_pressed(fd, args.interval - (time.monotonic() - started)):
                     return 0
     except KeyboardInterrupt:

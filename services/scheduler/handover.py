@@ -21,6 +21,7 @@ from typing import Any, Optional
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
+from services.scheduler.slo_policy import ArrivalDecision
 from shared.prefix_hash import extend_int_block_keys
 from shared.protocol.engine_channel import HandoverDone, SubmitRequest
 from shared.protocol.kv_channel import KvHandover
@@ -113,7 +114,13 @@ class Leases:
 class _Pull:
     submit: SubmitRequest
     block_ids: list[int]
+    decision: Optional[ArrivalDecision]  # its targets, decided on arrival, kept for admission
     cancelled: bool = False
+
+
+# A request to admit once its pull ends, with the targets decided on its arrival (a hand-over
+# is a resumption: never refused, and it keeps the SLO targets its client gave)
+Admission = tuple[SubmitRequest, Optional[ArrivalDecision]]
 
 
 class Pulls:
@@ -133,10 +140,11 @@ class Pulls:
     def __contains__(self, rid: str) -> bool:
         return rid in self._pending
 
-    def start(self, req: SubmitRequest) -> bool:
-        """A submit with `kv_source`: True when its pull started (it waits here); False when
-        it cannot (no prefix cache to hand the blocks to, another block size, no free
-        blocks): the caller admits it to recompute, and the lease is released."""
+    def start(self, req: SubmitRequest, decision: Optional[ArrivalDecision] = None) -> bool:
+        """A submit with `kv_source`: True when its pull started (it waits here with its
+        arrival `decision`, admitted with it when the pull ends); False when it cannot (no
+        prefix cache to hand the blocks to, another block size, no free blocks): the caller
+        admits it to recompute, and the lease is released."""
         src = req.kv_source
         assert src is not None
         num = len(src.block_ids)
@@ -154,7 +162,7 @@ class Pulls:
             self.num_skipped[skip] = self.num_skipped.get(skip, 0) + 1
             self.done.append(HandoverDone(req.rid, src, False, code=skip))
             return False
-        self._pending[req.rid] = _Pull(req, blocks)
+        self._pending[req.rid] = _Pull(req, blocks, decision)
         self.worker_messages.append(PullKv(req.rid, src, blocks))
         return True
 
@@ -167,8 +175,9 @@ class Pulls:
         pull.cancelled = True
         return True
 
-    def finish(self, msg: KvPulled) -> Optional[SubmitRequest]:
-        """The worker's KvPulled: the request to admit now (None: unknown or cancelled). On
+    def finish(self, msg: KvPulled) -> Optional[Admission]:
+        """The worker's KvPulled: the request to admit now and its arrival decision (None:
+        unknown or cancelled). On
         success its pulled blocks are registered in the prefix cache before they are freed."""
         pull = self._pending.pop(msg.rid, None)
         if pull is None:
@@ -189,11 +198,14 @@ class Pulls:
         self._pool.free(pull.block_ids)
         done = HandoverDone(msg.rid, src, msg.ok, msg.num_bytes, msg.seconds, msg.code)
         self.done.append(done)
-        return None if pull.cancelled else dataclasses.replace(pull.submit, kv_source=None)
+        if pull.cancelled:
+            return None
+        return dataclasses.replace(pull.submit, kv_source=None), pull.decision
 
-    def drop_all(self) -> list[SubmitRequest]:
+    def drop_all(self) -> list[Admission]:
         """The worker was lost (its pool with it): every pull failed; the requests to admit
-        (to recompute). Their blocks belong to the old pool: not freed."""
+        (to recompute), with their arrival decisions. Their blocks belong to the old pool: not
+        freed."""
         out = []
         for pull in self._pending.values():
             src = pull.submit.kv_source
@@ -201,7 +213,7 @@ class Pulls:
             self.done.append(HandoverDone(pull.submit.rid, src, False, code="worker_lost"))
             self.num_failed += 1
             if not pull.cancelled:
-                out.append(dataclasses.replace(pull.submit, kv_source=None))
+                out.append((dataclasses.replace(pull.submit, kv_source=None), pull.decision))
         self._pending.clear()
         return out
 

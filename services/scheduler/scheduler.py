@@ -30,7 +30,7 @@ from services.scheduler.composition import composition_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.faults import Bisection, requeue_after_loss
 from services.scheduler.fill import StepFiller
-from services.scheduler.handover import Leases, Pulls
+from services.scheduler.handover import Admission, Leases, Pulls
 from services.scheduler.inflight import InFlightStep, InFlightSteps
 from services.scheduler.live import LiveRequests
 from services.scheduler.policy import WaitingQueue
@@ -169,8 +169,8 @@ class Scheduler:
         if problem is not None:
             self.counters.num_rejected += 1
             return RequestRejected(req.rid, problem[0], problem[1])
-        if req.kv_source is not None and self.pulls.start(req):
-            return None  # admitted once its KV is here (pull_done; served without targets)
+        if req.kv_source is not None and self.pulls.start(req, decision):
+            return None  # admitted once its KV is here (pull_done), with these targets
         self._admit(req, decision)
         return None
 
@@ -186,9 +186,9 @@ class Scheduler:
     def pull_done(self, msg: KvPulled) -> None:
         """The worker's answer to a PullKv: the request is admitted (its pulled blocks are a
         prefix-cache hit, or it recomputes); its HandoverDone waits in `pulls.take_done`."""
-        submit = self.pulls.finish(msg)
-        if submit is not None:
-            self._admit(submit)
+        admission = self.pulls.finish(msg)
+        if admission is not None:
+            self._admit(*admission)
 
     def take_worker_messages(self) -> list[Any]:
         """What the hand-over must tell the worker (GrantLease, EndLease, PullKv), in order;
@@ -310,7 +310,7 @@ class Scheduler:
         for req in self.live:
             self.live.finish(req, "error", now)
             outputs.append(req.output([], [], "error", code, message))
-        for submit in self._start_afresh():
+        for submit, _ in self._start_afresh():
             outputs.append(RequestOutput(submit.rid, [], "error", error_code=code,
                                          error_message=message))  # fmt: skip
         return outputs
@@ -326,11 +326,11 @@ class Scheduler:
         pulling = self._start_afresh()  # their KV went with the worker: they recompute
         outputs = requeue_after_loss(live, self._waiting, self.live, max_retries, code, message,
                                      self._clock())  # fmt: skip
-        for submit in pulling:
-            self._admit(submit)
+        for submit, decision in pulling:
+            self._admit(submit, decision)
         return outputs
 
-    def _start_afresh(self) -> list[SubmitRequest]:
+    def _start_afresh(self) -> list[Admission]:
         """No plan in flight, new empty parts (the worker's KV is gone); returns the requests
         whose KV pull was cut off (their HandoverDone stay queued for their frontends)."""
         pulling = self.pulls.drop_all()

@@ -146,6 +146,8 @@ class EngineLink:
             "reason": None if self._ready is not None else self._not_ready_reason,
             "load": load,
             "kv_usage": kv_usage,
+            # colocated, prefill or decode (docs/design/disaggregation.md); None until ready
+            "role": self._ready.role if self._ready is not None else None,
         }
 
     def check_invariants(self) -> None:

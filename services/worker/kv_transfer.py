@@ -8,19 +8,20 @@ writes blocks no sequence holds yet. The transfer is ZeroMQ (shared/protocol/kv_
 the prefill worker gathers the leased blocks into one buffer and sends it as a frame without a
 copy; the decode worker views the frame's buffer as a tensor and scatters it into its pool.
 CURVE (a `conveyor keys generate` folder): the prefill worker serves with the server key pair
-and admits `authorized_workers/`; decode workers connect with the worker key pair.
+and admits `authorized_workers/`; decode workers connect with the worker key pair. The bytes
+come from and go to a `KvPool`: the real worker's KV cache (kv_pool.py), or the simulated
+worker's modelled link (sim/kv_link.py); this module imports no torch.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
-import torch
 import zmq
 
-from services.worker.kv_cache import KVCache
 from shared.curve import (
     AUTHORIZED_WORKERS_DIR,
     WORKERS_DOMAIN,
@@ -39,6 +40,31 @@ LEASE_UNKNOWN = "lease_unknown"  # no such lease, or another generation: freed, 
 GRANT_WAIT_S = 0.5  # a read of a lease newer than every grant waits this long for its grant
 
 
+@dataclass(frozen=True, slots=True)
+class KvExport:
+    """Leased blocks ready to send: the payload frame (a buffer, sent without a copy) and the
+    layout its KvReadReply announces."""
+
+    shape: list[int]
+    dtype: str
+    payload: Any
+
+
+class KvLayoutError(ValueError):
+    """A pulled payload whose shape or dtype is not the puller's pool's."""
+
+
+class KvPool(Protocol):
+    """Where a worker's KV blocks are read for a lease and written by a pull; called by
+    KvTransfer between steps, on blocks no plan writes meanwhile."""
+
+    def export(self, block_ids: list[int]) -> KvExport: ...
+
+    def load(self, block_ids: list[int], shape: list[int], dtype: str, payload: Any) -> int:
+        """Write `payload` into `block_ids`; its bytes. Raises KvLayoutError."""
+        ...
+
+
 class KvTransfer:
     """One per worker process with a KV pool. `server` (a ROUTER, prefill workers only) goes
     into the loop's poller; `on_message` takes the worker-channel messages of the hand-over.
@@ -47,14 +73,14 @@ class KvTransfer:
 
     def __init__(
         self,
-        cache: KVCache,
+        pool: KvPool,
         context: zmq.Context,
         log: Any,
         bind_addr: Optional[str] = None,
         curve_keys: Optional[Path] = None,
         pull_timeout_s: float = 1.0,
     ) -> None:
-        self._cache = cache
+        self._pool = pool
         self._context = context
         self._log = log
         self._curve_keys = curve_keys
@@ -133,10 +159,9 @@ class KvTransfer:
             self._refuse(ident, LEASE_UNKNOWN, message)
             return
         assert self.server is not None
-        data = self._cache.gather(lease[1])  # [L, 2, n, bs, H, row], a buffer of its own
-        head = KvReadReply(True, shape=list(data.shape), dtype=_dtype_name(data.dtype))
-        payload = data.reshape(-1).view(torch.uint8).cpu().numpy()
-        self.server.send_multipart([ident, encode(head), payload], copy=False)
+        out = self._pool.export(lease[1])
+        head = KvReadReply(True, shape=out.shape, dtype=out.dtype)
+        self.server.send_multipart([ident, encode(head), out.payload], copy=False)
 
     def _retry_deferred(self) -> None:
         waiting, self._deferred = self._deferred, []
@@ -168,15 +193,11 @@ class KvTransfer:
         if not isinstance(head, KvReadReply) or not head.ok or len(parts) != 2:
             code = head.code if isinstance(head, KvReadReply) else "unexpected_type"
             return self._failed(msg, code or "bad_reply", getattr(head, "message", ""))
-        expected = self._cache.blocks_shape(len(msg.block_ids))
-        dtype = getattr(torch, head.dtype, None)
-        if tuple(head.shape) != expected or dtype != self._cache.dtype:
-            detail = f"got {head.shape} {head.dtype}, expected {list(expected)} {self._cache.dtype}"
-            return self._failed(msg, "kv_layout_mismatch", detail)
-        data = torch.frombuffer(parts[1].buffer, dtype=dtype).view(expected)
-        self._cache.scatter(msg.block_ids, data)
+        try:
+            num_bytes = self._pool.load(msg.block_ids, head.shape, head.dtype, parts[1].buffer)
+        except KvLayoutError as exc:
+            return self._failed(msg, "kv_layout_mismatch", str(exc))
         seconds = time.perf_counter() - began
-        num_bytes = data.numel() * data.element_size()
         self._log.info("kv_pulled", rid=msg.rid, num_blocks=len(msg.block_ids),
                        num_bytes=num_bytes, seconds=seconds, source=src.kv_endpoint)  # fmt: skip
         return KvPulled(msg.rid, True, num_bytes, seconds)
@@ -210,7 +231,3 @@ class KvTransfer:
         if self.server is not None:
             self.server.close()
         stop_authenticator(self._auth)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -111,7 +111,8 @@ def _kv_transfer(
         return None
     import zmq
 
+    from services.worker.kv_pool import TensorKvPool
     from services.worker.kv_transfer import KvTransfer
 
-    return KvTransfer(runner.kv_cache, zmq.Context.instance(), log, kv_addr, curve_keys,
-                      pull_timeout_s)  # fmt: skip
+    pool = TensorKvPool(runner.kv_cache)
+    return KvTransfer(pool, zmq.Context.instance(), log, kv_addr, curve_keys, pull_timeout_s)

@@ -39,3 +39,13 @@ def test_one_column_per_engine_with_its_numbers() -> None:
 def test_an_engine_not_ready_says_so() -> None:
     text = _text([EngineView("tcp://c:3", ready=False, engine=None)])
     assert re.search(r"state\s+not ready", text)
+
+
+def test_each_engine_shows_its_role_and_kv_hand_over() -> None:
+    prefill = EngineView("tcp://a:1 #0", ready=True, role="prefill",
+                         engine={"num_leases": 3, "kv_usage": 0.5})  # fmt: skip
+    decode = EngineView("tcp://a:1 #1", ready=True, role="decode",
+                        engine={"num_leases": 0, "kv_pull_bytes": 12.5e6})  # fmt: skip
+    text = _text([prefill, decode])
+    assert re.search(r"role\s+prefill\s+decode", text)
+    assert re.search(r"KV leases\s+3\s+0", text) and re.search(r"KV pulled MB\s+-\s+12\.5", text)

@@ -19,6 +19,12 @@ from services.worker.loop import StepRunner, serve_worker
 from services.worker.process_config import WorkerProcessConfig
 from services.worker.sim.config import SimConfig
 from services.worker.sim.faults import FaultInjectingRunner
+from services.worker.sim.kv_link import (
+    KV_LINKS,
+    SimKvPool,
+    reads_during_steps,
+    sim_kv_transfer,
+)
 from services.worker.sim.runner import SimRunner
 from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import check_worker_keys
@@ -67,22 +73,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        runner: StepRunner = SimRunner(sim, log, world_size=parallel.world_size)
+        # the KV hand-over (disaggregation), as the real worker: one rank only
+        pool = SimKvPool(sim.device_profile(), sim.model_shape(), sim.block_size,
+                         KV_LINKS[sim.kv_link])  # fmt: skip
+        kv = sim_kv_transfer(pool, link, log) if parallel.world_size == 1 else None
+        wait = reads_during_steps(kv) if kv is not None and sim.kv_one_sided else None
+        runner: StepRunner = SimRunner(sim, log, world_size=parallel.world_size, wait=wait)
     except ValueError as exc:  # a bad flag value or a model that does not fit the device
         log.error("bad_worker_config", message=f"SIMULATED worker: {exc}")
         return EXIT_BAD_CONFIG
     if sim.fail_token is not None:
         runner = FaultInjectingRunner(runner, sim.fail_token, log)
-    return serve_worker(
-        runner,
-        link.worker_addr,
-        parallel.rank,
-        log,
-        stop=stop,
-        ready_file=link.ready_file,
-        max_frame_bytes=link.max_frame_bytes,
-        curve_keys=link.curve_keys,
-    )
+    try:
+        return serve_worker(
+            runner,
+            link.worker_addr,
+            parallel.rank,
+            log,
+            stop=stop,
+            ready_file=link.ready_file,
+            max_frame_bytes=link.max_frame_bytes,
+            curve_keys=link.curve_keys,
+            kv=kv,
+        )
+    finally:
+        if kv is not None:
+            kv.close()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from services.worker.sim.kv_link import KV_LINKS
 from services.worker.sim.profiles import (
     DEVICES,
     MODELS,
@@ -77,6 +78,21 @@ class SimConfig:
         metadata={"help": "SIMULATED speculative decoding: the chance each draft is accepted "
                   "(none: the worker does not speculate)"},
     )  # fmt: skip
+    # the KV hand-over's link between a prefill and a decode device (sim/kv_link.py)
+    kv_link: str = field(
+        default="infiniband",
+        metadata={"choices": tuple(KV_LINKS),
+                  "help": "SIMULATED link a KV hand-over crosses: nvlink (one node), "
+                  "infiniband (400 Gb/s per GPU), ethernet (100 Gb/s), free"},
+    )  # fmt: skip
+    # where a simulated prefill worker answers KV reads: between its steps (as the CPU
+    # transport does: a read waits for the step in progress), or during them, as a one-sided
+    # RDMA read (NIXL) that needs no prefill compute would
+    kv_one_sided: bool = field(
+        default=False,
+        metadata={"help": "SIMULATED: the prefill worker answers KV reads during its steps "
+                  "(a one-sided RDMA read), not between them"},
+    )  # fmt: skip
     token_id_low: int = field(
         default=DEFAULT_TOKEN_ID_LOW, metadata={"help": "emitted token ids start here"}
     )
@@ -124,6 +140,8 @@ class SimConfig:
             raise ValueError("eos_probability must be in [0, 1)")
         if self.spec_acceptance is not None and not 0.0 <= self.spec_acceptance <= 1.0:
             raise ValueError("spec_acceptance must be in [0, 1]")
+        if self.kv_link not in KV_LINKS:
+            raise ValueError(f"kv_link must be one of {', '.join(KV_LINKS)}")
         if self.token_id_low < 0:
             raise ValueError("token_id_low must be >= 0")
         if self.token_id_high is not None and self.token_id_high <= self.token_id_low + 1:

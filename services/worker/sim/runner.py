@@ -11,6 +11,7 @@ checker of the scheduler's side of the step contract.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,8 +61,17 @@ def kv_capacity_blocks(device: DeviceProfile, model: ModelShape, block_size: int
 class SimRunner:
     """The simulated worker's runner: `ready_message(rank)` once, then `execute(plan)` per step."""
 
-    def __init__(self, config: SimConfig, log: Any = None, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        log: Any = None,
+        world_size: int = 1,
+        wait: Optional[Callable[[float], None]] = None,
+    ) -> None:
+        """`wait`: how a step waits for its modelled end (a perf_counter deadline) before the
+        last spin; None: sleeps (sim/kv_link.py `reads_during_steps` answers KV reads)."""
         self.config = config
+        self._wait = wait
         self.world_size = world_size  # processes of its group (each models the whole step)
         self.device = config.device_profile()
         self.model = config.model_shape()
@@ -136,6 +146,8 @@ class SimRunner:
         seconds = step_seconds(self.device, self.model, step)
         if self.config.step_noise:
             seconds *= float(self._noise.lognormal(0.0, self.config.step_noise))
+        if self._wait is not None:
+            self._wait(start + seconds)
         _wait_until(start + seconds)
         end = time.perf_counter()
         self._gaps.step_finished(end)

@@ -1,0 +1,130 @@
+"""The KV hand-over of the simulated worker (SIMULATED: no bytes move; their time is modelled).
+
+A simulated prefill worker serves its leases and a simulated decode worker pulls them through
+the real worker's KvTransfer (services/worker/kv_transfer.py: the same ZeroMQ frames, leases,
+generations, refusals and time-outs); only the pool differs. `SimKvPool` sends an empty payload
+announcing the blocks' logical layout and waits, in the worker's loop thread as the real
+transfer blocks it, the time the bytes would take:
+
+    bytes     = blocks * block_size * kv_bytes_per_token          (the model's K and V, all layers)
+    export_s  = 2 * bytes / kv_bandwidth                           (prefill side: gather the blocks
+                                                                    into one buffer, read + write)
+    pull_s    = link latency + bytes / link bandwidth + 2 * bytes / kv_bandwidth   (decode side:
+                                                                    the wire, then the scatter)
+
+The links are named (`--sim-kv-link`), with stated bandwidths and the same ~80% achieved share
+the tensor-parallel model assumes (profiles.py); assumptions, not measurements. The software
+cost of a hand-over (the frontend's hop, both schedulers, the KvRead round trip) is not modelled:
+it runs for real in the simulated stack. A prefill worker answers reads between its steps,
+as the CPU transport does (a read waits for the step in progress), or with `--sim-kv-one-sided`
+during them, as a one-sided RDMA read (NIXL) that needs no prefill compute would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import zmq
+
+from services.worker.kv_transfer import KvExport, KvLayoutError, KvTransfer
+from services.worker.process_config import WorkerProcessConfig
+from services.worker.sim.profiles import GB, DeviceProfile, ModelShape
+
+SIM_DTYPE = "sim"  # the payload's dtype: a layout only, no bytes
+LINK_EFFICIENCY = 0.8  # achieved share of a link's stated rate (as NVLINK_EFFICIENCY)
+
+
+@dataclass(frozen=True, slots=True)
+class KvLink:
+    """A link between a prefill and a decode device: bytes/s one way (None: free), latency."""
+
+    name: str
+    bandwidth: Optional[float]
+    latency_s: float
+    source: str
+
+
+KV_LINKS: dict[str, KvLink] = {
+    # both devices in one HGX node: NVLink 4, 450 GB/s each way (NVIDIA H100/H200 datasheets)
+    "nvlink": KvLink("nvlink", 450 * GB * LINK_EFFICIENCY, 10e-6, "NVLink 4, 450 GB/s each way"),
+    # separate nodes, one 400 Gb/s NDR InfiniBand NIC per GPU (GPUDirect RDMA): 50 GB/s
+    "infiniband": KvLink(
+        "infiniband", 50 * GB * LINK_EFFICIENCY, 20e-6, "400 Gb/s NDR InfiniBand per GPU"
+    ),
+    # separate nodes over 100 Gb/s Ethernet (RoCE): 12.5 GB/s
+    "ethernet": KvLink("ethernet", 12.5 * GB * LINK_EFFICIENCY, 50e-6, "100 Gb/s Ethernet"),
+    "free": KvLink("free", None, 0.0, "no transfer cost (the engine's own overhead only)"),
+}
+
+
+class SimKvPool:
+    """The `KvPool` of a simulated worker: modelled export and pull times, no bytes."""
+
+    def __init__(
+        self, device: DeviceProfile, model: ModelShape, block_size: int, link: KvLink
+    ) -> None:
+        self._device = device
+        self._block_bytes = block_size * model.kv_bytes_per_token
+        self._layout = [block_size, model.kv_bytes_per_token]  # per block
+        self._link = link
+
+    def num_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self._block_bytes
+
+    def export_seconds(self, num_blocks: int) -> float:
+        if self._device.zero_cost or self._device.kv_bandwidth is None:
+            return 0.0
+        return 2.0 * self.num_bytes(num_blocks) / self._device.kv_bandwidth
+
+    def pull_seconds(self, num_blocks: int) -> float:
+        if self._device.zero_cost:
+            return 0.0
+        wire = 0.0
+        if self._link.bandwidth is not None:
+            wire = self._link.latency_s + self.num_bytes(num_blocks) / self._link.bandwidth
+        return wire + self.export_seconds(num_blocks)  # the scatter costs what the gather did
+
+    def export(self, block_ids: list[int]) -> KvExport:
+        """Called by KvTransfer to serve a read: the layout, an empty payload, after the
+        modelled gather."""
+        _wait(self.export_seconds(len(block_ids)))
+        return KvExport([len(block_ids), *self._layout], SIM_DTYPE, b"")
+
+    def load(self, block_ids: list[int], shape: list[int], dtype: str, payload: Any) -> int:
+        """Called by KvTransfer with a pulled answer: checks the layout, waits the modelled
+        wire and scatter time; the modelled bytes."""
+        expected = [len(block_ids), *self._layout]
+        if list(shape) != expected or dtype != SIM_DTYPE:
+            raise KvLayoutError(f"got {shape} {dtype}, expected {expected} {SIM_DTYPE}")
+        _wait(self.pull_seconds(len(block_ids)))
+        return self.num_bytes(len(block_ids))
+
+
+def sim_kv_transfer(pool: SimKvPool, process: WorkerProcessConfig, log: Any) -> KvTransfer:
+    """The simulated worker's hand-over over `pool`: pulls KV, and serves it at
+    `process.kv_addr` when given (a prefill engine's worker)."""
+    return KvTransfer(pool, zmq.Context.instance(), log, process.kv_addr, process.curve_keys,
+                      process.kv_pull_timeout_s)  # fmt: skip
+
+
+def reads_during_steps(kv: KvTransfer) -> Optional[Callable[[float], None]]:
+    """`--sim-kv-one-sided`: how a simulated step waits (until a perf_counter deadline) while
+    answering the KV reads that arrive meanwhile; None for a worker that serves no KV."""
+    server = kv.server
+    if server is None:
+        return None
+
+    def wait(deadline: float) -> None:
+        while (left := deadline - time.perf_counter()) > 1e-3:
+            if server.poll(int(left * 1000), zmq.POLLIN):
+                kv.on_readable()
+
+    return wait
+
+
+def _wait(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
