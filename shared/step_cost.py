@@ -179,6 +179,19 @@ class StepShape:
             [1.0, float(self.kv_tokens), multi],
         )
 
+    def with_drafts(self, drafts: list[int]) -> StepShape:
+        """This step with `drafts[j]` more tokens on some of its decodes (speculation: each
+        draft is computed and sampled after its decode's token). Their contexts are taken as
+        the step's mean start (the scheduler does not walk the rows again)."""
+        total = sum(drafts)
+        if total == 0:
+            return self
+        mean_start = max(self.kv_tokens - 2 * self.num_tokens, 0) / max(self.num_rows, 1)
+        pairs = sum(n * (mean_start + 1) + n * (n + 1) / 2 for n in drafts)
+        return StepShape(self.num_rows, self.num_tokens + total, self.num_sampled + total,
+                         self.attention_pairs + round(pairs), self.kv_tokens + 2 * total,
+                         True)  # fmt: skip
+
 
 def step_shape(start_positions: list[int], num_tokens: list[int], num_sampled: int) -> StepShape:
     """The shape of a step whose row b has `start_positions[b]` tokens cached and computes
@@ -218,6 +231,9 @@ class StepCostPredictor:
         self._since_fit = 0
         self._coeffs: Optional[np.ndarray] = None
         self.num_fits = 0
+        # the last fit saw a step where some row computed more than one token (a prompt
+        # chunk, drafts): only then can it tell a token's cost from a row's
+        self.fitted_multi_token_rows = False
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
@@ -241,6 +257,7 @@ class StepCostPredictor:
     def fit_now(self) -> None:
         shapes = list(self._shapes)
         self._coeffs = fit(_stack(shapes), np.array(self._seconds), self._max_starts)
+        self.fitted_multi_token_rows = any(s.has_chunk for s in shapes)
         self._since_fit = 0
         self.num_fits += 1
 
