@@ -125,9 +125,8 @@ class Scheduler:
         cache, waiting, batch, steady = self.prefix_cache, self._waiting, self._batch, self.steady
         self.speculation: Optional[Speculation] = None
         if self._speculative:
-            self.speculation = Speculation(
-                batch, config.num_speculative_tokens, self.block_size, self._spec_counters
-            )
+            self.speculation = Speculation(batch, config.num_speculative_tokens, self.block_size,
+                                           self._spec_counters, self.predictor)  # fmt: skip
         self.composition = composition_for(
             config.step_composition, config.max_num_batched_tokens, config.max_prefill_chunks
         )
