@@ -22,7 +22,9 @@ one mode always went first on the same kinds of step); it reports the median ove
 on/off ratio of median step times, of the median per-step ratio and of the order-balanced
 ratio (see `_compare`). `after_plan` (the registrations and evictions ahead the server runs
 off the result -> plan path, while the worker computes) is timed apart, as
-`after_plan_us_median`.
+`after_plan_us_median` and `_mean` (the predictor's refit shows in the mean only).
+`--sampled-shapes on,off` compares the step-time predictor learning from 1 step in 16 (the
+default without slo or speculation) and from every step (the worker reports modelled times).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="on | off | on,off (compared as --prefix-caching is, "
         "caching on): requests traced, spans exported to a sink in this process",
     )
+    p.add_argument(
+        "--sampled-shapes",
+        default="on",
+        help="on | off | on,off (compared as --prefix-caching is, caching on): the step-time "
+        "predictor learns from 1 step in 16 (on) or from every step (off)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="rounds of on,off when comparing")
     p.add_argument(
         "--profile",
@@ -92,7 +100,8 @@ class _Worker:
         base = plan.step_id * 7919
         tokens = [(base + i) % VOCAB for i in range(len(sampled))]
         self.held.record_samples(sampled, tokens)
-        return StepResult(plan.step_id, tokens)  # in batch order: no rids
+        forward_s = 0.005 + 2e-6 * plan.num_scheduled_tokens + 1e-5 * plan.num_seqs  # modelled
+        return StepResult(plan.step_id, tokens, forward_s=forward_s)  # in batch order: no rids
 
 
 def _submit(
@@ -105,11 +114,11 @@ def _submit(
     return SubmitRequest(rid, prompt, sampling, traceparent=traceparent)
 
 
-def _warm_up(
-    n: int, args: argparse.Namespace, steps: int, caching: bool = True, traced: bool = False
-) -> tuple[Scheduler, _Worker]:
+def _warm_up(n: int, args: argparse.Namespace, steps: int, caching: bool = True,
+             traced: bool = False, sampled: bool = True) -> tuple[Scheduler, _Worker]:  # fmt: skip
     """N requests whose prompt is `context - 1` tokens, prefilled and decoding (`traced`: each
-    with a traceparent, the scheduler's spans exported)."""
+    with a traceparent, the scheduler's spans exported; `sampled`: the step-time predictor
+    learns from 1 step in 16, else from every step)."""
     bs = args.block_size
     blocks_each = -(-(args.context + 2 * steps + 16) // bs)
     config = SchedulerConfig(
@@ -123,7 +132,7 @@ def _warm_up(
     num_blocks = (n + 2) * blocks_each
     trace = SchedulerTrace(sink_tracing()) if traced else None
     sched = Scheduler(config, num_blocks, bs, 16 * args.context, [-1], cache_namespace=b"bench",
-                      trace=trace)  # fmt: skip
+                      trace=trace, shape_every=None if sampled else 1)  # fmt: skip
     tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" if traced else None
     for i in range(n):
         sched.add_request(_submit(f"req-{i:05d}", args.context - 1, 1 << 20, tp))
@@ -206,6 +215,7 @@ class _Stepper:
         out = {f"{name}_us_median": statistics.median(v) for name, v in self.parts.items()}
         out.update(
             after_plan_us_median=statistics.median(self.after),
+            after_plan_us_mean=statistics.mean(self.after),
             step_us_median=statistics.median(total),
             step_us_min=min(total),  # the least disturbed step: best guess on a shared machine
             step_us_p90=sorted(total)[int(0.9 * (len(total) - 1))],
@@ -252,7 +262,7 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
     the working set (~1% at 256 running, up to ~15% at 1,024, where the per-step ratios form
     two clusters and their median moves with how many steps each order drew); a factor that
     slows either mode alike cancels in the product."""
-    knob = "tracing" if "," in args.tracing else "prefix_caching"
+    knob = _compared(args)
     modes = getattr(args, knob).split(",")
     new_len = args.context if scenario == "mixed" else 0
     rounds: dict[str, list[float]] = {m: [] for m in modes}
@@ -301,11 +311,21 @@ def _compare(n: int, args: argparse.Namespace, scenario: str) -> dict[str, objec
             "round_balanced_ratios": balanced}  # fmt: skip
 
 
+def _compared(args: argparse.Namespace) -> str:
+    """The knob given two modes (prefix caching unless another one is)."""
+    for knob in ("tracing", "sampled_shapes"):
+        if "," in getattr(args, knob):
+            return knob
+    return "prefix_caching"
+
+
 def _mode(knob: str, mode: str) -> dict[str, bool]:
-    """_warm_up's keywords for one mode of the compared knob (caching stays on when tracing
-    is compared)."""
+    """_warm_up's keywords for one mode of the compared knob (caching stays on when another
+    knob is compared)."""
     if knob == "tracing":
         return {"caching": True, "traced": mode == "on"}
+    if knob == "sampled_shapes":
+        return {"caching": True, "sampled": mode == "on"}
     return {"caching": mode == "on"}
 
 
@@ -363,7 +383,7 @@ def main(argv: list[str]) -> int:
     results: list[dict[str, object]] = []
     for n in (int(x) for x in args.running.split(",")):
         for scenario in ("decode", "mixed"):
-            if len(modes) > 1 or "," in args.tracing:
+            if len(modes) > 1 or _compared(args) != "prefix_caching":
                 results.append(_compare(n, args, scenario))
             else:
                 r = _run(n, args, scenario, modes[0] == "on")

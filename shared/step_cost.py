@@ -24,6 +24,7 @@ the online fit can recover it; a real worker's p90 error is what `engine_summary
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -36,6 +37,11 @@ MAX_ALTERNATIONS = 50
 TERM_SHARE_FLOOR = 1e-3
 # 0.01% RMS relative error: far below measurement noise (a few %), far above rounding.
 RMS_TOLERANCE = 1e-4
+
+# The online fit's share of the engine's time: a refit is due once the steps since the last
+# took 1 / FIT_SHARE times that fit (and at least MIN_REFIT_STEPS steps arrived).
+FIT_SHARE = 0.01
+MIN_REFIT_STEPS = 16
 
 # [N, k] feature blocks: overheads, compute, memory (each row times its coefficients is that
 # part of the step's time)
@@ -179,6 +185,19 @@ class StepShape:
             [1.0, float(self.kv_tokens), multi],
         )
 
+    def with_drafts(self, drafts: list[int]) -> StepShape:
+        """This step with `drafts[j]` more tokens on some of its decodes (speculation: each
+        draft is computed and sampled after its decode's token). Their contexts are taken as
+        the step's mean start (the scheduler does not walk the rows again)."""
+        total = sum(drafts)
+        if total == 0:
+            return self
+        mean_start = max(self.kv_tokens - 2 * self.num_tokens, 0) / max(self.num_rows, 1)
+        pairs = sum(n * (mean_start + 1) + n * (n + 1) / 2 for n in drafts)
+        return StepShape(self.num_rows, self.num_tokens + total, self.num_sampled + total,
+                         self.attention_pairs + round(pairs), self.kv_tokens + 2 * total,
+                         True)  # fmt: skip
+
 
 def step_shape(start_positions: list[int], num_tokens: list[int], num_sampled: int) -> StepShape:
     """The shape of a step whose row b has `start_positions[b]` tokens cached and computes
@@ -207,17 +226,28 @@ class StepCostPredictor:
     def __init__(
         self, window: int = 512, refit_every: int = 256, first_fit: int = 64, max_starts: int = 9
     ) -> None:
-        """A fit of `window` steps costs ~30 ms (9 starting splits): the first comes after
-        `first_fit` steps, then one every `refit_every`, off the result -> plan path."""
+        """A full fit of `window` steps costs ~30 ms (9 starting splits): the first comes
+        after `first_fit` steps, then one every `refit_every`. In between, a fit started from
+        the current fit's branches (one start: a few ms) once at least MIN_REFIT_STEPS steps
+        took 1 / FIT_SHARE times such a fit (the last fit's time per start): on a CPU
+        worker's 10-300 ms steps, every 16; on a GPU's few ms, every few hundred. A fit made
+        on the first steps (often one stream's) must not stand for hundreds of loaded ones:
+        on the real model that alone made the p90 error 93%
+        (docs/lab/2026-12-slo-predictor.md). Off the result -> plan path."""
         self._shapes: deque[StepShape] = deque(maxlen=window)
         self._seconds: deque[float] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._first_fit = first_fit
         self._max_starts = max_starts
-        self._since_fit = 0
+        self._since_fit = self._since_full = 0
+        self._seconds_since_fit = 0.0
+        self._one_start_s = 0.0  # how long the last fit took per starting split
         self._coeffs: Optional[np.ndarray] = None
         self.num_fits = 0
+        # the last fit saw a step where some row computed more than one token (a prompt
+        # chunk, drafts): only then can it tell a token's cost from a row's
+        self.fitted_multi_token_rows = False
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
@@ -228,20 +258,35 @@ class StepCostPredictor:
         self._shapes.append(shape)
         self._seconds.append(seconds)
         self._since_fit += 1
+        self._since_full += 1
+        self._seconds_since_fit += seconds
 
     def maybe_refit(self) -> bool:
-        """Refit when `refit_every` steps arrived since the last fit (`first_fit` for the
-        first); True when it did."""
-        due = self._first_fit if self._coeffs is None else self._refit_every
-        if self._since_fit < due:
-            return False
-        self.fit_now()
-        return True
+        """Refit when due (`first_fit` steps for the first; then see `__init__`); True when
+        it did."""
+        if self._coeffs is None:
+            due = full = self._since_fit >= self._first_fit
+        else:
+            full = self._since_full >= self._refit_every
+            long_enough = self._seconds_since_fit * FIT_SHARE >= self._one_start_s
+            due = full or (self._since_fit >= MIN_REFIT_STEPS and long_enough)
+        if due:
+            self.fit_now(full)
+        return due
 
-    def fit_now(self) -> None:
+    def fit_now(self, full: bool = True) -> None:
+        """A full fit (every starting split), or one from the current fit's branches."""
+        began = time.perf_counter()
         shapes = list(self._shapes)
-        self._coeffs = fit(_stack(shapes), np.array(self._seconds), self._max_starts)
-        self._since_fit = 0
+        features, seconds = _stack(shapes), np.array(self._seconds)
+        if full or self._coeffs is None:
+            self._coeffs = fit(features, seconds, self._max_starts)
+            self._since_full = 0
+        else:
+            self._coeffs = _fit_pruned(features, seconds, deciding_branch(features, self._coeffs))
+        self.fitted_multi_token_rows = any(s.has_chunk for s in shapes)
+        self._since_fit, self._seconds_since_fit = 0, 0.0
+        self._one_start_s = (time.perf_counter() - began) / (self._max_starts if full else 1)
         self.num_fits += 1
 
     def predict(self, shape: StepShape) -> Optional[float]:
@@ -253,7 +298,7 @@ class StepCostPredictor:
         t_over = over[0] * c[0] + over[1] * c[1] + over[2] * c[2]
         t_comp = comp[0] * c[3] + comp[1] * c[4] + comp[2] * c[5]
         t_mem = mem[0] * c[6] + mem[1] * c[7] + mem[2] * c[8]
-        return t_over + max(t_comp, t_mem)
+        return float(t_over + max(t_comp, t_mem))
 
     def errors(self) -> Optional[tuple[float, float]]:
         """(p50, p90) of the recent out-of-sample relative errors; None before any."""

@@ -29,11 +29,16 @@ from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import BACKENDS, SamplingChoice, make_backend
 from conveyor.bench.compare_plan import Scenario, add_compare_flags
 from conveyor.bench.goodput import ON_SLO_MISS, class_targets, with_classes
-from conveyor.bench.metrics import compute_metrics, parse_goodput, per_request_fields
+from conveyor.bench.metrics import (
+    compute_metrics,
+    missed_targets,
+    parse_goodput,
+    per_request_fields,
+)
 from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 from conveyor.bench.report import ProgressBar, format_result, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
-from conveyor.bench.steplog import engine_view, read_rid_map, read_step_log
+from conveyor.bench.steplog import engine_rids, engine_view, read_rid_map, read_step_log
 from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
 from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
 
@@ -243,8 +248,11 @@ def _pictures(args: argparse.Namespace, outcome: RunOutcome, out: Path) -> dict[
     }
     steps = read_step_log(args.log_dir / "scheduler.log", outcome.start_wall, outcome.end_wall)
     if steps:
-        arrivals, lens = engine_view(steps, outcome.traces, read_rid_map(args.log_dir))
-        rows = plot_timeline(steps, arrivals, out / "timeline.png", lens)
+        rid_map = read_rid_map(args.log_dir)
+        arrivals, lens = engine_view(steps, outcome.traces, rid_map)
+        missed = missed_targets(outcome.traces, *parse_goodput(args.goodput))
+        marked = {e for e, c in engine_rids(steps, outcome.traces, rid_map).items() if c in missed}
+        rows = plot_timeline(steps, arrivals, out / "timeline.png", lens, missed=marked)
         figures.update(timeline=str(out / "timeline.png"), timeline_rows=rows)
     else:
         print(

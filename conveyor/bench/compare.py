@@ -28,12 +28,13 @@ from conveyor.bench.analytical import predict
 from conveyor.bench.backends import ConveyorBackend
 from conveyor.bench.compare_plan import Comparison, Scenario, comparison_from_args, pairs
 from conveyor.bench.goodput import class_targets, with_classes
-from conveyor.bench.metrics import compute_metrics, parse_goodput
+from conveyor.bench.metrics import compute_metrics, missed_targets, parse_goodput
 from conveyor.bench.plots import plot_latency_cdfs, plot_step_strips, plot_timeline
 from conveyor.bench.report import ProgressBar, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
 from conveyor.bench.steplog import (
     StepEntry,
+    engine_rids,
     engine_view,
     read_rid_map,
     read_step_log,
@@ -171,7 +172,10 @@ def _measure(
         path = args.out / f"timeline-{sc.name}-{value}.png"
         title = f"{sc.name}, {comparison.field}={value}"
         result["timeline"] = str(path)
-        result["timeline_rows"] = plot_timeline(steps, arrivals, path, lens, title=title)
+        missed = missed_targets(outcome.traces, slos, classes)
+        rids = engine_rids(steps, outcome.traces, read_rid_map(log_dir))
+        marked = {e for e, c in rids.items() if c in missed}
+        result["timeline_rows"] = plot_timeline(steps, arrivals, path, lens, title, marked)
     return result, steps
 
 

@@ -184,6 +184,20 @@ def compute_metrics(
     return out
 
 
+def missed_targets(
+    traces: Sequence[RequestTrace], slos: Optional[SLOs], classes: Sequence[GoodputClass] = ()
+) -> set[str]:
+    """The client ids of the requests that completed but missed their targets (their class's
+    with `classes`, else `slos`): what the timeline marks. Refused requests never ran."""
+    by_name = {c.name: c.slos for c in classes}
+    out = set()
+    for t in traces:
+        targets = by_name.get(t.slo_class or "", slos) if classes else slos
+        if t.success and t.rid is not None and targets is not None and not targets.met_by(t):
+            out.add(t.rid)
+    return out
+
+
 def _stats_ms(name: str, values_s: list[float], percentiles: Sequence[float]) -> dict[str, float]:
     """mean/median/std/max/percentiles in ms; 0.0 for an empty sample, as vLLM reports it."""
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0

@@ -3,15 +3,15 @@
 * latency CDFs (TTFT, TPOT, ITL, E2EL), one curve per run;
 * throughput and latency against concurrency or request rate (a sweep);
 * the timeline of a run, drawn from the scheduler's step log: one row per request with its wait
-  (arrival -> first scheduled), its prefill chunks and its decode steps, and the batch size over
-  time underneath;
+  (arrival -> first scheduled), its prefill chunks and its decode steps (marked where it missed
+  its latency targets), and the batch size over time underneath;
 * the steps of several runs one above the other (a comparison): when each step ran, on a row
   for steps with prompt tokens and one for steps with decodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +27,7 @@ from conveyor.bench.metrics import RequestTrace  # noqa: E402
 from conveyor.bench.steplog import RequestSpans, StepEntry, request_spans  # noqa: E402
 
 COLORS = {"wait": "#d9d9d9", "prefill": "#f28e2b", "decode": "#4e79a7", "idle": "#bab0ac"}
+MISSED_COLOR = "#e15759"
 MAX_TIMELINE_ROWS = 400  # beyond this a row is under a pixel: draw the first ones only
 
 
@@ -88,11 +89,13 @@ def plot_timeline(
     path: Path,
     output_lens: Optional[Mapping[str, int]] = None,
     title: str = "",
+    missed: Collection[str] = (),
 ) -> int:
     """Draws one row per request scheduled in `steps`; returns the number of rows drawn.
 
     arrivals: engine rid -> time.time() the client sent it (the start of its wait bar);
-    output_lens: engine rid -> output tokens, so that static padding steps show as such.
+    output_lens: engine rid -> output tokens, so that static padding steps show as such;
+    missed: engine rids of requests that missed their latency targets (`mark_missed`).
     When `arrivals` is not empty, only its requests get rows (other traffic on a shared engine
     still counts in the batch panel). Time 0 is the earliest arrival or step."""
     spans = [s for s in request_spans(steps, arrivals, output_lens) if s.first_scheduled]
@@ -102,17 +105,14 @@ def plot_timeline(
     spans = spans[:MAX_TIMELINE_ROWS]
     t0 = min([s.arrival for s in spans] + [st.t_plan for st in steps] or [0.0])
     n = len(spans)
-    fig, (ax, ax_b) = plt.subplots(
-        2,
-        1,
-        figsize=(12, 2.5 + min(n, 60) * 0.18),
-        sharex=True,
-        gridspec_kw={"height_ratios": [max(3, min(n, 60) // 4), 1.4]},
-    )
+    ratios = [max(3, min(n, 60) // 4), 1.4]
+    fig, (ax, ax_b) = plt.subplots(2, 1, figsize=(12, 2.5 + min(n, 60) * 0.18), sharex=True,
+                                   gridspec_kw={"height_ratios": ratios})  # fmt: skip
     for row, span in enumerate(spans):
         _draw_row(ax, n - 1 - row, span, t0)
     ax.set_yticks(range(n))
     ax.set_yticklabels([_short(s.rid) for s in reversed(spans)], fontsize=6 if n > 30 else 8)
+    mark_missed(ax, spans, missed, t0)
     ax.set_ylim(-0.6, n - 0.4)
     ax.set_ylabel("request")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("wait", "prefill", "decode")]
@@ -120,6 +120,9 @@ def plot_timeline(
     if any(s.idle for s in spans):
         handles.append(plt.Rectangle((0, 0), 1, 1, color=COLORS["idle"], hatch="//"))
         labels.append("finished, slot still computed (static)")
+    if any(s.rid in missed for s in spans):
+        handles.append(plt.Line2D([], [], color=MISSED_COLOR, marker="x", ls=""))
+        labels.append("missed its latency target")
     ax.legend(
         handles,
         labels,
@@ -189,6 +192,21 @@ def _draw_row(ax: plt.Axes, y: float, span: RequestSpans, t0: float) -> None:
                 hatch="//" if kind == "idle" else None,
                 linewidth=0,
             )
+
+
+def mark_missed(ax: plt.Axes, spans: Sequence[RequestSpans], missed: Collection[str],
+                t0: float) -> int:  # fmt: skip
+    """On a timeline whose rows are `spans` (top first, labelled): a red x where each missed
+    request's last step ended, and its label in red. Returns the rows marked."""
+    n, marked = len(spans), 0
+    for row, (span, label) in enumerate(zip(spans, ax.get_yticklabels()[::-1], strict=True)):
+        if span.rid not in missed:
+            continue
+        ends = [b for _, b in span.prefill + span.decode] or [span.first_scheduled or t0]
+        ax.plot(max(ends) - t0, n - 1 - row, "x", color=MISSED_COLOR, markersize=5)
+        label.set_color(MISSED_COLOR)
+        marked += 1
+    return marked
 
 
 def _draw_batch(ax: plt.Axes, steps: Sequence[StepEntry], t0: float) -> None:

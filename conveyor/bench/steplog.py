@@ -272,6 +272,20 @@ def read_rid_map(log_dir: Path) -> dict[str, str]:
     return out
 
 
+def engine_rids(
+    steps: Sequence[StepEntry],
+    traces: Sequence[RequestTrace],
+    rid_map: Optional[Mapping[str, str]] = None,
+) -> dict[str, str]:
+    """engine rid -> client id, for the traces whose rid the steps mention (`rid_map` from
+    `read_rid_map`; rids it does not know are matched by `match_rids`)."""
+    by_id = {t.rid: t for t in traces if t.rid is not None}
+    seen = {rid for step in steps for rid in step.rids}
+    known = {rid: cid for rid, cid in (rid_map or {}).items() if rid in seen and cid in by_id}
+    known.update(match_rids(seen - known.keys(), by_id))
+    return known
+
+
 def engine_view(
     steps: Sequence[StepEntry],
     traces: Sequence[RequestTrace],
@@ -282,12 +296,9 @@ def engine_view(
     rid_map: engine rid -> client id (see `read_rid_map`); rids it does not know are matched
     by `match_rids` (a client id embedded in the engine rid)."""
     by_id = {t.rid: t for t in traces if t.rid is not None}
-    seen = {rid for step in steps for rid in step.rids}
-    known = {rid: cid for rid, cid in (rid_map or {}).items() if rid in seen and cid in by_id}
-    known.update(match_rids(seen - known.keys(), by_id))
     arrivals: dict[str, float] = {}
     output_lens: dict[str, int] = {}
-    for engine_rid, client_id in known.items():
+    for engine_rid, client_id in engine_rids(steps, traces, rid_map).items():
         trace = by_id[client_id]
         arrivals[engine_rid] = trace.start_wall
         if trace.success:

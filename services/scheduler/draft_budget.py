@@ -4,9 +4,12 @@ that speculation never makes a step's tokens per second worse than plain decodin
 
 Two measurements, both from the engine's own results:
 
-* `StepCostLine`: the worker's step time as a line in the tokens it computed, t(T) = a + b*T,
-  fitted by exponentially weighted least squares over recent results (every step, drafted or
-  not), so it follows the machine, the model and the contexts as they grow;
+* the step time, from the scheduler's one step-time predictor (shared/step_cost.py, fitted
+  from every step's shape and time, drafts included): the step as it stands, and the same
+  step with every decode's k drafts, give each draft token's cost b (their difference per
+  draft token). A fit that has seen no row compute more than one token cannot tell a draft's
+  cost from the step's fixed cost: until it has, b is the step's mean cost per token, which
+  only overstates it (drafts then look dearer);
 * per request and per draft position j, how often the proposer offers a draft there (q_rj: a
   limit the proposer cannot fill costs nothing) and how often, when offered, the drafts up to
   it are all accepted (p_rj); exponential averages over its own drafting steps, started from
@@ -17,7 +20,7 @@ q_rj * p_rj expected tokens; limits are raised in order of p while p / b beats t
 tokens per second so far (each one taken raises the bar), then kept only if the step's
 predicted tokens per second is >= 2% above plain decoding's. A step that takes none still
 lets one decode try its k drafts now and then, so an acceptance that has become better is seen
-again (and the cost line sees steps of several sizes even in one stream).
+again (and the predictor sees steps with drafts even in one stream).
 """
 
 from __future__ import annotations
@@ -26,46 +29,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from services.scheduler.request import Request
+from shared.step_cost import StepCostPredictor, StepShape
 
-DECAY = 0.97  # per observation: the last ~30 steps weigh most
-MIN_OBSERVATIONS = 8  # steps before the cost line is trusted
 MIN_GAIN = 1.02  # drafts only where they pay at least 2% (the complexity budget's bar)
 EXPLORE_EVERY = 16  # a step without drafts lets one decode try k every N steps
 ACCEPT_DECAY = 0.8  # per drafting step of a request: its last few steps weigh most
 PRIOR_ACCEPT = 0.6  # a position's acceptance, given a draft was offered, before any result
-
-
-class StepCostLine:
-    """t(T) = a + b*T over recent (tokens computed, forward seconds) of results."""
-
-    def __init__(self) -> None:
-        self._sums = [0.0] * 5  # weighted sums of 1, T, t, T*T, T*t
-        self._num_observed = 0
-
-    def observe(self, num_tokens: int, forward_s: float) -> None:
-        """Called with each result: the tokens its step computed (drafts included)."""
-        if num_tokens <= 0 or forward_s <= 0:
-            return
-        x, y = float(num_tokens), forward_s
-        s = self._sums
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            s[i] = s[i] * DECAY + v
-        self._num_observed += 1
-
-    def fit(self) -> Optional[tuple[float, float]]:
-        """(a, b) seconds and seconds per token, or None until enough varied steps were seen.
-        A spread too small to give a slope (one stream, no drafts yet) charges each token
-        the mean cost per token, which only overstates b (drafts then look dearer)."""
-        if self._num_observed < MIN_OBSERVATIONS:
-            return None
-        w, sx, sy, sxx, sxy = self._sums
-        mean_x, mean_y = sx / w, sy / w
-        var_x = sxx / w - mean_x * mean_x
-        if var_x < 0.05:  # tokens nearly constant: no slope to read
-            return 0.0, mean_y / mean_x
-        b = (sxy / w - mean_x * mean_y) / var_x
-        b = min(max(b, 1e-6), mean_y / mean_x)  # noise must not make a token free or > mean
-        return mean_y - b * mean_x, b
 
 
 @dataclass(slots=True)
@@ -97,21 +66,18 @@ class _Record:
 
 
 class DraftBudget:
-    """Chooses each decode's draft limit (`limits`) and learns from results (`observe_step`,
-    `observe_row`). Owns the cost line and every request's record; a request's record goes
-    when `forget` is called (it finished, was aborted or preempted)."""
+    """Chooses each decode's draft limit (`limits`) and learns from results (`observe_row`).
+    Owns every request's record; a request's record goes when `forget` is called (it
+    finished, was aborted or preempted). Reads the step-time predictor, which the scheduler
+    feeds (services/scheduler/step_costs.py)."""
 
-    def __init__(self, max_drafts: int) -> None:
+    def __init__(self, max_drafts: int, predictor: StepCostPredictor) -> None:
         self._k = max_drafts
-        self.cost = StepCostLine()
+        self._predictor = predictor
         self._engine = _Record([1.0] * max_drafts, [PRIOR_ACCEPT] * max_drafts)
         self._by_request: dict[str, _Record] = {}  # rid ->
         self._steps_without = 0
         self._explore_turn = 0
-
-    def observe_step(self, num_tokens: int, forward_s: float) -> None:
-        """Called with every result: tokens the step computed, the worker's forward time."""
-        self.cost.observe(num_tokens, forward_s)
 
     def observe_row(self, req: Request, limit: int, num_proposed: int, num_accepted: int) -> None:
         """Called per drafting row of a result: of up to `limit` drafts, `num_proposed` were
@@ -127,18 +93,18 @@ class DraftBudget:
     def forget(self, req: Request) -> None:
         self._by_request.pop(req.rid, None)
 
-    def limits(self, decodes: list[Request], num_tokens: int) -> dict[int, int]:
+    def limits(self, decodes: list[Request], shape: StepShape) -> dict[int, int]:
         """Called once per step by `Speculation.assign` with the step's decodes that may draft
-        and the tokens the step computes without drafts. Returns id(request) -> limit (>= 1)
-        for those that should draft; the caller still fits each in the budget and blocks."""
+        and the step's shape without drafts. Returns id(request) -> limit (>= 1) for those
+        that should draft; the caller still fits each in the budget and blocks."""
         if len(self._by_request) > 4 * len(decodes) + 64:  # finished without a last settle
             live = {r.rid for r in decodes}
             self._by_request = {k: v for k, v in self._by_request.items() if k in live}
-        fit = self.cost.fit()
-        if fit is None:  # not measured yet: draft as configured
+        costs = self.draft_cost(shape, len(decodes)) if decodes else None
+        if costs is None:  # not measured yet: draft as configured
             return {id(r): self._k for r in decodes}
-        a, b = fit
-        tokens, seconds = float(len(decodes)), a + b * num_tokens
+        seconds, b = costs
+        tokens = float(len(decodes))
         plain_rate = tokens / seconds
         offers = sorted(
             ((p, q, id(r)) for r in decodes for p, q in self._record(r).chances()),
@@ -159,6 +125,20 @@ class DraftBudget:
             self._explore_turn += 1
             return {id(decodes[self._explore_turn % len(decodes)]): self._k}
         return {}
+
+    def draft_cost(self, shape: StepShape, num_decodes: int) -> Optional[tuple[float, float]]:
+        """(the predicted seconds of a step of `shape`, seconds per draft token of its
+        `num_decodes` decodes), None before the predictor's first fit. A draft is never free,
+        nor dearer than the step's mean cost per token."""
+        seconds = self._predictor.predict(shape)
+        if seconds is None or seconds <= 0:
+            return None
+        mean = seconds / max(shape.num_tokens, 1)
+        if not self._predictor.fitted_multi_token_rows:
+            return seconds, mean
+        drafted = self._predictor.predict(shape.with_drafts([self._k] * num_decodes))
+        b = ((drafted or seconds) - seconds) / (self._k * num_decodes)
+        return seconds, min(max(b, 1e-6), mean)
 
     def _record(self, req: Request) -> _Record:
         return self._by_request.get(req.rid, self._engine)

@@ -83,8 +83,6 @@ class ResultApplier:
                        f"{len(flight.sampled)} sequences that sampled")  # fmt: skip
             failed = self._fail_missing(flight.sampled, now, message)
             return OutputBatch(result.step_id, finished=failed)
-        if self._speculation is not None:
-            self._speculation.observe(flight, result)
         if flight.drafts or result.drafts is not None:
             return self._apply_drafted(flight, result, now)
         ends = self._steady.apply(flight, result)

@@ -43,6 +43,7 @@ from services.scheduler.speculation import SpecCounters, Speculation
 from services.scheduler.stats import Counters, step_record
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
+from services.scheduler.step_costs import SAMPLED_EVERY, StepCosts
 from services.scheduler.tracing import SchedulerTrace
 from shared.protocol.engine_channel import (
     OutputBatch,
@@ -67,12 +68,14 @@ class Scheduler:
         cache_namespace: bytes = b"",
         speculative: bool = False,
         trace: Optional[SchedulerTrace] = None,
+        shape_every: Optional[int] = None,
     ) -> None:
         """`cache_namespace`: what besides tokens decides the KV (shared/prefix_hash.py
         `cache_namespace(model, dtype)`, from the worker handshake). `speculative`: the worker
         proposes drafts (its handshake says so); decodes then get draft limits
         (speculation.py) unless `num_speculative_tokens` is 0. `trace`: where traced
-        requests' spans go (None: tracing off)."""
+        requests' spans go (None: tracing off). `shape_every`: the predictor learns from one
+        step in this many (None: every step where a policy asks it, else SAMPLED_EVERY)."""
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (one prompt token and one output)")
         self.config = config
@@ -101,6 +104,8 @@ class Scheduler:
         if config.policy == "slo":
             self.slo = SloPolicy(self.predictor, config.max_wait, config.max_num_seqs,
                                  config.chunk_size)  # fmt: skip
+        asked = self.slo is not None or self._speculative  # a policy reads the predictor
+        self.step_costs = StepCosts(self.predictor, shape_every or (1 if asked else SAMPLED_EVERY))
         self._step_id = 0
         self._assemble(num_blocks)
 
@@ -120,9 +125,8 @@ class Scheduler:
         cache, waiting, batch, steady = self.prefix_cache, self._waiting, self._batch, self.steady
         self.speculation: Optional[Speculation] = None
         if self._speculative:
-            self.speculation = Speculation(
-                batch, config.num_speculative_tokens, self.block_size, self._spec_counters
-            )
+            self.speculation = Speculation(batch, config.num_speculative_tokens, self.block_size,
+                                           self._spec_counters, self.predictor)  # fmt: skip
         self.composition = composition_for(
             config.step_composition, config.max_num_batched_tokens, config.max_prefill_chunks
         )
@@ -240,7 +244,7 @@ class Scheduler:
     def _build(self, step: StepBuilder, now: float) -> StepPlan:
         """The filled step becomes a plan, recorded in flight with its step record."""
         self._step_id += 1
-        shape = step.shape()  # before build() advances the computed counts
+        shape = self.step_costs.shape(self._step_id, step)  # before build() moves counts
         built = step.build(self._step_id, self._batch.worker, self._batch.requests.values())
         steady = self.steady.after_build(step, built)
         self.composition.built(len(step.decodes), step.num_chunks)
@@ -249,8 +253,9 @@ class Scheduler:
             req = self.live.get(seq.rid)
             if req is not None and req.first_scheduled is None:
                 req.first_scheduled = now
+        predicted = self.predictor.predict(shape) if shape is not None else None
         record = step_record(built, step, now, len(self._waiting), len(self._batch),
-                             self.config.max_num_seqs, self.pool)  # fmt: skip
+                             self.config.max_num_seqs, self.pool, shape, predicted)  # fmt: skip
         self.counters.count_step(record)
         self.in_flight.add(InFlightStep(built.plan, record, built.sampled, built.sampled_rids,
                                         built.filled, self._batch.version, steady,
@@ -259,14 +264,10 @@ class Scheduler:
 
     def update(self, result: StepResult, step_s: Optional[float] = None) -> OutputBatch:
         """Called with the oldest in-flight plan's result (results.py `ResultApplier.update`);
-        the step's time feeds the step-time predictor: the worker's `forward_s`, or `step_s`
-        (the loop's measure: from when the step could begin to its result) when shorter. A
-        pipelined worker's `forward_s` counts from the step's launch, while the step before
-        it still ran, so it can be up to two steps long."""
+        the step's time (`step_s`: the loop's measure) feeds the predictor (step_costs.py)."""
         flight = self.in_flight.oldest()
-        if flight is not None and flight.shape is not None and flight.step_id == result.step_id:
-            seconds = result.forward_s if step_s is None else min(result.forward_s, step_s)
-            self.predictor.observe(flight.shape, seconds)
+        if flight is not None:
+            self.step_costs.observe(flight, result, step_s)
         return self._results.update(result)
 
     def after_plan(self) -> None:
@@ -275,7 +276,7 @@ class Scheduler:
         ahead the cached blocks the next step will allocate, traced requests' spans)."""
         if self._trace is not None:
             self._trace.flush()
-        self.predictor.maybe_refit()
+        self.step_costs.after_plan()
         if self.config.enable_prefix_caching:
             # the most blocks one step can allocate: its tokens' blocks, plus one per request
             # for a partly filled block (decodes: their one token may need a new block)
@@ -361,10 +362,8 @@ class Scheduler:
         if self.slo is not None:
             out.update(num_slo_refused=self.slo.num_refused,
                        num_slo_best_effort=self.slo.num_best_effort)  # fmt: skip
-        if (errors := self.predictor.errors()) is not None:
-            out["step_predictor_p50_error"], out["step_predictor_p90_error"] = errors
         for part in (self.prefix_cache.stats(), self._spec_counters.as_stats(),
-                     self.leases.stats(), self.pulls.stats()):  # fmt: skip
+                     self.leases.stats(), self.pulls.stats(), self.step_costs.stats()):  # fmt: skip
             out.update(part)
         return out
 

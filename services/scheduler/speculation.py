@@ -30,6 +30,7 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.step import StepBuilder
 from shared.protocol.worker_channel import DraftOutcome, StepResult
+from shared.step_cost import StepCostPredictor
 
 RUNNING = RequestStatus.RUNNING
 
@@ -79,14 +80,16 @@ class Speculation:
         num_speculative_tokens: int,
         block_size: int,
         counters: SpecCounters,
+        predictor: StepCostPredictor,
     ) -> None:
-        """`counters`: the scheduler's, kept across rebuilds (a lost worker)."""
+        """`counters`: the scheduler's, kept across rebuilds (a lost worker); `predictor`: the
+        scheduler's step-time predictor, which the draft limits read."""
         self._batch = batch
         self._k = num_speculative_tokens
         self._block_size = block_size
         self.counters = counters
         self._in_flight: set[Request] = set()  # given drafts by a plan built (D may be > 0)
-        self._budget = DraftBudget(num_speculative_tokens)
+        self._budget = DraftBudget(num_speculative_tokens, predictor)
 
     def assign(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> None:
         """Called by the step filler once the step's decodes are in. A decode with drafts in
@@ -99,7 +102,7 @@ class Speculation:
         if not step.decodes:
             return
         candidates = [r for r in step.decodes if not r.padding and r.sampling.logprobs is None]
-        limits = self._budget.limits(candidates, step.num_counted_tokens)
+        limits = self._budget.limits(candidates, step.shape())
         if not limits:
             return
         bs, batch = self._block_size, self._batch
@@ -116,12 +119,6 @@ class Speculation:
             if k > 0:
                 step.add_drafts(req, k)
                 self._in_flight.add(req)
-
-    def observe(self, flight: InFlightStep, result: StepResult) -> None:
-        """Called by the result path with every result (before `settle`): the step cost the
-        draft limits are chosen by."""
-        drafted = sum(result.drafts.proposed) if result.drafts is not None else 0
-        self._budget.observe_step(flight.plan.num_scheduled_tokens + drafted, result.forward_s)
 
     def _check_in_flight(
         self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]

@@ -3,10 +3,13 @@ from which the benchmark draws its timeline picture) and running totals for `sta
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.step import BuiltStep, StepBuilder
+from shared.step_cost import StepShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +35,14 @@ class StepRecord:
     # found cached (those requests compute only the rest)
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # on the steps the step-time predictor learns from (step_costs.py): the step's shape and
+    # the time predicted for it when built (None before the first fit)
+    shape: Optional[StepShape] = None
+    predicted_s: Optional[float] = None
 
     def to_dict(self) -> dict[str, object]:
-        """A flat map for one JSON log line."""
-        return {
+        """A flat map for one JSON log line (`shape` and `predicted_s` only where known)."""
+        out: dict[str, object] = {
             "step_id": self.step_id,
             "time": self.time,
             "rids": self.rids,
@@ -53,6 +60,10 @@ class StepRecord:
             "num_prefix_cache_queries": self.num_prefix_cache_queries,
             "num_prefix_cache_hits": self.num_prefix_cache_hits,
         }
+        if self.shape is not None:  # rows, tokens, samples, attention pairs, KV, chunk
+            out["shape"] = [*dataclasses.astuple(self.shape)]
+            out["predicted_s"] = self.predicted_s
+        return out
 
 
 @dataclass(slots=True)
@@ -101,6 +112,8 @@ def step_record(
     num_running: int,
     max_num_seqs: int,
     pool: BlockPool,
+    shape: Optional[StepShape] = None,
+    predicted_s: Optional[float] = None,
 ) -> StepRecord:
     """The record of a plan just built (after its admissions and preemptions)."""
     plan = built.plan
@@ -121,4 +134,6 @@ def step_record(
         num_released=len(plan.released_slots),
         num_prefix_cache_queries=step.num_cache_queries,
         num_prefix_cache_hits=step.num_cache_hits,
+        shape=shape,
+        predicted_s=predicted_s,
     )

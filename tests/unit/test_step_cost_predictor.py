@@ -76,3 +76,17 @@ def test_no_prediction_before_the_first_fit() -> None:
     for _ in range(3):
         predictor.observe(shape, 0.01)
     assert not predictor.maybe_refit()
+
+
+def test_long_steps_are_refitted_sooner_than_short_ones() -> None:
+    # after the first fit: 16 steps of 1 s are far more than 100 fits' time (a refit is
+    # due); 16 steps of 1 us are not (the next fit waits for `refit_every` steps)
+    timed = _log("h200", seed=4, n=80)
+    for seconds, refits in ((1.0, True), (1e-6, False)):
+        predictor = StepCostPredictor(first_fit=64)
+        for shape, t in timed[:64]:
+            predictor.observe(shape, t)
+        assert predictor.maybe_refit() and predictor.num_fits == 1
+        for shape, _ in timed[64:80]:
+            predictor.observe(shape, seconds)
+        assert predictor.maybe_refit() is refits
