@@ -211,6 +211,12 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
             const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// kv_write.cpp <-> kernels.write_kv.write_kv_ref (+ kernels.rotary.rotary_ref)
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+              at::Tensor v_cache, const at::Tensor& slot_mapping);
+at::Tensor rotary_write_kv(at::Tensor qkv, const at::Tensor& positions,
+                           const at::Tensor& cos_sin_cache, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& slot_mapping);
 // qlinear.cpp <-> kernels.quant.quant_linear_ref
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                    const c10::optional<at::Tensor>& m, int64_t n, int64_t format);

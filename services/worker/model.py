@@ -169,15 +169,15 @@ class LlamaModel:
         the same on every rank (embedding requests pool them: `final_norm`)."""
         a, ops, group = self.args, self.ops, self.group
         t = step.input_ids.shape[0]
-        h_q, h_kv = self.num_heads, self.num_kv_heads
-        q_size = h_q * a.head_dim
+        q_size = self.num_heads * a.head_dim
         x = self._embed(step.input_ids)  # [T, Hd]
         residual: Optional[torch.Tensor] = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers, strict=True):
             h, residual = ops.rms_norm(x, layer.input_norm, a.rms_norm_eps, residual)
-            q, k, v = split_qkv(layer.qkv(h), h_q, h_kv, a.head_dim)
-            ops.rotary(q, k, step.positions, self.cos_sin)
-            ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+            # rotary on q and k in place, k and v into the cache; q [T, H, D] a view of qkv
+            q = ops.rotary_write_kv(
+                layer.qkv(h), step.positions, self.cos_sin, k_cache, v_cache, step.slot_mapping
+            )
             attn = ops.paged_attention(
                 q,
                 k_cache,

@@ -18,8 +18,14 @@ from typing import Any, Optional
 
 import torch
 
-from kernels.cpu_ext import HEAD_DIMS, cpu_paged_attention, load_cpu_ops
-from services.worker.ops import TorchOps
+from kernels.cpu_ext import (
+    HEAD_DIMS,
+    cpu_paged_attention,
+    cpu_rotary_write_kv,
+    cpu_write_kv,
+    load_cpu_ops,
+)
+from services.worker.ops import TorchOps, rotary_then_write
 from shared.env import env_str
 
 
@@ -56,7 +62,8 @@ def build_cpu_ext() -> Optional[str]:
 
 
 class CpuOps(TorchOps):
-    """C++ kernels for every op the extension covers; write_kv stays torch's index_copy_."""
+    """C++ kernels for every op the extension covers (the KV write of an 8-bit cache, with its
+    per-row scales, stays torch's)."""
 
     name = "cpu"
 
@@ -68,6 +75,35 @@ class CpuOps(TorchOps):
     def supports(head_dim: int, dtype: torch.dtype) -> bool:
         """Whether the compiled kernels cover this model (else the runner uses TorchOps)."""
         return head_dim in HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        if not k_cache.is_floating_point():
+            return super().write_kv(key, value, k_cache, v_cache, slot_mapping)
+        cpu_write_kv(self._ext, key, value, k_cache, v_cache, slot_mapping)
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) D], q and k rotated in place
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor:  # q [T, H, D], a view of qkv
+        if not k_cache.is_floating_point():
+            return rotary_then_write(
+                self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+            )
+        return cpu_rotary_write_kv(
+            self._ext, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
 
     def paged_attention(
         self,
