@@ -4,12 +4,15 @@ Each variant swaps one piece of the worker's CPU path for what it replaced; the 
 runner's `execute`: inputs, forward, sampling) is timed in interleaved rounds, so the machine's
 drift hits every variant alike, and the median round is printed with its ratio to `current`.
 
-* `current`: the worker as it runs (rotary + KV write as one C++ call on the fused qkv).
-* `split_kv_write`: rotary as its own C++ call, then the KV write as torch's two `index_copy_`
-  on q/k/v views (the path before kernels/csrc/kv_write.cpp).
+* `current`: the worker as it runs (with packed block weights: each layer one C++ call,
+  kernels/csrc/decoder_layer.cpp).
+* `python_layers`: each layer as the model's Python sequence of ops calls (rotary + KV write
+  one C++ call on the fused qkv).
+* `split_kv_write`: Python layers, and rotary as its own C++ call, then the KV write as torch's
+  two `index_copy_` on q/k/v views (the path before kernels/csrc/kv_write.cpp).
 
     PYTHONPATH=. python bench/decode_path_bench.py [--batch 1] [--context 64] [--steps 50]
-        [--rounds 7] [--variants current,split_kv_write]
+        [--rounds 7] [--variants current,python_layers,split_kv_write]
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ class SplitKVWrite:
         return rotary_then_write(self, *args)
 
 
-VARIANTS: dict[str, Callable[[Any], Any]] = {
-    "current": lambda ops: ops,
-    "split_kv_write": SplitKVWrite,
+# name -> (the ops it runs with, whether whole-layer kernels may run)
+VARIANTS: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    "current": (lambda ops: ops, True),
+    "python_layers": (lambda ops: ops, False),
+    "split_kv_write": (SplitKVWrite, False),
 }
 
 
@@ -69,18 +74,23 @@ def main() -> None:
     args = ap.parse_args()
     names = args.variants.split(",")
     runner = ModelRunner(WorkerConfig(kv_cache_memory=1 << 29))  # the defaults: auto, auto
-    base_ops = runner.model.ops
+    model = runner.model
+    base_ops, base_native = model.ops, model.native
     run = ours_decode(runner, args.batch, args.context, 0)
     times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
-            runner.model.ops = VARIANTS[name](base_ops)
+            wrap, native = VARIANTS[name]
+            model.ops = wrap(base_ops)
+            model.use_native_layers(native)
             run()  # warm
             times[name].append(timed(run, args.steps))
-    runner.model.ops = base_ops
+    model.ops = base_ops
+    model.use_native_layers(True)
     print(
         f"decode step, batch {args.batch}, context {args.context}: {runner.quantization} "
-        f"{runner.dtype_name}, ops={base_ops.name}, threads={torch.get_num_threads()}, "
+        f"{runner.dtype_name}, ops={base_ops.name}, whole-layer kernels {base_native}, "
+        f"threads={torch.get_num_threads()}, "
         f"median of {args.rounds} rounds x {args.steps} steps"
     )
     ref = statistics.median(times[names[0]])

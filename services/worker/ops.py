@@ -72,6 +72,10 @@ class TorchOps:
             self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
 
+    def native_layer(self, *weights: Any) -> None:
+        """No whole-layer kernel here: the model runs its Python layer (CpuOps has one)."""
+        return None
+
     def paged_attention(
         self,
         q: torch.Tensor,  # [T, H, D]

@@ -12,6 +12,7 @@ logs `cpu_ext_unavailable` once and runs TorchOps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional
@@ -25,6 +26,8 @@ from kernels.cpu_ext import (
     cpu_write_kv,
     load_cpu_ops,
 )
+from services.worker.linear import BlockLinear
+from services.worker.model import StepTensors
 from services.worker.ops import TorchOps, rotary_then_write
 from shared.env import env_str
 
@@ -104,6 +107,42 @@ class CpuOps(TorchOps):
         return cpu_rotary_write_kv(
             self._ext, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
+
+    def native_layer(
+        self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Any]
+    ) -> Optional[Any]:
+        """A layer's weights as one C++ object for `decoder_layer`, when its four linear layers
+        (qkv, o, gate/up, down) are packed blocks without bias; else None (the model runs its
+        Python layer). Called once per layer at load, on a single rank only."""
+        if not all(isinstance(lin, BlockLinear) and lin.bias is None for lin in linears):
+            return None
+        ext = self._ext
+        packed = [
+            ext.PackedLinear(lin.packed.qs, lin.packed.d, lin.packed.m, lin.packed.n,
+                             lin.format_code)
+            for lin in linears
+        ]  # fmt: skip
+        return ext.LayerWeights(input_norm, post_norm, *packed)
+
+    def decoder_layer(
+        self,
+        weights: Any,  # native_layer's object
+        x: torch.Tensor,  # [T, Hd]
+        residual: Optional[torch.Tensor],  # [T, Hd], None before the first layer
+        eps: float,
+        step: StepTensors,
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D], a float cache
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (output, residual), [T, Hd] each
+        """The whole layer in one C++ call (kernels/csrc/decoder_layer.cpp): the same kernels in
+        the same order as the model's Python layer over these ops, so the same numbers."""
+        out, res = self._ext.decoder_layer(
+            weights, x, residual, eps, step.positions, cos_sin_cache, k_cache, v_cache,
+            step.query_start_loc, step.seq_lens, step.block_tables, step.slot_mapping, scale,
+        )  # fmt: skip
+        return out, res
 
     def paged_attention(
         self,

@@ -10,7 +10,7 @@ batch, each program finding its sequence from `query_start_loc` on the device.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,6 +53,10 @@ class TritonOps:
         return rotary_then_write(
             self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
+
+    def native_layer(self, *weights: Any) -> None:
+        """No whole-layer kernel: the model runs its Python layer over these ops."""
+        return None
 
     def paged_attention(
         self,
