@@ -12,6 +12,7 @@ depend only on the step's metadata, so they are built once per step and reused b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -72,7 +73,9 @@ class TorchOps:
             self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
 
-    def native_layer(self, *weights: Any) -> None:
+    def native_layer(
+        self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Any]
+    ) -> None:
         """No whole-layer kernel here: the model runs its Python layer (CpuOps has one)."""
         return None
 

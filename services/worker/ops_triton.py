@@ -10,6 +10,7 @@ batch, each program finding its sequence from `query_start_loc` on the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -54,7 +55,9 @@ class TritonOps:
             self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
 
-    def native_layer(self, *weights: Any) -> None:
+    def native_layer(
+        self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Any]
+    ) -> None:
         """No whole-layer kernel: the model runs its Python layer over these ops."""
         return None
 
