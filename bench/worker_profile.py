@@ -105,9 +105,9 @@ def bare_linear_seconds(
         (torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype))
         for k, n in (linear_shapes(args) if fused else unfused_shapes(args))
     ]
-    head = (
+    head = (  # the LM head's shape (it may be held as blocks: a dense stand-in here)
         torch.randn(head_rows, args.hidden_size, generator=gen).to(dtype),
-        runner.model.lm_head,
+        torch.randn(args.vocab_size, args.hidden_size, generator=gen).to(dtype),
     )
     best = float("inf")
     with torch.inference_mode():

@@ -11,7 +11,8 @@ lock keeps two processes from building at once.
 
 Launchers check shapes and dtypes (ValueError naming the argument) before the C++ code, which
 trusts pointers. Each has a torch reference of the same function beside it:
-`cpu_paged_attention` <-> `kernels.paged_attention.paged_attention_ref`.
+`cpu_paged_attention` <-> `kernels.paged_attention.paged_attention_ref`, `cpu_write_kv` <->
+`kernels.write_kv.write_kv_ref`, `cpu_rotary_write_kv` <-> `kernels.write_kv.rotary_write_kv_ref`.
 """
 
 from __future__ import annotations
@@ -127,3 +128,32 @@ def cpu_paged_attention(
     return ext.paged_attention(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, float(scale)
     )
+
+
+def cpu_write_kv(
+    ext: ModuleType,
+    key: torch.Tensor,  # [T, Hkv, D] float32 or bfloat16, unit stride on D
+    value: torch.Tensor,  # [T, Hkv, D], key's dtype
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] contiguous, float32 / bfloat16 / float16
+    v_cache: torch.Tensor,  # the same
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """K and V of each token into slot `slot_mapping[t]` of the caches, in one call (rounded to
+    the cache's dtype as torch's .to() does). The C++ side checks shapes, dtypes and every slot
+    (ValueError, before anything is written); 8-bit caches are not covered (the torch write)."""
+    ext.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def cpu_rotary_write_kv(
+    ext: ModuleType,
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) D] a layer's fused projection, unit stride on rows
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] as in cpu_write_kv
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> torch.Tensor:  # q [T, H, D], a view of qkv
+    """Rotary on qkv's q and k heads in place, then its k and v rows into the cache: one call
+    per layer for what rotary + write_kv do in two (Hkv, D from the cache; checks as
+    cpu_write_kv, all before qkv is touched)."""
+    return ext.rotary_write_kv(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_dim, check_same_dtype, check_tensor, next_pow2
 from kernels.kv_quant import CODE_DTYPES, SCALE_BYTES, quantize_rows, scaled_kind
+from kernels.rotary import rotary_ref
 
 
 def write_kv_ref(
@@ -33,6 +34,27 @@ def write_kv_ref(
     kind = scaled_kind(k_cache)
     k_cache[blocks, offsets] = quantize_rows(key, kind) if kind else key
     v_cache[blocks, offsets] = quantize_rows(value, kind) if kind else value
+
+
+def rotary_write_kv_ref(
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> torch.Tensor:
+    """Reference of the fused C++ call: rotary_ref on qkv's q and k views in place, then
+    write_kv_ref of its k and v (cast to a float cache's dtype). Returns q [T, H, D]."""
+    t, d, hkv = qkv.shape[0], cos_sin_cache.shape[1], k_cache.shape[2]
+    q_size = qkv.shape[1] - 2 * hkv * d
+    q = qkv[:, :q_size].view(t, -1, d)
+    k = qkv[:, q_size : q_size + hkv * d].view(t, hkv, d)
+    v = qkv[:, q_size + hkv * d :].view(t, hkv, d)
+    rotary_ref(q, k, positions, cos_sin_cache)
+    cast = k_cache.dtype if k_cache.is_floating_point() else k.dtype
+    write_kv_ref(k.to(cast), v.to(cast), k_cache, v_cache, slot_mapping)
+    return q
 
 
 @triton.jit

@@ -211,9 +211,37 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions,
             const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+// kv_write.cpp <-> kernels.write_kv.write_kv_ref (+ kernels.rotary.rotary_ref)
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+              at::Tensor v_cache, const at::Tensor& slot_mapping);
+at::Tensor rotary_write_kv(at::Tensor qkv, const at::Tensor& positions,
+                           const at::Tensor& cos_sin_cache, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& slot_mapping);
 // qlinear.cpp <-> kernels.quant.quant_linear_ref
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                    const c10::optional<at::Tensor>& m, int64_t n, int64_t format);
 int64_t qlinear_tile();
+
+// decoder_layer.cpp <-> LlamaModel's Python layer over CpuOps (services/worker/model.py)
+struct PackedLinear {  // qlinear's weight operands, held once per layer
+  at::Tensor qs, d;
+  c10::optional<at::Tensor> m;
+  int64_t n, format;
+  PackedLinear(at::Tensor qs_, at::Tensor d_, c10::optional<at::Tensor> m_, int64_t n_,
+               int64_t format_);
+};
+struct LayerWeights {
+  at::Tensor input_norm, post_norm;
+  PackedLinear qkv, o_proj, gate_up, down;
+  LayerWeights(at::Tensor input_norm_, at::Tensor post_norm_, PackedLinear qkv_,
+               PackedLinear o_proj_, PackedLinear gate_up_, PackedLinear down_);
+};
+std::vector<at::Tensor> decoder_layer(const LayerWeights& w, const at::Tensor& x,
+                                      const c10::optional<at::Tensor>& residual, double eps,
+                                      const at::Tensor& positions,
+                                      const at::Tensor& cos_sin_cache, at::Tensor k_cache,
+                                      at::Tensor v_cache, const at::Tensor& query_start_loc,
+                                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                                      const at::Tensor& slot_mapping, double scale);
 
 }  // namespace conveyor

@@ -63,13 +63,13 @@ class BlockLinear:
         self, ext: ModuleType, packed: PackedWeight, bias: Optional[torch.Tensor] = None
     ) -> None:
         self._ext = ext
-        self._format = FORMATS.index(packed.fmt)
+        self.format_code = FORMATS.index(packed.fmt)  # the C++ kernel's number for the format
         self.packed = packed
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        y = self._ext.qlinear(x.contiguous(), p.qs, p.d, p.m, p.n, self._format)
+        y = self._ext.qlinear(x.contiguous(), p.qs, p.d, p.m, p.n, self.format_code)
         return y if self.bias is None else y.add_(self.bias)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ class _Layer:
     post_norm: torch.Tensor  # [Hd]
     gate_up: Linear  # Hd -> 2 I
     down: Linear  # I -> Hd
+    native: Optional[Any]  # the layer as one kernel call (ops.native_layer), or None
 
 
 def rotary_cache(args: ModelArgs, max_len: int, device: str) -> torch.Tensor:
@@ -110,6 +111,9 @@ class LlamaModel:
         )
         del embed, head
         self.layers = [self._layer(weights, i) for i in range(args.num_layers)]
+        # every layer one kernel call per step (when the KV cache is a float one: hidden_states)
+        self.native = False
+        self.use_native_layers(True)
         self.cos_sin = rotary_cache(args, max_len, device)
         self.scale = args.head_dim**-0.5
 
@@ -121,14 +125,24 @@ class LlamaModel:
         gate_up = [take(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
         policy = self.policy
         bias = fused_rows(sh, biases) if has_bias else None  # type: ignore[arg-type]
-        return _Layer(
-            input_norm=policy.vector(take(w, f"{p}input_layernorm.weight")),
-            qkv=policy.linear(fused_rows(sh, qkv), bias),
-            o_proj=policy.linear(sh.cols(take(w, f"{p}self_attn.o_proj.weight"))),
-            post_norm=policy.vector(take(w, f"{p}post_attention_layernorm.weight")),
-            gate_up=policy.linear(fused_rows(sh, gate_up)),
-            down=policy.linear(sh.cols(take(w, f"{p}mlp.down_proj.weight"))),
+        input_norm = policy.vector(take(w, f"{p}input_layernorm.weight"))
+        post_norm = policy.vector(take(w, f"{p}post_attention_layernorm.weight"))
+        linears = (
+            policy.linear(fused_rows(sh, qkv), bias),
+            policy.linear(sh.cols(take(w, f"{p}self_attn.o_proj.weight"))),
+            policy.linear(fused_rows(sh, gate_up)),
+            policy.linear(sh.cols(take(w, f"{p}mlp.down_proj.weight"))),
         )
+        # one rank only: a whole-layer kernel has no all-reduce inside
+        native = (
+            self.ops.native_layer(input_norm, post_norm, linears) if sh.world_size == 1 else None
+        )
+        return _Layer(input_norm, *linears[:2], post_norm, *linears[2:], native)  # type: ignore[misc]
+
+    def use_native_layers(self, on: bool) -> None:
+        """Whether layers that have a whole-layer kernel run it (`on`, the default where every
+        layer has one) or their Python sequence of ops calls (tests and benches compare the two)."""
+        self.native = on and all(layer.native is not None for layer in self.layers)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds, as held (packed blocks with their scales; a
@@ -167,30 +181,51 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` up to the final norm: the last layer's output and residual, [T, Hd] each,
         the same on every rank (embedding requests pool them: `final_norm`)."""
-        a, ops, group = self.args, self.ops, self.group
-        t = step.input_ids.shape[0]
-        h_q, h_kv = self.num_heads, self.num_kv_heads
-        q_size = h_q * a.head_dim
         x = self._embed(step.input_ids)  # [T, Hd]
         residual: Optional[torch.Tensor] = None
+        # the whole-layer kernel writes float caches only (8-bit rows: the ops' own write)
+        native = self.native and kv_layers[0][0].is_floating_point()
+        eps = self.args.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers, strict=True):
-            h, residual = ops.rms_norm(x, layer.input_norm, a.rms_norm_eps, residual)
-            q, k, v = split_qkv(layer.qkv(h), h_q, h_kv, a.head_dim)
-            ops.rotary(q, k, step.positions, self.cos_sin)
-            ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-            attn = ops.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                step.query_start_loc,
-                step.seq_lens,
-                step.block_tables,
-                self.scale,
-            )
-            x = group.all_reduce(layer.o_proj(attn.reshape(t, q_size)))  # [T, Hd]
-            h, residual = ops.rms_norm(x, layer.post_norm, a.rms_norm_eps, residual)
-            x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
-            x = group.all_reduce(x)  # [T, Hd]
+            if native:
+                x, residual = self.ops.decoder_layer(
+                    layer.native, x, residual, eps, step, self.cos_sin, k_cache, v_cache, self.scale
+                )
+            else:
+                x, residual = self._layer_forward(layer, x, residual, step, k_cache, v_cache)
+        return x, residual  # type: ignore[return-value]
+
+    def _layer_forward(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,  # [T, Hd]
+        residual: Optional[torch.Tensor],  # [T, Hd], None before the first layer
+        step: StepTensors,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer as a sequence of ops calls: (output, residual), [T, Hd] each."""
+        a, ops, group = self.args, self.ops, self.group
+        t = step.input_ids.shape[0]
+        q_size = self.num_heads * a.head_dim
+        h, residual = ops.rms_norm(x, layer.input_norm, a.rms_norm_eps, residual)
+        # rotary on q and k in place, k and v into the cache; q [T, H, D] a view of qkv
+        q = ops.rotary_write_kv(
+            layer.qkv(h), step.positions, self.cos_sin, k_cache, v_cache, step.slot_mapping
+        )
+        attn = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_tables,
+            self.scale,
+        )
+        x = group.all_reduce(layer.o_proj(attn.reshape(t, q_size)))  # [T, Hd]
+        h, residual = ops.rms_norm(x, layer.post_norm, a.rms_norm_eps, residual)
+        x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
+        x = group.all_reduce(x)  # [T, Hd]
         return x, residual  # type: ignore[return-value]
 
     def final_norm(

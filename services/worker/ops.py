@@ -12,8 +12,9 @@ depend only on the step's metadata, so they are built once per step and reused b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,25 @@ class TorchOps:
         v = quantize_rows(value, kind) if kind else value.to(v_cache.dtype)
         k_cache.view(-1, hkv, row).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, hkv, row).index_copy_(0, slot_mapping, v)
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) D], q and k rotated in place
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor:  # q [T, H, D], a view of qkv
+        return rotary_then_write(
+            self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+
+    def native_layer(
+        self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Any]
+    ) -> None:
+        """No whole-layer kernel here: the model runs its Python layer (CpuOps has one)."""
+        return None
 
     def paged_attention(
         self,
@@ -160,6 +180,27 @@ class TorchOps:
         # holding the tensors keeps their ids from being reused by a later step's tensors
         self._memo_key, self._memo_groups = key, groups
         return groups
+
+
+def rotary_then_write(
+    ops: Any,
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) D]
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, row]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_write_kv` as two of `ops`' own calls (the reference of the fused C++ call):
+    split qkv into views, rotate q and k in place, write k and v. Returns q [T, H, D]."""
+    t, d, hkv = qkv.shape[0], cos_sin_cache.shape[1], k_cache.shape[2]
+    q_size, kv_size = qkv.shape[1] - 2 * hkv * d, hkv * d
+    q = qkv[:, :q_size].view(t, q_size // d, d)
+    k = qkv[:, q_size : q_size + kv_size].view(t, hkv, d)
+    v = qkv[:, q_size + kv_size :].view(t, hkv, d)
+    ops.rotary(q, k, positions, cos_sin_cache)
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def _build_group(

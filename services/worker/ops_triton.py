@@ -10,7 +10,8 @@ batch, each program finding its sequence from `query_start_loc` on the device.
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -19,6 +20,7 @@ from kernels.rms_norm import rms_norm
 from kernels.rotary import rotary
 from kernels.silu_and_mul import silu_and_mul
 from kernels.write_kv import write_kv
+from services.worker.ops import rotary_then_write
 
 
 class TritonOps:
@@ -38,6 +40,26 @@ class TritonOps:
         if key.dtype != k_cache.dtype and k_cache.is_floating_point():  # as TorchOps casts
             key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
         write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) D], q and k rotated in place
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # [max_pos, D]
+        k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor:  # q [T, H, D], a view of qkv
+        """rotary, then write_kv, on the views of a layer's fused qkv (two kernels)."""
+        return rotary_then_write(
+            self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+
+    def native_layer(
+        self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Any]
+    ) -> None:
+        """No whole-layer kernel: the model runs its Python layer over these ops."""
+        return None
 
     def paged_attention(
         self,
