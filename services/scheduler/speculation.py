@@ -4,11 +4,13 @@ step filler and the result path (docs/design/speculation.md).
 The worker proposes drafts (it holds the up-to-date histories); the scheduler gives each decode
 a draft *limit*, the KV slots and the token budget for it, and applies what the worker accepted:
 
-* `assign(step, goes_on)` (the step filler, after the decodes): first the decodes with drafts
-  in flight are checked again counting them (the filler's pass over every decode does not read
-  D, so it costs nothing when speculation is off); then a limit `k` per decode, within the
-  budget, the free blocks (drafts never preempt) and the request's length limit
-  (`k <= max_len - (C + D) - 2`, C its computed count, D its draft slots in flight);
+* `check_in_flight(step, goes_on)` (the step filler, after the decodes): the decodes with
+  drafts in flight are checked again counting them (the filler's pass over every decode does
+  not read D, so it costs nothing when speculation is off);
+* `assign(step)` (the step filler, last, after the prompts): a limit `k` per decode, within
+  the token budget the prompts left, the free blocks (drafts never preempt) and the request's
+  length limit (`k <= max_len - (C + D) - 2`, C its computed count, D its draft slots in
+  flight);
 * `settle(flight, result)` (the result path, with a result of a step that had drafts): per
   drafting request `C += accepted`, `D -= k`, the blocks past `C + D` given back (the next plan
   trims the worker's table); returns the accepted drafts per sampler row.
@@ -88,15 +90,28 @@ class Speculation:
         self._in_flight: set[Request] = set()  # given drafts by a plan built (D may be > 0)
         self._budget = DraftBudget(num_speculative_tokens)
 
-    def assign(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> None:
-        """Called by the step filler once the step's decodes are in. A decode with drafts in
-        flight is checked again by `goes_on` (the filler's check, which counts them: its
-        table must cover them, a sample in flight may end it); then each decode gets a draft
-        limit while the budget, free blocks and its length allow (a request asking for
-        logprobs drafts nothing yet: drafts' logprobs are designed, not built)."""
-        if self._in_flight:
-            self._check_in_flight(step, goes_on)
-        if not step.decodes:
+    def check_in_flight(
+        self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
+    ) -> None:
+        """Called by the step filler once the step's decodes are in, before any prompt: a
+        decode with drafts in flight is checked again by `goes_on` (the filler's check, which
+        counts them: its table must cover them, growing by policy; a sample in flight may end
+        it), else it waits for the result in flight."""
+        if not self._in_flight:
+            return
+        scheduled = set(step.decodes)
+        for req in list(self._in_flight):
+            if req.num_draft_slots == 0:
+                self._in_flight.discard(req)  # settled, finished or preempted
+            elif req in scheduled and not goes_on(req, step):
+                step.drop(req)
+
+    def assign(self, step: StepBuilder) -> None:
+        """Called by the step filler last, once prompts are in: each decode gets a draft limit
+        while the token budget the prompts left, free blocks (drafts never preempt) and its
+        length allow (a request asking for logprobs drafts nothing yet: drafts' logprobs
+        are designed, not built)."""
+        if not step.decodes or step.draft_budget_left <= 0:
             return
         candidates = [r for r in step.decodes if not r.padding and r.sampling.logprobs is None]
         limits = self._budget.limits(candidates, step.num_counted_tokens)
@@ -104,7 +119,7 @@ class Speculation:
             return
         bs, batch = self._block_size, self._batch
         for req in candidates:
-            budget = step.budget_left
+            budget = step.draft_budget_left
             if budget <= 0:
                 return
             base = req.num_computed_tokens + req.num_draft_slots + 1  # after this decode
@@ -122,16 +137,6 @@ class Speculation:
         draft limits are chosen by."""
         drafted = sum(result.drafts.proposed) if result.drafts is not None else 0
         self._budget.observe_step(flight.plan.num_scheduled_tokens + drafted, result.forward_s)
-
-    def _check_in_flight(
-        self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
-    ) -> None:
-        scheduled = set(step.decodes)
-        for req in list(self._in_flight):
-            if req.num_draft_slots == 0:
-                self._in_flight.discard(req)  # settled, finished or preempted
-            elif req in scheduled and not goes_on(req, step):
-                step.drop(req)  # it waits for the result in flight
 
     def settle(self, flight: InFlightStep, result: StepResult) -> dict[int, list[int]]:
         """Called by the result path with a result of a step that gave draft limits (before
