@@ -6,8 +6,8 @@ alternating in one command, and whether the texts are equal.
 
 Workloads: `repeat` (a text given twice, which the model goes on repeating: a verbatim copy) and
 `instruct` (asked to copy a text: SmolLM2-135M writes new text instead, so this is the
-n-gram proposer on ordinary output). Greedy, `--max-tokens` each. A first measurement, not yet
-the `conveyor bench` workloads of issue 30 (docs/design/speculation.md).
+n-gram proposer on ordinary output). Greedy, `--max-tokens` each. The natural-text workloads
+through the whole engine: `conveyor bench --scenarios copy,edit,quote` (docs/bench.md).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from conveyor.bench.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 from conveyor.bench.report import ProgressBar, format_result, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
 from conveyor.bench.steplog import engine_rids, engine_view, read_rid_map, read_step_log
+from conveyor.bench.texts import TEXT_WORKLOADS, tokenizer_folder
 from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
 from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
 
@@ -116,6 +117,12 @@ def _add_workload_flags(w: argparse._ArgumentGroup) -> None:
         default=None,
         help="multiply every length; default 1 (--scenarios of --compare: 0.5)",
     )
+    w.add_argument(
+        "--tokenizer",
+        default=None,
+        help="copy/edit/quote: the model (folder or .gguf) whose tokenizer makes the prompts; "
+        "default --model, else the packaged SmolLM2",
+    )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ignore-eos", action="store_true", help="outputs exactly max_tokens long")
     w.add_argument("--temperature", type=float, default=0.0)
@@ -167,6 +174,9 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         prefix_len=args.prefix_len,
         num_turns=args.num_turns,
         scale=1.0 if args.scale is None else args.scale,
+        tokenizer=tokenizer_folder(args.tokenizer or args.model)
+        if args.workload in TEXT_WORKLOADS
+        else None,
     )
 
 

@@ -11,10 +11,11 @@ from typing import Optional
 
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import SamplingChoice
+from conveyor.bench.texts import TEXT_WORKLOADS, tokenizer_folder
 from conveyor.bench.workloads import WorkloadConfig
 
 MODES = ("static", "dynamic", "continuous")
-SCENARIOS = ("uniform", "mixed", "high-concurrency", "chat")
+SCENARIOS = ("uniform", "mixed", "high-concurrency", "chat", *TEXT_WORKLOADS)
 DEFAULT_SCENARIOS = SCENARIOS[:3]  # `chat` (heavy-tailed) only on request
 # --compare-batching's defaults, sized to finish in ~10 minutes on 2 CPU cores with SmolLM2
 # (see docs/bench.md); the named scenarios use the first two under any --compare
@@ -111,7 +112,23 @@ def comparison_from_args(args: argparse.Namespace, flags_scenario: Scenario) -> 
 
 def burst_scenarios(args: argparse.Namespace, names: str) -> list[Scenario]:
     """The named burst workloads (EOS ignored, greedy), sized by --num-prompts and --scale
-    (defaults 32 and 0.5 here)."""
+    (defaults 32 and 0.5 here); the natural-text ones (copy, edit, quote: texts.py) end at the
+    model's own end of turn, `--max-concurrency` streams at a time."""
+    selected = _list(names, SCENARIOS, "--scenarios")
+    texts = [_text_scenario(args, s) for s in selected if s in TEXT_WORKLOADS]
+    bursts = _bursts(args, [s for s in selected if s not in TEXT_WORKLOADS])
+    return [next(sc for sc in (*texts, *bursts) if sc.name == s) for s in selected]
+
+
+def _text_scenario(args: argparse.Namespace, name: str) -> Scenario:
+    n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+    tokenizer = tokenizer_folder(args.tokenizer or args.model)
+    workload = WorkloadConfig(name=name, num_prompts=n, seed=args.seed, tokenizer=tokenizer)
+    arrivals = ArrivalConfig(seed=args.seed, max_concurrency=args.max_concurrency)
+    return Scenario(name, workload, arrivals, SamplingChoice(temperature=0.0))
+
+
+def _bursts(args: argparse.Namespace, names: list[str]) -> list[Scenario]:
     n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
     scale = DEFAULT_SCALE if args.scale is None else args.scale
     common = {"seed": args.seed, "scale": scale}
@@ -127,7 +144,7 @@ def burst_scenarios(args: argparse.Namespace, names: str) -> list[Scenario]:
     }
     burst = ArrivalConfig(seed=args.seed)
     greedy = SamplingChoice(temperature=0.0, ignore_eos=True)
-    return [Scenario(s, table[s], burst, greedy) for s in _list(names, SCENARIOS, "--scenarios")]
+    return [Scenario(s, table[s], burst, greedy) for s in names]
 
 
 def _list(raw: str, allowed: tuple[str, ...], flag: str) -> list[str]:

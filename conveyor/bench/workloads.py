@@ -1,8 +1,9 @@
-"""Synthetic workloads: prompts as token ids (so lengths are exact) and output lengths.
+"""Workloads: prompts as token ids (so lengths are exact) and output lengths.
 
 Every workload is a pure function of its config: the same seed gives the same requests, token for
 token, on any machine. Prompts are random token ids drawn above the special tokens, so no prompt
-contains an end-of-sequence or chat-template token by accident.
+contains an end-of-sequence or chat-template token by accident; except the natural-text
+workloads (copy, edit, quote: texts.py), made with the model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-WORKLOADS = ("random", "uniform", "mixed", "shared-prefix", "chat", "multi-turn")
+from conveyor.bench.texts import TEXT_WORKLOADS, text_prompts
+
+WORKLOADS = ("random", "uniform", "mixed", "shared-prefix", "chat", "multi-turn", *TEXT_WORKLOADS)
 
 # Ids below this are left out of prompts: tokenizers put their special tokens first
 # (SmolLM2: 0-16), and a random <|im_end|> in a prompt would change what the model does.
@@ -58,6 +61,8 @@ class WorkloadConfig:
     conversations so a conversation's next turn starts about when its previous one ends. The
     replies in the history are drawn, not the model's answers (a workload is fixed in advance),
     so a turn can reuse its previous turn's prompt, not that turn's output.
+    copy, edit, quote: natural text (texts.py), tokenized by `tokenizer` (a model folder);
+    lengths are the texts' own (the length flags and `scale` do not apply).
     """
 
     name: str = "random"
@@ -71,6 +76,7 @@ class WorkloadConfig:
     scale: float = 1.0
     vocab_size: int = 49152
     max_model_len: Optional[int] = None  # clip prompt + output to fit, when given
+    tokenizer: Optional[str] = None  # copy/edit/quote: the model folder whose tokenizer to use
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -91,6 +97,8 @@ class WorkloadConfig:
             raise ValueError(f"vocab_size must be > {FIRST_PLAIN_TOKEN_ID}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.name in TEXT_WORKLOADS and not self.tokenizer:
+            raise ValueError(f"workload {self.name!r} needs the model's tokenizer")
 
 
 def generate(cfg: WorkloadConfig) -> list[BenchRequest]:
@@ -99,6 +107,10 @@ def generate(cfg: WorkloadConfig) -> list[BenchRequest]:
     n = cfg.num_prompts
     if cfg.name == "multi-turn":
         return _multi_turn(rng, cfg)
+    if cfg.name in TEXT_WORKLOADS:
+        assert cfg.tokenizer is not None  # checked by the config
+        prompts = text_prompts(cfg.name, cfg.tokenizer, n)
+        return [BenchRequest(i, ids, out_len) for i, (ids, out_len) in enumerate(prompts)]
     prefix: list[int] = []
     if cfg.name == "mixed":
         in_lens = rng.integers(MIXED_INPUT_RANGE[0], MIXED_INPUT_RANGE[1] + 1, n)

@@ -9,7 +9,8 @@ keeps the first that schedules anything. Order of a pass: every running decode g
 (static padding last); running prefills continue in chunks, in batch order; then, in continuous
 mode and if nobody was preempted for blocks, waiting requests are admitted in policy order
 while slots, budget and blocks last (under `priority`, a better waiting request may first take
-the worst one's slot).
+the worst one's slot); last, with speculation, decodes get draft limits from the token budget
+and free blocks the prompts left (drafts never delay a prefill, never preempt).
 """
 
 from __future__ import annotations
@@ -83,12 +84,13 @@ class StepFiller:
         if self._slo is not None:  # running requests' TPOT targets first
             budget = min(budget, self._slo.begin_step(self._batch.requests.values(), budget))
         step = StepBuilder(budget, self._block_size * self._caching, forward.max_chunks)
+        spec = self._speculation if forward.decodes else None
         if forward.decodes:
             prefills = self._schedule_decodes(step)
             if step.grown:  # before any lookup below, which may need their blocks
                 self._cache.queue_grown(step.grown)
-            if self._speculation is not None:
-                self._speculation.assign(step, self._decode_goes_on)
+            if spec is not None:  # decodes with drafts in flight: checked counting them
+                spec.check_in_flight(step, self._decode_goes_on)
         else:
             prefills = self._running_prefills()
         if forward.prompts:
@@ -97,6 +99,8 @@ class StepFiller:
                 if self._config.policy == "priority":
                     self._make_room_for_priority(step, now)
                 self._admit_waiting(step, now)
+        if spec is not None:  # drafts take what the prompts left: they never delay a prefill
+            spec.assign(step)
         return step
 
     def _running_prefills(self) -> list[Request]:
@@ -129,7 +133,7 @@ class StepFiller:
             if req.padding:
                 padding.append(req)
                 continue
-            # (drafts in flight are checked apart: speculation.py `assign`)
+            # (drafts in flight are checked apart: speculation.py `check_in_flight`)
             if (computed == len(req.token_ids) and computed + 1 >= req.max_len) or (
                 computed >= len(req.block_ids) * block_size
             ):

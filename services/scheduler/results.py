@@ -20,13 +20,13 @@ from services.scheduler.live import LiveRequests
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
-from services.scheduler.speculation import SpecContractError, Speculation
+from services.scheduler.speculation import NO_DRAFTS, SpecContractError, Speculation
 from services.scheduler.stats import Counters
 from services.scheduler.steady import SteadyDecodes
 from services.scheduler.step import StepBuilder
 from shared.protocol.engine_channel import OutputBatch, RequestOutput
 from shared.protocol.errors import ErrorCode
-from shared.protocol.worker_channel import StepResult
+from shared.protocol.worker_channel import StepResult, TokenLogprobs
 
 RUNNING = RequestStatus.RUNNING
 
@@ -114,8 +114,10 @@ class ResultApplier:
                 preempted is None or preempted <= flight.version
             ):
                 if req.status is RUNNING:  # (static batching never drafts: no padding here)
-                    new_tokens = drafted.get(i, []) + [token]
-                    self._apply_several(req, new_tokens, result, now, multi, finished)
+                    drafts = drafted.get(i, NO_DRAFTS)
+                    lps = drafts.logprobs + _logprobs_of(req, result)
+                    new_tokens = drafts.token_ids + [token]
+                    self._apply_several(req, new_tokens, lps, result, now, multi, finished)
         skipped = list(range(len(flight.sampled)))  # a small batch: no columns
         return self._output_batch(result, flight.sampled_rids, skipped, finished, multi)
 
@@ -150,22 +152,24 @@ class ResultApplier:
         self,
         req: Request,
         new_tokens: list[int],
+        lps: list[TokenLogprobs],
         result: StepResult,
         now: float,
         multi: list[RequestOutput],
         finished: list[RequestOutput],
     ) -> None:
         """A running request's accepted drafts and its token, in order, up to the first that
-        ends it (a stop id or the length limit; the rest are dropped)."""
+        ends it (a stop id or the length limit; the rest are dropped). `lps`: one per token of
+        `new_tokens`, or none (not asked)."""
         tokens = req.token_ids
         if req.protected or req.first_token is None:
             req.note_sampled(now)
         for j, token in enumerate(new_tokens):
             tokens.append(token)
             if token in req.stop_ids or len(tokens) >= req.max_len:
-                finished.append(self._finish_with(req, new_tokens[: j + 1], result, now))
+                out = self._finish_with(req, new_tokens[: j + 1], result, now, lps[: j + 1])
+                finished.append(out)
                 return
-        lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []  # undrafted
         multi.append(req.output(new_tokens, lps))
 
     def _output_batch(
@@ -192,10 +196,16 @@ class ResultApplier:
         return OutputBatch(result.step_id, rids, token_ids, result.logprobs, finished, multi)
 
     def _finish_with(
-        self, req: Request, new_tokens: list[int], result: StepResult, now: float
+        self,
+        req: Request,
+        new_tokens: list[int],
+        result: StepResult,
+        now: float,
+        lps: Optional[list[TokenLogprobs]] = None,
     ) -> RequestOutput:
         """`req` sampled its last token (`new_tokens[-1]`, after any accepted drafts): finish
-        it; its final output (with its embedding, an embedding request's, from the result)."""
+        it; its final output (with its embedding, an embedding request's, from the result).
+        `lps`: the logprobs of `new_tokens` (None: the result's, for its one token)."""
         reason = "stop" if new_tokens[-1] in req.stop_ids else "length"
         if reason == "length" and req.hands_over and _short_of_max_tokens(req):
             reason = "handover"  # a prefill engine's request: its decode engine goes on
@@ -207,7 +217,8 @@ class ResultApplier:
             req.padding = True  # keeps its slot and blocks until the whole batch is done
         else:
             self._batch.drop(req)
-        lps = [result.logprobs[req.rid]] if req.rid in result.logprobs else []
+        if lps is None:
+            lps = _logprobs_of(req, result)
         out = req.output(new_tokens, lps, reason)
         if handover is not None:
             out = dataclasses.replace(out, handover=handover)
@@ -231,6 +242,11 @@ class ResultApplier:
                 self._live.finish(req, "error", now)
                 outputs.append(req.output([], [], "error", ErrorCode.WORKER_FAILED, message))
         return outputs
+
+
+def _logprobs_of(req: Request, result: StepResult) -> list[TokenLogprobs]:
+    """`req`'s logprobs of its token in `result` (none when it did not ask)."""
+    return [result.logprobs[req.rid]] if req.rid in result.logprobs else []
 
 
 def _short_of_max_tokens(req: Request) -> bool:

@@ -4,14 +4,17 @@ step filler and the result path (docs/design/speculation.md).
 The worker proposes drafts (it holds the up-to-date histories); the scheduler gives each decode
 a draft *limit*, the KV slots and the token budget for it, and applies what the worker accepted:
 
-* `assign(step, goes_on)` (the step filler, after the decodes): first the decodes with drafts
-  in flight are checked again counting them (the filler's pass over every decode does not read
-  D, so it costs nothing when speculation is off); then a limit `k` per decode, within the
-  budget, the free blocks (drafts never preempt) and the request's length limit
-  (`k <= max_len - (C + D) - 2`, C its computed count, D its draft slots in flight);
+* `check_in_flight(step, goes_on)` (the step filler, after the decodes): the decodes with
+  drafts in flight are checked again counting them (the filler's pass over every decode does
+  not read D, so it costs nothing when speculation is off);
+* `assign(step)` (the step filler, last, after the prompts): a limit `k` per decode, within
+  the token budget the prompts left, the free blocks (drafts never preempt) and the request's
+  length limit (`k <= max_len - (C + D) - 2`, C its computed count, D its draft slots in
+  flight);
 * `settle(flight, result)` (the result path, with a result of a step that had drafts): per
   drafting request `C += accepted`, `D -= k`, the blocks past `C + D` given back (the next plan
-  trims the worker's table); returns the accepted drafts per sampler row.
+  trims the worker's table); returns the accepted drafts (and their logprobs, for a request
+  that asked) per sampler row.
 
 Only `C` decides what the prefix cache may register, so a block holding a rejected draft's KV is
 never registered: registrations stop at `C // block_size` blocks and every position below C
@@ -22,17 +25,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from services.scheduler.draft_budget import DraftBudget
 from services.scheduler.inflight import InFlightStep
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.running import RunningSet
 from services.scheduler.step import StepBuilder
-from shared.protocol.worker_channel import DraftOutcome, StepResult
+from shared.protocol.worker_channel import DraftOutcome, StepResult, TokenLogprobs
 from shared.step_cost import StepCostPredictor
 
 RUNNING = RequestStatus.RUNNING
+
+
+class Accepted(NamedTuple):
+    """A row's accepted drafts and their logprobs (one per draft, or none: not asked)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+
+
+NO_DRAFTS = Accepted([], [])  # read-only
+_NONE: tuple[int, list[int], list[TokenLogprobs]] = (0, [], [])  # read-only
 
 
 class SpecContractError(ValueError):
@@ -91,23 +105,35 @@ class Speculation:
         self._in_flight: set[Request] = set()  # given drafts by a plan built (D may be > 0)
         self._budget = DraftBudget(num_speculative_tokens, predictor)
 
-    def assign(self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]) -> None:
-        """Called by the step filler once the step's decodes are in. A decode with drafts in
-        flight is checked again by `goes_on` (the filler's check, which counts them: its
-        table must cover them, a sample in flight may end it); then each decode gets a draft
-        limit while the budget, free blocks and its length allow (a request asking for
-        logprobs drafts nothing yet: drafts' logprobs are designed, not built)."""
-        if self._in_flight:
-            self._check_in_flight(step, goes_on)
-        if not step.decodes:
+    def check_in_flight(
+        self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
+    ) -> None:
+        """Called by the step filler once the step's decodes are in, before any prompt: a
+        decode with drafts in flight is checked again by `goes_on` (the filler's check, which
+        counts them: its table must cover them, growing by policy; a sample in flight may end
+        it), else it waits for the result in flight."""
+        if not self._in_flight:
             return
-        candidates = [r for r in step.decodes if not r.padding and r.sampling.logprobs is None]
+        scheduled = set(step.decodes)
+        for req in list(self._in_flight):
+            if req.num_draft_slots == 0:
+                self._in_flight.discard(req)  # settled, finished or preempted
+            elif req in scheduled and not goes_on(req, step):
+                step.drop(req)
+
+    def assign(self, step: StepBuilder) -> None:
+        """Called by the step filler last, once prompts are in: each decode gets a draft limit
+        while the token budget the prompts left, free blocks (drafts never preempt) and its
+        length allow."""
+        if not step.decodes or step.draft_budget_left <= 0:
+            return
+        candidates = [r for r in step.decodes if not r.padding]
         limits = self._budget.limits(candidates, step.shape())
         if not limits:
             return
         bs, batch = self._block_size, self._batch
         for req in candidates:
-            budget = step.budget_left
+            budget = step.draft_budget_left
             if budget <= 0:
                 return
             base = req.num_computed_tokens + req.num_draft_slots + 1  # after this decode
@@ -120,27 +146,18 @@ class Speculation:
                 step.add_drafts(req, k)
                 self._in_flight.add(req)
 
-    def _check_in_flight(
-        self, step: StepBuilder, goes_on: Callable[[Request, StepBuilder], bool]
-    ) -> None:
-        scheduled = set(step.decodes)
-        for req in list(self._in_flight):
-            if req.num_draft_slots == 0:
-                self._in_flight.discard(req)  # settled, finished or preempted
-            elif req in scheduled and not goes_on(req, step):
-                step.drop(req)  # it waits for the result in flight
-
-    def settle(self, flight: InFlightStep, result: StepResult) -> dict[int, list[int]]:
+    def settle(self, flight: InFlightStep, result: StepResult) -> dict[int, Accepted]:
         """Called by the result path with a result of a step that gave draft limits (before
         its tokens are applied): each drafting request's counts move and its blocks past
         what the plans in flight may write are given back. Returns sampler row -> its
-        accepted drafts. Raises SpecContractError when the columns do not fit the limits."""
+        accepted drafts and their logprobs (empty unless its request asked). Raises
+        SpecContractError when the columns do not fit the limits."""
         accepted = _accepted_by_row(flight, result)
         limits = flight.drafts
         where = {id(req): i for i, req in enumerate(flight.sampled)}
         for req, k in limits:
             row = where.get(id(req))
-            proposed, tokens = accepted.get(row, (0, [])) if row is not None else (0, [])
+            proposed, tokens, _ = accepted.get(row, _NONE) if row is not None else _NONE
             self._budget.observe_row(req, k, proposed, len(tokens))
             if proposed:
                 self.counters.count(proposed, len(tokens))
@@ -153,7 +170,7 @@ class Speculation:
             req.num_computed_tokens += len(tokens)
             self._batch.give_back(req, req.num_computed_tokens + req.num_draft_slots)
         self._batch.touch()  # computed counts moved outside the steady path's arithmetic
-        return {row: tokens for row, (_, tokens) in accepted.items() if tokens}
+        return {row: Accepted(t, lps) for row, (_, t, lps) in accepted.items() if t}
 
 
 def _is_stale(req: Request, flight: InFlightStep) -> bool:
@@ -163,23 +180,34 @@ def _is_stale(req: Request, flight: InFlightStep) -> bool:
 
 def _accepted_by_row(
     flight: InFlightStep, result: StepResult
-) -> dict[Optional[int], tuple[int, list[int]]]:
-    """Sampler row -> (drafts proposed, accepted drafts), checked against the step's limits."""
+) -> dict[Optional[int], tuple[int, list[int], list[TokenLogprobs]]]:
+    """Sampler row -> (drafts proposed, accepted drafts, their logprobs), checked against the
+    step's limits (and, for a request that asked for logprobs, one per accepted draft)."""
     outcome = result.drafts or DraftOutcome()
     rows, proposed, accepted = outcome.rows, outcome.proposed, outcome.accepted
     if not len(rows) == len(proposed) == len(accepted) or sum(accepted) != len(outcome.token_ids):
         raise SpecContractError("the result's speculation columns differ in length")
     limit_of = {id(req): k for req, k in flight.drafts}
-    out: dict[Optional[int], tuple[int, list[int]]] = {}
-    start = 0
+    all_lps = outcome.logprobs or []
+    out: dict[Optional[int], tuple[int, list[int], list[TokenLogprobs]]] = {}
+    start = at_lp = 0
     for row, n_proposed, n_accepted in zip(rows, proposed, accepted, strict=True):
         if not 0 <= row < len(flight.sampled) or row in out:
             raise SpecContractError(f"speculation row {row} is no sampler of the step")
-        limit = limit_of.get(id(flight.sampled[row]), 0)
+        req = flight.sampled[row]
+        limit = limit_of.get(id(req), 0)
         if not 0 <= n_accepted <= n_proposed <= limit:
             raise SpecContractError(
                 f"row {row}: {n_accepted} accepted of {n_proposed} drafts, limit {limit}"
             )
-        out[row] = (n_proposed, outcome.token_ids[start : start + n_accepted])
+        lps: list[TokenLogprobs] = []
+        if req.sampling.logprobs is not None and n_accepted:
+            lps = all_lps[at_lp : at_lp + n_accepted]
+            at_lp += n_accepted
+            if len(lps) != n_accepted:
+                raise SpecContractError(f"row {row}: logprobs asked, not given for its drafts")
+        out[row] = (n_proposed, outcome.token_ids[start : start + n_accepted], lps)
         start += n_accepted
+    if at_lp != len(all_lps):
+        raise SpecContractError("the result's draft logprobs do not fit the rows that asked")
     return out

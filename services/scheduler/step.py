@@ -80,7 +80,7 @@ class StepBuilder:
 
     @property
     def budget_left(self) -> int:
-        """Tokens another chunk (or drafts) may take: 0 once the budget or the chunk limit is
+        """Tokens another chunk may take: 0 once the budget or the chunk limit is
         reached."""
         if self.max_chunks is not None and len(self._chunks) >= self.max_chunks:
             return 0
@@ -88,6 +88,12 @@ class StepBuilder:
             self.token_budget - len(self.decodes) - self._num_chunk_tokens
             - self._num_draft_tokens
         )  # fmt: skip
+
+    @property
+    def draft_budget_left(self) -> int:
+        """Tokens drafts may still take: the budget less every token scheduled (the chunk
+        limit does not bound drafts)."""
+        return self.token_budget - self.num_counted_tokens - self._num_draft_tokens
 
     @property
     def num_counted_tokens(self) -> int:

@@ -14,6 +14,9 @@ decodes a plan gave a limit, and verifying them against the target's own samples
   history: the text equals the text without speculation, greedy or seeded; for n-gram drafts
   (a point mass) this is rejection sampling's accept-with-p(x), residual p without x.
 
+The logprobs of accepted drafts are those of the target's token at each draft's own row (the
+distribution a plain decode at that index would have used).
+
 Not yet (designed): drafts for constrained rows (masks per verified row, matcher rollback),
 tensor parallelism (rank 0 must share the accepted counts), pipelined steps, the draft model.
 """
@@ -117,7 +120,8 @@ class Speculator:
         targets, logprobs = sample(logits, rows, masks)
         tokens: list[int] = []
         kept: list[Optional[TokenLogprobs]] = []
-        outcome = DraftOutcome()
+        asking = {b for b in drafts if step.seqs[b].sampling.logprobs is not None}
+        outcome = DraftOutcome(logprobs=[] if asking else None)
         at = 0
         for i, b in enumerate(sampled):
             proposed = drafts.get(b, [])
@@ -131,6 +135,8 @@ class Speculator:
                 outcome.proposed.append(len(proposed))
                 outcome.accepted.append(accepted)
                 outcome.token_ids.extend(proposed[:accepted])
+                if outcome.logprobs is not None and b in asking:  # each accepted row's own
+                    outcome.logprobs.extend(_asked(logprobs[at : at + accepted]))
             tokens.append(mine[accepted])
             kept.append(logprobs[at + accepted])
             at += len(proposed) + 1
@@ -176,6 +182,13 @@ def draft_logits_rows(step: ExpandedStep, query_start_loc: list[int]) -> list[in
         if flag:
             end = query_start_loc[b + 1]
             out.extend(range(end - 1 - len(drafts.get(b, [])), end))
+    return out
+
+
+def _asked(logprobs: list[Optional[TokenLogprobs]]) -> list[TokenLogprobs]:
+    """The logprobs of rows whose request asked for them (the sampler gave each one)."""
+    out = [lp for lp in logprobs if lp is not None]
+    assert len(out) == len(logprobs)
     return out
 
 

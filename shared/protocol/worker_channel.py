@@ -89,12 +89,14 @@ class DraftOutcome:
     """A result's speculation columns: sampler row `rows[j]` (an index into the result's
     token_ids) proposed `proposed[j]` drafts, of which the first `accepted[j]` were accepted;
     its tokens this step are those drafts (in `token_ids`, concatenated in row order), then the
-    result's token for that row."""
+    result's token for that row. `logprobs` (None unless a drafting row's request asked for
+    logprobs): one per accepted draft of the rows whose request asked, in row order."""
 
     rows: list[int] = field(default_factory=list)  # [J]
     proposed: list[int] = field(default_factory=list)  # [J]
     accepted: list[int] = field(default_factory=list)  # [J]
     token_ids: list[int] = field(default_factory=list)  # [sum(accepted)]
+    logprobs: Optional[list[TokenLogprobs]] = None  # [sum(accepted) of the rows that asked]
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,15 @@ An engine of its own with n-gram speculation (fp32, async scheduling and prefix 
 the session engine) and the session engine without it get the same requests at once, so drafted
 decodes share steps with prefill chunks and plain decodes: prompts the model copies from (text
 and code to repeat, so n-grams match), a chat, plain prompts; streamed and not; greedy, and one
-seeded sampled request. Token ids, text and finish reasons must be identical, and the
-speculating engine must have proposed drafts, accepted some and rejected some (a run where
-speculation never engaged proves nothing). ~1-2 minutes on the shared 2-core machine.
+seeded sampled request; two of them ask for logprobs (their drafts are accepted too). Token ids,
+text and finish reasons must be identical, the speculating engine must have proposed drafts,
+accepted some and rejected some (a run where speculation never engaged proves nothing), and the
+logprobs must agree: one per token, the same top tokens, each logprob within LOGPROB_TOL. Why a
+tolerance: an accepted draft's logprobs come from its own row of a forward over 1 + d query
+tokens of that sequence (and another batch), a plain decode's from a forward of 1: the same fp32
+sums in another order, so the logits differ by rounding (~1e-6 relative per operation over 30
+layers; tensor parallelism, the same sums split across ranks, agrees within 1e-4, as here).
+~1-2 minutes on the shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from tests.e2e.stack_tools import ENGINE_WORKER, engine_settings, running_stack
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 MAX_TOKENS = 40
+LOGPROB_TOL = 1e-4  # see the module docstring
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
 CODE = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
 REQUESTS: list[dict[str, Any]] = [
@@ -34,6 +41,8 @@ REQUESTS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": f"Repeat exactly: {TEXT}"}], "stream": True},
     {"prompt": "The capital of France is"},
     {"prompt": f"{TEXT} {TEXT}", "temperature": 0.7, "seed": 7},
+    {"prompt": f"Repeat the sentence twice.\n{TEXT}\n{TEXT}\n", "logprobs": 3},
+    {"prompt": f"{CODE}\n\n{CODE}", "stream": True, "logprobs": 2},
 ]
 
 
@@ -49,13 +58,13 @@ def spec_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield Engine(stack.frontend_address, None, stack.log_dir, stack)
 
 
-def _run_all(address: str) -> list[Completion]:
+def _run_all(address: str, requests: list[dict[str, Any]] = REQUESTS) -> list[Completion]:
     def one(kw: dict[str, Any]) -> Completion:
         with Client(address, timeout=300.0) as client:
             return client.generate(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, **kw})
 
-    with ThreadPoolExecutor(len(REQUESTS)) as pool:
-        return list(pool.map(one, REQUESTS))
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
 
 
 def _engine_stats(address: str) -> dict[str, Any]:
@@ -70,6 +79,34 @@ def test_ngram_speculation_changes_no_output(engine: Engine, spec_engine: Engine
     after = _engine_stats(spec_engine.frontend_address)
     for kw, w, g in zip(REQUESTS, want, got, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
+        if "logprobs" in kw:
+            _check_logprobs(g, w, kw)
     proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert proposed > accepted > 0, (proposed, accepted)  # drafts proposed, accepted, rejected
+
+
+def test_requests_asking_for_logprobs_draft_too(engine: Engine, spec_engine: Engine) -> None:
+    """Alone on the speculating engine, the requests asking for logprobs get drafts accepted
+    (the speculating engine's counters move), and the same tokens and logprobs as without."""
+    asking = [kw for kw in REQUESTS if "logprobs" in kw]
+    want = _run_all(engine.frontend_address, asking)
+    before = _engine_stats(spec_engine.frontend_address)
+    got = _run_all(spec_engine.frontend_address, asking)
+    after = _engine_stats(spec_engine.frontend_address)
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > 0
+    for kw, w, g in zip(asking, want, got, strict=True):
+        assert (g.token_ids, g.text) == (w.token_ids, w.text), kw
+        _check_logprobs(g, w, kw)
+
+
+def _check_logprobs(got: Completion, want: Completion, kw: dict[str, Any]) -> None:
+    """One entry per token, the same top tokens, every logprob within LOGPROB_TOL."""
+    assert got.logprobs is not None and want.logprobs is not None, kw
+    assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids), kw
+    for i, (g, w) in enumerate(zip(got.logprobs, want.logprobs, strict=True)):
+        assert g["top_token_ids"][0] == w["top_token_ids"][0], (kw, i)
+        assert abs(g["logprob"] - w["logprob"]) < LOGPROB_TOL, (kw, i, g, w)
+        for a, b in zip(g["top_logprobs"], w["top_logprobs"], strict=True):
+            assert abs(a - b) < LOGPROB_TOL, (kw, i, g, w)

@@ -280,3 +280,40 @@ def test_the_checking_worker_catches_a_rejected_draft_read_back() -> None:
     with pytest.raises(AssertionError, match="KV holds"):
         worker.execute(StepPlan(drafted.step_id + 1, drafted.step_id, 2, 1, [claim],
                                 count_slots=[a_slot], counts=[0]))  # fmt: skip
+
+
+def test_prompts_take_the_budget_before_drafts() -> None:
+    """A drafting decode and a prompt arriving in one step of 8 tokens: the prompt's chunk
+    gets the 7 tokens the decode leaves (drafts never delay a prefill), the drafts only what
+    is left after it; once the prompt is in, the decodes draft again."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, chunk_size=32,
+                             num_speculative_tokens=4)  # fmt: skip
+    sched = Scheduler(config, 64, 4, 128, [], clock=FakeClock(), speculative=True)
+    worker = CheckingWorker(64, 4, VOCAB, drafter=_right_then_wrong(1))
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sched.add_request(SubmitRequest("a", [20, 21, 22], sampling))
+    run = Run()
+    for _ in range(3):  # a's prompt, then it decodes with drafts
+        plan = sched.schedule()
+        assert plan is not None
+        run.add(sched.update(worker.execute(plan)))
+        sched.after_plan()
+    assert plan.drafts is not None and plan.drafts.limits == [4]
+    sched.add_request(SubmitRequest("b", list(range(30, 50)), sampling))  # 20 prompt tokens
+    limits_seen, chunks = [], []
+    while sched.has_work() and len(chunks) < 4:
+        plan = sched.schedule()
+        assert plan is not None
+        step = worker.peek(plan)
+        b_tokens = sum(n for rid, n in zip(step.rids, step.num_tokens, strict=True)
+                       if rid == "b")  # fmt: skip
+        limits = sum(plan.drafts.limits) if plan.drafts else 0
+        assert plan.num_scheduled_tokens + limits <= 8
+        if b_tokens:
+            chunks.append(b_tokens)
+        limits_seen.append(limits)
+        run.add(sched.update(worker.execute(plan)))
+        sched.check_invariants()
+        sched.after_plan()
+    assert chunks[:3] == [7, 7, 6]  # 20 prompt tokens beside a's one decode: no step lost
+    assert limits_seen[:4] == [0, 0, 1, 6]  # the one token left, then all 6 the decodes leave

@@ -21,7 +21,7 @@ from services.worker.sim.runner import SimRunner
 from services.worker.speculate import NgramProposer
 from shared.protocol.engine_channel import OutputBatch, SubmitRequest
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import StepResult
+from shared.protocol.worker_channel import StepResult, TokenLogprobs
 from tests.support.tiny_model import write_tiny_model
 
 
@@ -43,13 +43,20 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match() -> None:
     assert NgramProposer(3).propose(_seq([1, 2]), 4) == []
 
 
+ACCEPTED: dict[str, int] = {}  # rid -> drafts accepted (final outputs' timings, _collect)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def _generate(
-    tiny: Path, speculative: str, sampling: list[SamplingParams], two_in_flight: bool
+    tiny: Path,
+    speculative: str,
+    sampling: list[SamplingParams],
+    two_in_flight: bool,
+    logprobs: Optional[dict[str, list[TokenLogprobs]]] = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Each prompt (a repeated pattern, so n-grams match) with its sampling, all at once."""
     worker = ModelRunner(WorkerConfig(model=str(tiny), dtype="float32", kv_cache_memory=8 << 20,
@@ -71,14 +78,22 @@ def _generate(
                 break
             results.append(worker.execute(plan))
             sched.check_invariants()
-        _collect(sched.update(results.popleft()), tokens)
+        _collect(sched.update(results.popleft()), tokens, logprobs)
         sched.check_invariants()
     return tokens, sched
 
 
-def _collect(batch: OutputBatch, tokens: dict[str, list[int]]) -> None:
+def _collect(
+    batch: OutputBatch,
+    tokens: dict[str, list[int]],
+    logprobs: Optional[dict[str, list[TokenLogprobs]]] = None,
+) -> None:
     for out in batch.as_outputs():
         tokens[out.rid].extend(out.new_token_ids)
+        if logprobs is not None:
+            logprobs.setdefault(out.rid, []).extend(out.logprobs)
+            if out.timings is not None:  # the final output: its drafts, counted
+                ACCEPTED[out.rid] = out.timings.num_accepted_tokens
 
 
 @pytest.mark.parametrize("two_in_flight", [False, True])
@@ -88,10 +103,23 @@ def test_text_with_ngram_speculation_equals_text_without(tiny: Path, two_in_flig
         SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
         SamplingParams(max_tokens=33, temperature=1.0, top_k=5, ignore_eos=True),  # seed: rid
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, ignore_eos=True),
     ]
-    plain, _ = _generate(tiny, "off", sampling, two_in_flight)
-    spec, sched = _generate(tiny, "ngram", sampling, two_in_flight)
+    plain_lps: dict[str, list[TokenLogprobs]] = {}
+    spec_lps: dict[str, list[TokenLogprobs]] = {}
+    plain, _ = _generate(tiny, "off", sampling, two_in_flight, plain_lps)
+    spec, sched = _generate(tiny, "ngram", sampling, two_in_flight, spec_lps)
     assert spec == plain
+    # the request asking for logprobs drafted too: one entry per token, equal to within fp32
+    # rounding (its rows come from forwards of other shapes; test_speculation.py says why)
+    assert {r for r, lps in spec_lps.items() if lps} == {r for r, lps in plain_lps.items() if lps}
+    assert {r for r, lps in plain_lps.items() if lps} == {"r4"}
+    assert len(spec_lps["r4"]) == len(plain_lps["r4"]) == 40
+    for got, want in zip(spec_lps["r4"], plain_lps["r4"], strict=True):
+        assert got.top_token_ids == want.top_token_ids
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-4)
+    assert ACCEPTED.pop("r4") > 0, "the logprobs request had no draft accepted"
     stats = sched.stats()
     proposed, accepted = (
         stats["spec_decode_num_draft_tokens"],

@@ -160,7 +160,7 @@ class SimRunner:
         rate = self.config.spec_acceptance
         if rate is None or not step.draft_limits:
             return None
-        outcome = DraftOutcome()
+        outcome = DraftOutcome(logprobs=[] if self._logprob_slots else None)
         rows = {b: i for i, b in enumerate(b for b, s in enumerate(step.sample) if s)}
         for b, limit in step.draft_limits.items():
             seq, st = step.seqs[b], self._seqs[step.seqs[b].slot]
@@ -179,6 +179,8 @@ class SimRunner:
             outcome.proposed.append(limit)
             outcome.accepted.append(accepted)
             outcome.token_ids.extend(drafts[:accepted])
+            if outcome.logprobs is not None and st.logprobs is not None:
+                outcome.logprobs.extend(self._logprobs(st, t) for t in drafts[:accepted])
         return outcome
 
     def _add_state(self, seq: HeldSeq) -> None:
