@@ -4,7 +4,9 @@
   path reads the same fp32 weights as the dequantized one).
 * kernels/csrc/qlinear.cpp against `quant_linear_ref` (dequantize, then F.linear in fp32) for
   Q4_0/Q4_1/Q8_0, fp32 and bf16 activations, row counts on both sides of its two schedules
-  (registers up to 4 rows, a dequantized panel above) and a last tile narrower than the others.
+  (registers up to one register block of rows, 8 with AVX-512 and 6 without; a dequantized panel
+  above) and a last tile narrower than the others; a row's output is the same bits whichever
+  schedule computes it (a decode computes the same numbers with or without drafts beside it).
   Bound: the products and their fp32 sums are the same, only the order differs, so the error is
   a few ulps of sum |x| |w| (bf16: one rounding of the output on top).
 * Paged attention over a bf16/fp16 KV cache with fp32 queries equals the fp32 reference on the
@@ -66,7 +68,7 @@ def test_blocks_decode_to_the_gguf_dequantized_numbers(fmt: str, gen: torch.Gene
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 19])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 9, 19])
 @pytest.mark.parametrize("n", [40, 96])  # 40: the last tile is partly padding
 def test_qlinear_matches_reference(
     ext: ModuleType, gen: torch.Generator, fmt: str, dtype: torch.dtype, rows: int, n: int
@@ -81,6 +83,18 @@ def test_qlinear_matches_reference(
     bound = 1e-6 * scale + (scale.abs() + 1e-3) * (2.0**-7 if dtype == torch.bfloat16 else 0.0)
     excess = (got.float() - want.float()).abs() - bound
     assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_output_is_the_same_bits_under_either_schedule(
+    ext: ModuleType, gen: torch.Generator, fmt: str
+) -> None:
+    qw = quantize(weights(gen, 40, 96), fmt)
+    packed = pack(qw, int(ext.qlinear_tile()))
+    x = torch.randn(19, 96, generator=gen)
+    whole = quant_linear(ext, x, packed)  # 19 rows: the panel schedule
+    for rows in range(1, 9):  # registers up to a block, the panel past it
+        assert torch.equal(quant_linear(ext, x[:rows], packed), whole[:rows]), rows
 
 
 def test_qlinear_launcher_refuses_bad_inputs(ext: ModuleType, gen: torch.Generator) -> None:
