@@ -82,8 +82,3 @@ class ApiKeys:
             if hmac.compare_digest(header, expected):  # response time tells nothing of a key
                 found = key
         return found
-
-    def slo_class(self, scope: Scope) -> Optional[str]:
-        """The class of the request's key; None without a key or with a key of no class."""
-        key = self.match(scope)
-        return key.slo_class if key is not None else None

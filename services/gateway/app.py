@@ -26,8 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from services.gateway.admission import Admission, Slot, client_key
-from services.gateway.api_keys import ApiKeys
-from services.gateway.auth import ApiKeyMiddleware
+from services.gateway.api_keys import ApiKey, ApiKeys
+from services.gateway.auth import KEY_STATE, ApiKeyMiddleware
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.config import GatewayConfig
 from services.gateway.embeddings import (
@@ -166,7 +166,8 @@ class Gateway:
         )
         span = open_span(self.tracing, f"gateway.{kind}", request, meta.id)
         trace = {"traceparent": self.tracing.traceparent(span)} if self.tracing and span else {}
-        key_class = self.keys.slo_class(request.scope) if self.keys is not None else None
+        key: Optional[ApiKey] = request.scope.get("state", {}).get(KEY_STATE)  # auth.py's match
+        key_class = key.slo_class if key is not None else None
         default = {"slo_class": key_class} if key_class is not None else {}  # the body's wins
         calls = [
             replace(

@@ -14,6 +14,7 @@ from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import unauthorized
 
 PROTECTED_PREFIX = "/v1"
+KEY_STATE = "api_key"  # the request's matched ApiKey, in its scope's state
 
 
 class ApiKeyMiddleware:
@@ -25,7 +26,10 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             await self._app(scope, receive, send)
             return
-        if self._keys.match(scope) is not None:
+        key = self._keys.match(scope)
+        if key is not None:
+            # the route reads the key's class from here: one match per request
+            scope.setdefault("state", {})[KEY_STATE] = key
             await self._app(scope, receive, send)
             return
         err = unauthorized()

@@ -50,8 +50,8 @@ def test_a_header_matches_its_key_and_only_it(tmp_path: Path) -> None:
     path.write_text(KEY_FILE)
     keys = ApiKeys.load("sk-single", path)
     assert keys is not None
-    assert keys.slo_class(_scope(b"Bearer sk-dash")) == "interactive"
-    assert keys.slo_class(_scope(b"Bearer sk-nightly")) == "batch"
+    assert keys.match(_scope(b"Bearer sk-dash")) == ApiKey("sk-dash", "interactive")
+    assert keys.match(_scope(b"Bearer sk-nightly")) == ApiKey("sk-nightly", "batch")
     assert keys.match(_scope(b"Bearer sk-plain")) == ApiKey("sk-plain")
     assert keys.match(_scope(b"Bearer sk-single")) == ApiKey("sk-single")
     for refused in (None, b"Bearer sk-das", b"Bearer sk-dash ", b"sk-dash", b"Bearer interactive"):
