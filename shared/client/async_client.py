@@ -199,6 +199,7 @@ class AsyncClient:
         except BaseException:
             self._forget(rid)  # never sent: nothing to abort
             raise
+            raise
 
     async def _send(self, frame: bytes) -> None:
         """Send on the connection in use, waiting up to `connect_timeout` for one (a
@@ -328,10 +329,9 @@ class AsyncClient:
             if wait <= 0:
                 raise self._core.silence_error()
             wakeup.clear()  # no await since `take`: nothing can have arrived in between
-            try:
-                await asyncio.wait_for(wakeup.wait(), wait)
-            except asyncio.TimeoutError:
-                continue  # re-check against the latest reply of any request (heartbeats)
+            timer = asyncio.get_running_loop().call_later(wait, wakeup.set)  # then re-check
+            await wakeup.wait()  # not wait_for: on 3.11 it can swallow a cancellation
+            timer.cancel()
 
     def _forget(self, rid: str) -> None:
         self._core.forget(rid)
