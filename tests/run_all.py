@@ -12,6 +12,12 @@ spend their time waiting on the processes they start (one group after the other 
 anyway (tests/bounds.py). Each group's output is printed as one block when the group ends.
 `--serial` runs the groups one after the other, printing as they go.
 
+Two lanes share the CPUs: each group's processes get the lane's share of torch threads
+(OMP_NUM_THREADS, unless the caller set it). With torch's default (all cores) in every worker,
+test process and reference model of both lanes, OpenMP threads spin-wait for each other on
+oversubscribed cores: two e2e files side by side on 2 cores took 129-133 s with the default and
+70 s with one thread each (test_structured_faults in it: 99 -> 32 s), 2026-12-02.
+
 Time budgets, so that a hung test fails by name instead of hanging `make test`:
 * per test (pytest-timeout, the test's own body; fixtures have their own time-outs): a test
   that runs past its group's `test_s` fails with its stack, and the group goes on;
@@ -80,11 +86,21 @@ def counts_from_xml(xml: Path) -> dict[str, int]:
     return counts
 
 
-def run_group(group: Group, tmp: Path, out: Optional[IO[str]] = None) -> tuple[int, dict[str, int]]:
+def lane_threads(num_lanes: int) -> dict[str, str]:
+    """The torch thread settings of one lane's share of the CPUs; none where the caller chose."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    share = str(max(1, len(os.sched_getaffinity(0)) // num_lanes))
+    return {"OMP_NUM_THREADS": share, "MKL_NUM_THREADS": share}
+
+
+def run_group(
+    group: Group, tmp: Path, out: Optional[IO[str]] = None, num_lanes: int = 1
+) -> tuple[int, dict[str, int]]:
     """Run one group; its pytest output goes to `out` (None: this process's stdout), then its
     closing line. Returns (pytest's exit code, counts)."""
     xml, progress = tmp / f"{group.name}.xml", tmp / f"{group.name}.progress"
-    env = {**os.environ, **group.env, PROGRESS_ENV: str(progress)}
+    env = {**os.environ, **lane_threads(num_lanes), **group.env, PROGRESS_ENV: str(progress)}
     existing = [p for p in group.paths if (ROOT / p).exists()]
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", "-p",
            "tests.support.progress", f"--timeout={group.test_s}", "-o", "timeout_func_only=true",
@@ -143,7 +159,7 @@ def run_lanes(groups: list[Group], tmp: Path) -> list[tuple[int, dict[str, int]]
                 print(f"=== {group.name}: started", flush=True)
             log = tmp / f"{group.name}.out"
             with log.open("w", encoding="utf-8") as out:
-                result = run_group(group, tmp, out)
+                result = run_group(group, tmp, out, NUM_LANES)
             with lock:
                 sys.stdout.write(log.read_text(encoding="utf-8", errors="replace"))
                 sys.stdout.flush()

@@ -22,6 +22,7 @@ from test_scheduler_support import (
     CheckingWorker,
     FakeClock,
     Run,
+    arrive,
     check_composition,
     last_record,
     token_for,
@@ -53,6 +54,15 @@ class Arrival:
     abort_step: Optional[int]
     abort_in_flight: bool
 
+    def prompt(self, rid: str) -> list[int]:
+        prefix = [(self.family * 101 + i * 7) % 97 + 3 for i in range(self.prefix_len)]
+        suffix = [(zlib.crc32(rid.encode()) + i) % 97 + 3 for i in range(self.suffix_len)]
+        return (prefix + suffix) or [5]
+
+    def request(self, rid: str) -> SubmitRequest:
+        sampling = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
+        return SubmitRequest(rid, self.prompt(rid), sampling)
+
 
 arrivals = st.builds(
     Arrival,
@@ -64,12 +74,6 @@ arrivals = st.builds(
     abort_step=st.none() | st.none() | st.integers(0, 30),
     abort_in_flight=st.booleans(),
 )
-
-
-def _prompt(a: Arrival, rid: str) -> list[int]:
-    prefix = [(a.family * 101 + i * 7) % 97 + 3 for i in range(a.prefix_len)]
-    suffix = [(zlib.crc32(rid.encode()) + i) % 97 + 3 for i in range(a.suffix_len)]
-    return (prefix + suffix) or [5]
 
 
 @st.composite
@@ -87,22 +91,6 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
         step_composition=draw(st.sampled_from(STEP_COMPOSITIONS)),
         max_prefill_chunks=draw(st.integers(1, 3)),
     )
-
-
-def _step_requests(
-    sched: Scheduler, workload: list[Arrival], step: int, in_flight: bool, run: Run
-) -> dict[str, Arrival]:
-    admitted = {}
-    for i, a in enumerate(workload):
-        rid = f"r{i}"
-        if a.step == step and not in_flight:
-            sampling = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-            if sched.add_request(SubmitRequest(rid, _prompt(a, rid), sampling)) is None:
-                admitted[rid] = a
-        if a.abort_step == step and a.abort_in_flight == in_flight:
-            out = sched.abort_request(rid)
-            run.add([out] if out is not None else [])
-    return admitted
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -131,7 +119,7 @@ def test_shared_prefix_workloads_keep_every_invariant(
     admitted: dict[str, Arrival] = {}
     last_arrival = max(a.step for a in workload)
     for step in range(3000):
-        admitted.update(_step_requests(sched, workload, step, False, run))
+        admitted.update(arrive(sched, workload, step, False, run))
         if step in reset_steps:
             assert sched.reset_prefix_cache() >= 0
         plan = sched.schedule()
@@ -141,7 +129,7 @@ def test_shared_prefix_workloads_keep_every_invariant(
             if after_plan:
                 sched.after_plan()
                 sched.check_invariants()
-            _step_requests(sched, workload, step, True, run)  # aborts while in flight
+            arrive(sched, workload, step, True, run)  # aborts while in flight
             run.add(sched.update(worker.execute(plan)))
             sched.check_invariants()
         elif step > last_arrival and not sched.has_work():
@@ -162,7 +150,7 @@ def test_shared_prefix_workloads_keep_every_invariant(
         if final.finish_reason != "abort":
             assert final.finish_reason == "length"
             cached = final.num_cached_tokens
-            assert cached % block_size == 0 and cached < len(_prompt(a, rid))
+            assert cached % block_size == 0 and cached < len(a.prompt(rid))
 
 
 def _family_setup() -> tuple[Scheduler, CheckingWorker, SamplingParams, list[int]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.bounds import SLOW_HOST_MARGIN_S
-from tests.run_all import GROUPS, Group, run_group, run_lanes, select
+from tests.run_all import GROUPS, Group, lane_threads, run_group, run_lanes, select
 from tests.support.progress import in_progress
 
 HUNG_BODY = """
@@ -102,3 +102,17 @@ def test_lanes_run_side_by_side_and_print_each_group_whole(
         block = out[out.index(f"=== {name}: pytest") : out.index(f"=== {name}: rc=")]
         other = "two" if name == "one" else "one"
         assert f"=== {other}: pytest" not in block and f"=== {other}: rc=" not in block
+
+
+def test_each_lane_gets_its_share_of_the_cpus_unless_the_caller_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert lane_threads(2) == {"OMP_NUM_THREADS": str(max(1, cores // 2)),
+                               "MKL_NUM_THREADS": str(max(1, cores // 2))}  # fmt: skip
+    assert lane_threads(cores + 1)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert lane_threads(2) == {}

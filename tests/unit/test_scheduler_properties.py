@@ -19,6 +19,7 @@ from test_scheduler_support import (
     CheckingWorker,
     FakeClock,
     Run,
+    arrive,
     check_composition,
     submit,
     token_for,
@@ -26,7 +27,7 @@ from test_scheduler_support import (
 
 from services.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.composition import STEP_COMPOSITIONS
-from shared.protocol.errors import ErrorCode
+from shared.protocol.engine_channel import SubmitRequest
 
 EOS = 0
 VOCAB = 12  # small, so the end-of-sequence token comes up now and then
@@ -41,6 +42,10 @@ class Arrival:
     ignore_eos: bool
     abort_step: Optional[int]  # abort before this step's schedule()
     abort_in_flight: bool  # ... or while this step's plan is at the worker
+
+    def request(self, rid: str) -> SubmitRequest:
+        return submit(rid, self.prompt_len, self.max_tokens, priority=self.priority,
+                      ignore_eos=self.ignore_eos)  # fmt: skip
 
 
 arrivals = st.builds(
@@ -77,29 +82,6 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
 def _check_plan_limits(sched: Scheduler, num_tokens: int) -> None:
     assert num_tokens <= sched.config.max_num_batched_tokens
     sched.check_invariants()
-
-
-def _arrive_and_abort(
-    sched: Scheduler, workload: list[Arrival], step: int, in_flight: bool, run: Run
-) -> dict[str, Arrival]:
-    """This step's arrivals (before schedule(), when not `in_flight`) and aborts; returns the
-    requests admitted."""
-    admitted = {}
-    for i, a in enumerate(workload):
-        rid = f"r{i}"
-        if a.step == step and not in_flight:
-            req = submit(
-                rid, a.prompt_len, a.max_tokens, priority=a.priority, ignore_eos=a.ignore_eos
-            )
-            refused = sched.add_request(req)
-            if refused is None:
-                admitted[rid] = a
-            else:
-                assert refused.code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.OVERLOADED)
-        if a.abort_step == step and a.abort_in_flight == in_flight:
-            out = sched.abort_request(rid)
-            run.add([out] if out is not None else [])
-    return admitted
 
 
 def _check_final(run: Run, rid: str, a: Arrival, max_len: int) -> None:
@@ -171,12 +153,12 @@ def test_random_workloads_keep_every_invariant(
     admitted: dict[str, Arrival] = {}
     last_arrival = max(a.step for a in workload)
     for step in range(3000):
-        admitted.update(_arrive_and_abort(sched, workload, step, False, run))
+        admitted.update(arrive(sched, workload, step, False, run))
         plan = sched.schedule()
         _check_plan_limits(sched, 0 if plan is None else plan.num_scheduled_tokens)
         check_composition(sched, plan)
         if plan is not None:
-            _arrive_and_abort(sched, workload, step, True, run)  # aborts while in flight
+            arrive(sched, workload, step, True, run)  # aborts while in flight
             run.add(sched.update(worker.execute(plan)))
             _check_plan_limits(sched, 0)
         elif step > last_arrival and not sched.has_work():

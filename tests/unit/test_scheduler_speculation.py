@@ -26,6 +26,7 @@ from test_scheduler_support import (
     Drafter,
     FakeClock,
     Run,
+    arrive,
     random_drafter,
     token_for,
 )
@@ -49,6 +50,16 @@ class Arrival:
     max_tokens: int
     ignore_eos: bool
     abort_step: Optional[int]
+    abort_in_flight: bool
+
+    def prompt(self, rid: str) -> list[int]:
+        prefix = [(self.family * 31 + i * 7) % 97 + 3 for i in range(self.prefix_len)]
+        return prefix + [(zlib.crc32(rid.encode()) + i) % 97 + 3 for i in range(self.suffix_len)]
+
+    def request(self, rid: str) -> SubmitRequest:
+        sampling = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
+                                  ignore_eos=self.ignore_eos)  # fmt: skip
+        return SubmitRequest(rid, self.prompt(rid), sampling)
 
 
 arrivals = st.builds(
@@ -60,12 +71,8 @@ arrivals = st.builds(
     max_tokens=st.integers(1, 20),
     ignore_eos=st.booleans(),
     abort_step=st.none() | st.none() | st.integers(0, 40),
+    abort_in_flight=st.booleans(),
 )
-
-
-def _prompt(a: Arrival, rid: str) -> list[int]:
-    prefix = [(a.family * 31 + i * 7) % 97 + 3 for i in range(a.prefix_len)]
-    return prefix + [(zlib.crc32(rid.encode()) + i) % 97 + 3 for i in range(a.suffix_len)]
 
 
 @st.composite
@@ -85,23 +92,6 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
     )
 
 
-def _arrive(
-    sched: Scheduler, workload: list[Arrival], step: int, in_flight: bool, run: Run
-) -> dict[str, Arrival]:
-    admitted = {}
-    for i, a in enumerate(workload):
-        rid = f"r{i}"
-        if a.step == step and not in_flight:
-            sampling = SamplingParams(max_tokens=a.max_tokens, temperature=0.0,
-                                      ignore_eos=a.ignore_eos)  # fmt: skip
-            if sched.add_request(SubmitRequest(rid, _prompt(a, rid), sampling)) is None:
-                admitted[rid] = a
-        if a.abort_step == step and in_flight == (i % 2 == 0):
-            out = sched.abort_request(rid)
-            run.add([out] if out is not None else [])
-    return admitted
-
-
 def _drive(
     sched: Scheduler, worker: CheckingWorker, workload: list[Arrival], phases: list[bool]
 ) -> tuple[Run, dict[str, Arrival]]:
@@ -113,7 +103,7 @@ def _drive(
     assert isinstance(clock, FakeClock)
     last_arrival = max(a.step for a in workload)
     for step in range(3000):
-        admitted.update(_arrive(sched, workload, step, False, run))
+        admitted.update(arrive(sched, workload, step, False, run))
         ahead = phases[step % len(phases)]
         while sched.can_schedule() and (ahead or not results):
             plan = sched.schedule()
@@ -125,7 +115,7 @@ def _drive(
             results.append(worker.execute(plan))
             sched.after_plan()
             sched.check_invariants()
-            _arrive(sched, workload, step, True, run)
+            arrive(sched, workload, step, True, run)
         if results:
             run.add(sched.update(results.popleft()))
             sched.check_invariants()
@@ -141,11 +131,11 @@ def _check_final(run: Run, rid: str, a: Arrival, max_len: int) -> None:
     tokens = run.tokens(rid)
     assert tokens == [token_for(rid, i, VOCAB) for i in range(len(tokens))]
     assert len(tokens) == final.num_output_tokens <= a.max_tokens
-    assert len(_prompt(a, rid)) + len(tokens) <= max_len
+    assert len(a.prompt(rid)) + len(tokens) <= max_len
     if final.finish_reason == "stop":
         assert tokens[-1] == EOS and not a.ignore_eos
     elif final.finish_reason == "length":
-        assert len(tokens) == a.max_tokens or len(_prompt(a, rid)) + len(tokens) == max_len
+        assert len(tokens) == a.max_tokens or len(a.prompt(rid)) + len(tokens) == max_len
     else:
         assert final.finish_reason == "abort"
     if not a.ignore_eos:

@@ -20,7 +20,7 @@ import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, TypeVar
 
 import pytest
 
@@ -28,6 +28,7 @@ from services.scheduler import Scheduler, SchedulerConfig, StepRecord
 from services.worker.held_batch import ExpandedStep, HeldBatch
 from services.worker.plan_writer import PlanWriter
 from shared.protocol.engine_channel import OutputBatch, RequestOutput, SubmitRequest
+from shared.protocol.errors import ErrorCode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import DraftOutcome, StepPlan, StepResult
 
@@ -233,6 +234,48 @@ class Run:
         assert len(finals) == 1, f"{rid} finished {len(finals)} times"
         assert self.outputs[rid][-1] is finals[0], f"{rid} has output after its final one"
         return finals[0]
+
+
+class Arrival(Protocol):
+    """A request of a random workload (each property test draws its own kind): it arrives
+    before `step`'s schedule(), and is aborted at `abort_step`, before that step's schedule()
+    or, with `abort_in_flight`, while that step's plan is at the worker."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def abort_step(self) -> Optional[int]: ...
+
+    @property
+    def abort_in_flight(self) -> bool: ...
+
+    def request(self, rid: str) -> SubmitRequest: ...
+
+
+A = TypeVar("A", bound=Arrival)
+REFUSALS = (ErrorCode.PROMPT_TOO_LONG, ErrorCode.OVERLOADED)  # what a random workload may meet
+
+
+def arrive(
+    sched: Scheduler, workload: list[A], step: int, in_flight: bool, run: Run
+) -> dict[str, A]:
+    """Called twice a step: before schedule() (`in_flight` False: arrivals, then aborts) and
+    while the plan is at the worker (aborts only). Request i is "r{i}"; returns those admitted
+    (a refusal must be one a random workload may meet)."""
+    admitted = {}
+    for i, a in enumerate(workload):
+        rid = f"r{i}"
+        if a.step == step and not in_flight:
+            refused = sched.add_request(a.request(rid))
+            if refused is None:
+                admitted[rid] = a
+            else:
+                assert refused.code in REFUSALS, refused
+        if a.abort_step == step and a.abort_in_flight == in_flight:
+            out = sched.abort_request(rid)
+            run.add([out] if out is not None else [])
+    return admitted
 
 
 def last_record(sched: Scheduler) -> StepRecord:
