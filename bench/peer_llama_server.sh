@@ -10,7 +10,8 @@
 # `conveyor` runs `conveyor up` with its defaults (the GGUF's own Q4_1 blocks); `conveyor-fp32`
 # the dequantized weights in fp32 (`--quantization none --dtype float32`). `--scenario single`:
 # one stream instead of the burst, 8 requests one after the other, 32-token prompts, 128 output
-# tokens each (decode tok/s = 1 / TPOT).
+# tokens each (decode tok/s = 1 / TPOT). Each engine's processes' CPU time per output token
+# (bench/peer_cpu.py, warm-up included) goes to <engine>.cpu.txt.
 #
 # `make peer-bench` does both with the right locks. The build comes from the llama.cpp source
 # vendored in the llama-cpp-python sdist (one pinned version), cached in .cache/peers/ (ignored);
@@ -155,10 +156,16 @@ burst() {
         workload=(--workload random --num-prompts 8 --input-len 32 --output-len 128
             --range-ratio 0 --max-concurrency 1)
     fi
+    local extra=0  # the warm-up's tokens (one stream: one request of 128)
+    [[ $SCENARIO == single ]] && extra=128
+    "$PY" bench/peer_cpu.py snapshot --pid "$SERVER_PID" --out "$OUT/$name.cpu0.json"
     "$PY" -m conveyor bench --backend openai --base-url "http://127.0.0.1:$port" --model smollm2 \
         "${workload[@]}" --seed 0 \
         --ignore-eos --temperature 0 --num-warmups 1 --no-plots --no-progress \
         --out "$OUT/$name" | tee "$OUT/$name.txt"
+    "$PY" bench/peer_cpu.py snapshot --pid "$SERVER_PID" --out "$OUT/$name.cpu1.json"
+    "$PY" bench/peer_cpu.py report "$OUT/$name.cpu0.json" "$OUT/$name.cpu1.json" \
+        --result "$OUT/$name/result.json" --extra-tokens "$extra" | tee "$OUT/$name.cpu.txt"
 }
 
 run_llama_server() {
