@@ -189,13 +189,16 @@ class KvTransfer:
         else:
             self._start_pull(msg)
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, frames_waiting: bool = False) -> None:
         """Called every loop turn (`now`: time.monotonic()): reads that waited for their grant
-        past their time are refused; pulls past their time-out fail; landed ones are answered."""
-        late = [d for d in self._deferred if d[2] <= now]
-        self._deferred = [d for d in self._deferred if d[2] > now]
-        for ident, msg, _ in late:
-            self._answer(ident, msg, now)
+        past their time are refused, unless scheduler frames wait unread (`frames_waiting`:
+        the grant may be among them, held up by a long step); pulls past their time-out fail;
+        landed ones are answered."""
+        if not frames_waiting:
+            late = [d for d in self._deferred if d[2] <= now]
+            self._deferred = [d for d in self._deferred if d[2] > now]
+            for ident, msg, _ in late:
+                self._answer(ident, msg, now)
         if self._pulls:
             self._end_pulls(time.perf_counter())
 
@@ -283,7 +286,7 @@ class KvTransfer:
 
     def _on_replies(self, endpoint: str, sock: zmq.Socket) -> None:
         """Every answer waiting on one pull connection, each to the pull it answers (an
-        answer no pull waits for, late after its time-out, is dropped)."""
+        answer no pull waits for, late after its time-out, or naming no read, is dropped)."""
         while sock.poll(0, zmq.POLLIN):
             parts = sock.recv_multipart(copy=False)
             try:
@@ -291,19 +294,22 @@ class KvTransfer:
             except DecodeError as exc:
                 self._log.warning("kv_reply_dropped", code=exc.code, message=exc.message)
                 continue
-            key = (endpoint, getattr(head, "lease_id", None), getattr(head, "generation", None))
-            pull = self._pulls.get(key)  # type: ignore[arg-type]
+            pull = None
+            named = isinstance(head, KvReadReply) and head.generation is not None
+            if named and head.lease_id is not None:
+                key = (endpoint, head.lease_id, head.generation)
+                pull = self._pulls.get(key)
             if pull is None or pull.landed_at is not None:
                 self._log.warning("kv_reply_dropped", code="no_pull", endpoint=endpoint)
                 continue
             self._land(key, pull, head, parts)
 
-    def _land(self, key: tuple[str, int, int], pull: _Pull, head: Any, parts: list) -> None:
+    def _land(self, key: tuple[str, int, int], pull: _Pull, head: KvReadReply, parts: list) -> None:
+        """A pull's answer: loaded into its blocks (reported once landed), or its failure."""
         msg = pull.msg
-        if not isinstance(head, KvReadReply) or not head.ok or len(parts) != 2:
-            code = head.code if isinstance(head, KvReadReply) else "unexpected_type"
+        if not head.ok or len(parts) != 2:
             del self._pulls[key]
-            self._answers.append(self._failed(msg, code or "bad_reply", head.message))
+            self._answers.append(self._failed(msg, head.code or "bad_reply", head.message))
             return
         try:
             pull.num_bytes = self._pool.load(msg.block_ids, head.shape, head.dtype,

@@ -209,7 +209,7 @@ def _serve_loop(
         if monitor in events:
             greeter.on_monitor(sock, monitor)
         if kv is not None:
-            _serve_kv(kv, events, sock, log)
+            _serve_kv(kv, events, sock, log, inbox.ready(events))
         if not inbox.ready(events):
             steps.on_quiet()  # no plan behind the launched step: its result goes now
             continue
@@ -235,11 +235,13 @@ def _serve_loop(
     return 0
 
 
-def _serve_kv(kv: KvTransfer, events: dict[Any, int], sock: zmq.Socket, log: Any) -> None:
+def _serve_kv(
+    kv: KvTransfer, events: dict[Any, int], sock: zmq.Socket, log: Any, frames_waiting: bool
+) -> None:
     """The hand-over's share of a loop turn: reads answered (prefill), pulls whose reply
     landed or timed out answered to the scheduler (decode), steps never waiting for them."""
     guarded(log, "kv_transfer_failed", lambda _: kv.on_events(events), 0)
-    kv.tick(time.monotonic())
+    kv.tick(time.monotonic(), frames_waiting)
     for answer in kv.take_answers():
         sock.send(encode(answer))
 
