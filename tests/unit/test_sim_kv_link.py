@@ -16,11 +16,11 @@ import structlog
 import zmq
 
 from services.worker.inbox import PlanInbox
-from services.worker.kv_transfer import KvLayoutError, KvTransfer
+from services.worker.kv_transfer import GRANT_WAIT_S, KvLayoutError, KvTransfer
 from services.worker.sim.config import SimConfig
 from services.worker.sim.kv_link import KV_LINKS, SimKvPool, kv_during_steps
 from shared.protocol.codec import decode, encode
-from shared.protocol.kv_channel import KvHandover
+from shared.protocol.kv_channel import KvHandover, KvRead, KvReadReply
 from shared.protocol.worker_channel import GrantLease, KvPulled, PullKv, WorkerShutdown
 from tests.bounds import SLOW_HOST_MARGIN_S
 
@@ -166,3 +166,34 @@ def _serve_while_stepping(decode_side: KvTransfer, pull: PullKv) -> Any:
         if answers := decode_side.take_answers():
             return answers[0]
     return None
+
+
+def test_a_read_waits_for_a_grant_held_up_behind_a_long_step() -> None:
+    # a read of a lease not granted yet waits (GRANT_WAIT_S); past that it is refused, but not
+    # while scheduler frames wait unread: its GrantLease may be one of them (a long step ran)
+    context = zmq.Context()
+    log = structlog.get_logger()
+    prefill = KvTransfer(pool("nvlink"), context, log, bind_addr="tcp://127.0.0.1:0")
+    reader = context.socket(zmq.DEALER)
+    reader.connect(prefill.endpoint)
+    try:
+        reader.send(encode(KvRead(lease_id=1, generation=5)))
+        assert prefill.server is not None and prefill.server.poll(5000, zmq.POLLIN)
+        prefill.on_readable()
+        prefill.tick(time.monotonic() + 60, frames_waiting=True)  # the grant may be queued
+        assert not reader.poll(100, zmq.POLLIN)
+        prefill.on_message(GrantLease(lease_id=1, generation=5, block_ids=[0]))
+        assert reader.poll(5000, zmq.POLLIN)
+        head = decode(reader.recv_multipart()[0])
+        assert isinstance(head, KvReadReply) and head.ok and head.lease_id == 1, head
+        reader.send(encode(KvRead(lease_id=2, generation=6)))
+        assert prefill.server.poll(5000, zmq.POLLIN)
+        prefill.on_readable()
+        time.sleep(GRANT_WAIT_S + 0.1)
+        prefill.tick(time.monotonic())  # nothing unread: refused
+        head = decode(reader.recv_multipart()[0])
+        assert not head.ok and head.code == "lease_unknown" and head.lease_id == 2, head
+    finally:
+        reader.close(linger=0)
+        prefill.close()
+        context.term()
