@@ -7,8 +7,9 @@ same number of engines, over a load sweep, with goodput under TTFT and TPOT targ
 
 A layout: `dpN` (N colocated engines, optionally `:bTOKENS` for the step's token budget and
 chunk size, and a step composition, e.g. `dp2:b512:decode-first`) or `P:D` (P prefill and D
-decode engines; their budget is --budget). Every layout is one stack of simulated workers
-(`--worker sim`, the KV hand-over over --kv-link, modelled: sim/kv_link.py); per rate,
+decode engines; their budget is --budget; `P:D:two-sided` or `P:D:one-sided` sets when the
+prefill workers answer KV reads, else --kv-reads: sim/kv_link.py). Every layout is one stack
+of simulated workers (`--worker sim`, the KV hand-over over --kv-link, modelled); per rate,
 `conveyor bench --goodput ttft:MS tpot:MS` runs --seconds of Poisson arrivals against it.
 Prints a table (goodput req/s, the share of requests meeting both targets, TTFT and TPOT p99)
 and writes <out>/map.json. The figures are the cost model's, not a GPU's. Run it alone
@@ -30,6 +31,7 @@ from conveyor.bench.cli import main as bench_main
 from conveyor.launcher import LocalStack, StackSettings
 from services.scheduler.config import SchedulerConfig
 from services.worker.sim.config import SimConfig
+from services.worker.sim.kv_link import KV_READS
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +42,14 @@ class Layout:
     decode: int = 0
     budget: Optional[int] = None  # None: --budget
     composition: str = "mixed"
+    kv_reads: Optional[str] = None  # None: --kv-reads
 
 
 def parse_layout(text: str) -> Layout:
     head, *opts = text.split(":")
     if not head.startswith("dp"):
         p, d = int(head), int(opts[0])
-        return Layout(text, 0, prefill=p, decode=d)
+        return Layout(text, 0, prefill=p, decode=d, kv_reads=opts[1] if opts[1:] else None)
     budget, composition = None, "mixed"
     for opt in opts:
         if opt.startswith("b"):
@@ -67,9 +70,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="h200")
     p.add_argument("--kv-link", default="infiniband")
     p.add_argument(
-        "--kv-one-sided",
-        action="store_true",
-        help="prefill workers answer KV reads during their steps (one-sided RDMA)",
+        "--kv-reads",
+        default="auto",
+        choices=KV_READS,
+        help="when prefill workers answer KV reads (sim/kv_link.py; auto: the link's way)",
     )
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
@@ -88,7 +92,7 @@ def stack_settings(args: argparse.Namespace, layout: Layout, log_dir: Path) -> S
         step_composition=layout.composition,  # type: ignore[arg-type]
     )  # fmt: skip
     sim = SimConfig(device=args.device, model=args.model, weight_dtype=args.weight_dtype,
-                    kv_link=args.kv_link, kv_one_sided=args.kv_one_sided)  # fmt: skip
+                    kv_link=args.kv_link, kv_reads=layout.kv_reads or args.kv_reads)  # fmt: skip
     engines: dict[str, int] = (
         {"data_parallel_size": layout.num_colocated}
         if layout.num_colocated
@@ -151,7 +155,7 @@ def main(argv: list[str]) -> int:
         "argv": argv,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "simulated": f"{args.device} {args.model} {args.weight_dtype}, {args.kv_link}"
-        + (", one-sided reads" if args.kv_one_sided else ""),
+        + f", KV reads {args.kv_reads} (unless the layout says)",
         "rows": rows,
     }
     (args.out / "map.json").write_text(json.dumps(report, indent=1))

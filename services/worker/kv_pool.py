@@ -39,6 +39,10 @@ class TensorKvPool:
         self._cache.scatter(block_ids, data)
         return data.numel() * data.element_size()
 
+    def landing_seconds(self, num_blocks: int) -> float:
+        """0: `load` has written the blocks by the time it returns."""
+        return 0.0
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -4,9 +4,12 @@ blocks its scheduler leased; a decode worker pulls them into blocks its schedule
 Both run inside the worker loop's thread (services/worker/loop.py), between steps: a read is
 served from blocks no plan can write while their lease lasts (the scheduler frees them only
 after `EndLease`, which reaches this worker before any plan that may reuse them), and a pull
-writes blocks no sequence holds yet. The transfer is ZeroMQ (shared/protocol/kv_channel.py):
-the prefill worker gathers the leased blocks into one buffer and sends it as a frame without a
-copy; the decode worker views the frame's buffer as a tensor and scatters it into its pool.
+writes blocks no sequence holds yet. A pull does not hold up the loop: `PullKv` sends the read
+and returns; the loop polls the pull's socket beside the plan socket, steps go on, and the
+`KvPulled` goes out (`take_answers`) once the reply has landed and been written. The transfer is
+ZeroMQ (shared/protocol/kv_channel.py): the prefill worker gathers the leased blocks into one
+buffer and sends it as a frame without a copy; the decode worker views the frame's buffer as a
+tensor and scatters it into its pool (ZeroMQ's I/O thread receives it while a step computes).
 CURVE (a `conveyor keys generate` folder): the prefill worker serves with the server key pair
 and admits `authorized_workers/`; decode workers connect with the worker key pair. The bytes
 come from and go to a `KvPool`: the real worker's KV cache (kv_pool.py), or the simulated
@@ -22,6 +25,7 @@ from typing import Any, Optional, Protocol
 
 import zmq
 
+from services.worker.inbox import PlanInbox
 from shared.curve import (
     AUTHORIZED_WORKERS_DIR,
     WORKERS_DOMAIN,
@@ -64,12 +68,30 @@ class KvPool(Protocol):
         """Write `payload` into `block_ids`; its bytes. Raises KvLayoutError."""
         ...
 
+    def landing_seconds(self, num_blocks: int) -> float:
+        """How long after `load` the blocks count as written: 0 where `load` writes them (the
+        real pool); the modelled wire and scatter time on the simulated link."""
+        ...
+
+
+@dataclass(slots=True)
+class _Pull:
+    """A PullKv in flight: its read sent at `began` (perf_counter); failed at `deadline` unless
+    answered; once answered and loaded, reported at `landed_at`."""
+
+    msg: PullKv
+    began: float
+    deadline: float
+    num_bytes: int = 0
+    landed_at: Optional[float] = None
+
 
 class KvTransfer:
-    """One per worker process with a KV pool. `server` (a ROUTER, prefill workers only) goes
-    into the loop's poller; `on_message` takes the worker-channel messages of the hand-over.
-    Owns the leases this worker may serve (lease id -> (generation, blocks)) and one DEALER
-    per prefill worker it pulled from."""
+    """One per worker process with a KV pool. `attach` puts its sockets into the loop's poller
+    (`server`, a ROUTER, on prefill workers; one DEALER per prefill worker pulled from);
+    `on_events` serves what they bring; `on_message` takes the worker-channel messages of the
+    hand-over; `take_answers` hands out the KvPulled to send. Owns the leases this worker may
+    serve (lease id -> (generation, blocks)) and the pulls in flight."""
 
     def __init__(
         self,
@@ -84,11 +106,15 @@ class KvTransfer:
         self._context = context
         self._log = log
         self._curve_keys = curve_keys
-        self._pull_timeout_ms = max(1, int(pull_timeout_s * 1000))
+        self._pull_timeout_s = pull_timeout_s
         self._leases: dict[int, tuple[int, list[int]]] = {}
         self._max_granted = 0  # the newest lease granted (ids only grow)
         self._deferred: list[tuple[bytes, KvRead, float]] = []  # reads waiting for a grant
         self._peers: dict[str, zmq.Socket] = {}
+        self._pulls: dict[tuple[str, int, int], _Pull] = {}  # (endpoint, lease, generation)
+        self._answers: list[KvPulled] = []
+        self._pollers: list[zmq.Poller] = []
+        self._inbox: Optional[PlanInbox] = None
         self.server: Optional[zmq.Socket] = None
         self.endpoint = ""
         self._auth = None
@@ -103,21 +129,95 @@ class KvTransfer:
             self.endpoint = self.server.getsockopt(zmq.LAST_ENDPOINT).decode()
             log.info("kv_server_listening", endpoint=self.endpoint, curve=curve_keys is not None)
 
+    def attach(self, poller: zmq.Poller, inbox: Optional[PlanInbox] = None) -> None:
+        """Called once by the worker loop: its poller watches this transfer's sockets (the
+        server and every pull connection, as they come and go); `inbox`, its plan socket's,
+        lets `serve_until` take lease messages out of the plan stream."""
+        self._pollers.append(poller)
+        self._inbox = inbox
+        for sock in self.sockets():
+            poller.register(sock, zmq.POLLIN)
+
+    def serve_until(self, deadline: float, one_sided: bool) -> None:
+        """Called by a simulated step while it waits for its modelled end (`deadline`,
+        perf_counter): pull replies land meanwhile; `one_sided`, reads are answered and the
+        hand-over's messages taken from the plan stream (inbox.py) as they come. Returns
+        within ~1 ms of the deadline."""
+        inbox = self._inbox if one_sided else None
+        socks = [s for s in self.sockets() if one_sided or s is not self.server]
+        socks += [inbox.sock] if inbox is not None else []
+        if not socks:
+            return
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        while (left := deadline - time.perf_counter()) > 1e-3:
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if inbox is not None and inbox.sock in events:
+                inbox.take_handover(self.on_message)
+                for sock in self._peers.values():  # a pull started now lands here too
+                    poller.register(sock, zmq.POLLIN)
+            if events:
+                self.on_events(events)
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets whose input `on_events` serves."""
+        server = [self.server] if self.server is not None else []
+        return server + list(self._peers.values())
+
+    def on_events(self, events: dict[Any, int]) -> None:
+        """Serve the readable ones among this transfer's sockets (a poll's result)."""
+        if self.server is not None and self.server in events:
+            self.on_readable()
+        for endpoint, sock in list(self._peers.items()):
+            if sock in events:
+                self._on_replies(endpoint, sock)
+
     def handles(self, msg: Any) -> bool:
         """Whether `msg` (from the scheduler) is one of the hand-over's."""
         return isinstance(msg, (GrantLease, EndLease, PullKv))
 
-    def on_message(self, msg: Any) -> Optional[KvPulled]:
-        """A hand-over message from the scheduler; the answer to send back (PullKv only)."""
+    def on_message(self, msg: Any) -> None:
+        """A hand-over message from the scheduler (a PullKv's answer comes later, from
+        `take_answers`)."""
         if isinstance(msg, GrantLease):
             self._leases[msg.lease_id] = (msg.generation, list(msg.block_ids))
             self._max_granted = max(self._max_granted, msg.lease_id)
             self._retry_deferred()
-            return None
-        if isinstance(msg, EndLease):
+        elif isinstance(msg, EndLease):
             self._leases.pop(msg.lease_id, None)
-            return None
-        return self._pull(msg)
+        else:
+            self._start_pull(msg)
+
+    def tick(self, now: float, frames_waiting: bool = False) -> None:
+        """Called every loop turn (`now`: time.monotonic()): reads that waited for their grant
+        past their time are refused, unless scheduler frames wait unread (`frames_waiting`:
+        the grant may be among them, held up by a long step); pulls past their time-out fail;
+        landed ones are answered."""
+        if not frames_waiting:
+            late = [d for d in self._deferred if d[2] <= now]
+            self._deferred = [d for d in self._deferred if d[2] > now]
+            for ident, msg, _ in late:
+                self._answer(ident, msg, now)
+        if self._pulls:
+            self._end_pulls(time.perf_counter())
+
+    def wait_ms(self, longest_ms: int) -> int:
+        """How long the loop may wait for input before `tick` has work: at most `longest_ms`."""
+        if not self._pulls and not self._deferred:
+            return longest_ms
+        now, mono = time.perf_counter(), time.monotonic()
+        due = [p.landed_at if p.landed_at is not None else p.deadline for p in self._pulls.values()]
+        left = [t - now for t in due] + [d[2] - mono for d in self._deferred]
+        return max(0, min(longest_ms, int(min(left) * 1000) + 1))
+
+    def take_answers(self) -> list[KvPulled]:
+        """The pulls that ended since the last call, for the scheduler (any order)."""
+        out, self._answers = self._answers, []
+        return out
+
+    def num_pulling(self) -> int:
+        return len(self._pulls)
 
     # ---- prefill side ------------------------------------------------------------------------
 
@@ -131,19 +231,12 @@ class KvTransfer:
             try:
                 msg = decode(parts[-1].buffer)
             except DecodeError as exc:
-                self._refuse(ident, exc.code, exc.message)
+                self._refuse(ident, None, exc.code, exc.message)
                 continue
             if not isinstance(msg, KvRead):
-                self._refuse(ident, "unexpected_type", type(msg).__name__)
+                self._refuse(ident, None, "unexpected_type", type(msg).__name__)
                 continue
             self._answer(ident, msg, now + GRANT_WAIT_S)
-
-    def tick(self, now: float) -> None:
-        """Called every loop turn: reads that waited for their grant past their time fail."""
-        late = [d for d in self._deferred if d[2] <= now]
-        self._deferred = [d for d in self._deferred if d[2] > now]
-        for ident, msg, _ in late:
-            self._answer(ident, msg, now)
 
     def _answer(self, ident: bytes, msg: KvRead, wait_until: float) -> None:
         """Serve a read of a lease held with its generation; refuse any other, except one
@@ -156,11 +249,12 @@ class KvTransfer:
             return
         if lease is None or lease[0] != msg.generation:
             message = f"lease {msg.lease_id} generation {msg.generation} is not held"
-            self._refuse(ident, LEASE_UNKNOWN, message)
+            self._refuse(ident, msg, LEASE_UNKNOWN, message)
             return
         assert self.server is not None
         out = self._pool.export(lease[1])
-        head = KvReadReply(True, shape=out.shape, dtype=out.dtype)
+        head = KvReadReply(True, shape=out.shape, dtype=out.dtype, lease_id=msg.lease_id,
+                           generation=msg.generation)  # fmt: skip
         self.server.send_multipart([ident, encode(head), out.payload], copy=False)
 
     def _retry_deferred(self) -> None:
@@ -168,39 +262,81 @@ class KvTransfer:
         for ident, msg, wait_until in waiting:
             self._answer(ident, msg, wait_until)
 
-    def _refuse(self, ident: bytes, code: str, message: str) -> None:
+    def _refuse(self, ident: bytes, read: Optional[KvRead], code: str, message: str) -> None:
         self._log.warning("kv_read_refused", code=code, message=message)
         assert self.server is not None
-        self.server.send_multipart([ident, encode(KvReadReply(False, code, message))])
+        lease_id = read.lease_id if read is not None else None
+        generation = read.generation if read is not None else None
+        reply = KvReadReply(False, code, message, lease_id=lease_id, generation=generation)
+        self.server.send_multipart([ident, encode(reply)])
 
     # ---- decode side -------------------------------------------------------------------------
 
-    def _pull(self, msg: PullKv) -> KvPulled:
-        """Read `msg.source` from its prefill worker into `msg.block_ids` (blocking, at most
-        the pull time-out). Never raises for a peer's fault: the answer says what failed."""
-        began = time.perf_counter()
+    def _start_pull(self, msg: PullKv) -> None:
+        """Send the read of `msg.source` to its prefill worker; the answer is served by
+        `on_events` when it lands (or the pull fails at its time-out, `tick`)."""
         src = msg.source
-        sock = self._peer(src.kv_endpoint)
-        sock.send(encode(KvRead(src.lease_id, src.generation)))
-        if not sock.poll(self._pull_timeout_ms, zmq.POLLIN):
-            self._drop_peer(src.kv_endpoint)  # a late answer must not meet the next read
-            return self._failed(msg, "timeout", f"no answer from {src.kv_endpoint}")
-        parts = sock.recv_multipart(copy=False)
+        key = (src.kv_endpoint, src.lease_id, src.generation)
+        if key in self._pulls:  # the same lease twice: the second could not be told apart
+            self._answers.append(self._failed(msg, "duplicate_pull", "already pulling it"))
+            return
+        began = time.perf_counter()
+        self._pulls[key] = _Pull(msg, began, began + self._pull_timeout_s)
+        self._peer(src.kv_endpoint).send(encode(KvRead(src.lease_id, src.generation)))
+
+    def _on_replies(self, endpoint: str, sock: zmq.Socket) -> None:
+        """Every answer waiting on one pull connection, each to the pull it answers (an
+        answer no pull waits for, late after its time-out, or naming no read, is dropped)."""
+        while sock.poll(0, zmq.POLLIN):
+            parts = sock.recv_multipart(copy=False)
+            try:
+                head = decode(parts[0].buffer)
+            except DecodeError as exc:
+                self._log.warning("kv_reply_dropped", code=exc.code, message=exc.message)
+                continue
+            pull = None
+            named = isinstance(head, KvReadReply) and head.generation is not None
+            if named and head.lease_id is not None:
+                key = (endpoint, head.lease_id, head.generation)
+                pull = self._pulls.get(key)
+            if pull is None or pull.landed_at is not None:
+                self._log.warning("kv_reply_dropped", code="no_pull", endpoint=endpoint)
+                continue
+            self._land(key, pull, head, parts)
+
+    def _land(self, key: tuple[str, int, int], pull: _Pull, head: KvReadReply, parts: list) -> None:
+        """A pull's answer: loaded into its blocks (reported once landed), or its failure."""
+        msg = pull.msg
+        if not head.ok or len(parts) != 2:
+            del self._pulls[key]
+            self._answers.append(self._failed(msg, head.code or "bad_reply", head.message))
+            return
         try:
-            head = decode(parts[0].buffer)
-        except DecodeError as exc:
-            return self._failed(msg, exc.code, exc.message)
-        if not isinstance(head, KvReadReply) or not head.ok or len(parts) != 2:
-            code = head.code if isinstance(head, KvReadReply) else "unexpected_type"
-            return self._failed(msg, code or "bad_reply", getattr(head, "message", ""))
-        try:
-            num_bytes = self._pool.load(msg.block_ids, head.shape, head.dtype, parts[1].buffer)
+            pull.num_bytes = self._pool.load(msg.block_ids, head.shape, head.dtype,
+                                             parts[1].buffer)  # fmt: skip
         except KvLayoutError as exc:
-            return self._failed(msg, "kv_layout_mismatch", str(exc))
-        seconds = time.perf_counter() - began
-        self._log.info("kv_pulled", rid=msg.rid, num_blocks=len(msg.block_ids),
-                       num_bytes=num_bytes, seconds=seconds, source=src.kv_endpoint)  # fmt: skip
-        return KvPulled(msg.rid, True, num_bytes, seconds)
+            del self._pulls[key]
+            self._answers.append(self._failed(msg, "kv_layout_mismatch", str(exc)))
+            return
+        now = time.perf_counter()
+        pull.landed_at = now + self._pool.landing_seconds(len(msg.block_ids))
+        self._end_pulls(now)
+
+    def _end_pulls(self, now: float) -> None:
+        """Answer the pulls that landed by `now`; fail those past their time-out unanswered."""
+        for key, pull in list(self._pulls.items()):
+            msg, src = pull.msg, pull.msg.source
+            if pull.landed_at is not None and pull.landed_at <= now:
+                del self._pulls[key]
+                seconds = now - pull.began
+                self._log.info("kv_pulled", rid=msg.rid, num_blocks=len(msg.block_ids),
+                               num_bytes=pull.num_bytes, seconds=seconds,
+                               source=src.kv_endpoint)  # fmt: skip
+                self._answers.append(KvPulled(msg.rid, True, pull.num_bytes, seconds))
+            elif pull.landed_at is None and pull.deadline <= now:
+                del self._pulls[key]
+                message = f"no answer from {src.kv_endpoint}"
+                self._answers.append(self._failed(msg, "timeout", message))
 
     def _failed(self, msg: PullKv, code: str, message: str) -> KvPulled:
         self._log.warning("kv_pull_failed", rid=msg.rid, code=code, message=message)
@@ -216,16 +352,15 @@ class KvTransfer:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             self._peers[endpoint] = sock
+            for poller in self._pollers:
+                poller.register(sock, zmq.POLLIN)
         return sock
-
-    def _drop_peer(self, endpoint: str) -> None:
-        sock = self._peers.pop(endpoint, None)
-        if sock is not None:
-            sock.close()
 
     def close(self) -> None:
         """Called once when the loop ends."""
         for sock in self._peers.values():
+            for poller in self._pollers:
+                poller.unregister(sock)
             sock.close()
         self._peers.clear()
         if self.server is not None:

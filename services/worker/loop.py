@@ -37,6 +37,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.worker.heap import trim_heap
+from services.worker.inbox import PlanInbox
 from services.worker.steps import (
     PipelinedRunner,
     PipelinedSteps,
@@ -193,27 +194,26 @@ def _serve_loop(
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
-    kv_server = kv.server if kv is not None else None
-    if kv_server is not None:
-        poller.register(kv_server, zmq.POLLIN)
+    inbox = PlanInbox(sock, max_frame_bytes)
+    if kv is not None:
+        kv.attach(poller, inbox)  # its reads (prefill) and pulls in flight (decode) wake the loop
     num_steps = 0
     trimmed_at = 0  # num_steps when the heap was last trimmed
     seq_log = _SequenceLog(log)
     while stop is None or not stop.is_set():
-        events = dict(poller.poll(steps.wait_ms()))
+        wait_ms = inbox.wait_ms(steps.wait_ms() if kv is None else kv.wait_ms(steps.wait_ms()))
+        events = dict(poller.poll(wait_ms))
         if trim and not events and num_steps != trimmed_at and steps.idle():
             trimmed_at = num_steps  # idle after steps: pages to the OS
             trim_heap()
         if monitor in events:
             greeter.on_monitor(sock, monitor)
-        if kv is not None and kv_server is not None:
-            if kv_server in events:
-                guarded(log, "kv_read_failed", lambda _: kv.on_readable(), 0)
-            kv.tick(time.monotonic())
-        if sock not in events:
+        if kv is not None:
+            _serve_kv(kv, events, sock, log, inbox.ready(events))
+        if not inbox.ready(events):
             steps.on_quiet()  # no plan behind the launched step: its result goes now
             continue
-        frame = sock.recv()
+        frame = inbox.recv()
         outcome = guarded(
             log,
             "worker_message_failed",
@@ -233,6 +233,17 @@ def _serve_loop(
     steps.flush()
     log.info("worker_stopped", reason="signal", num_steps=num_steps)
     return 0
+
+
+def _serve_kv(
+    kv: KvTransfer, events: dict[Any, int], sock: zmq.Socket, log: Any, frames_waiting: bool
+) -> None:
+    """The hand-over's share of a loop turn: reads answered (prefill), pulls whose reply
+    landed or timed out answered to the scheduler (decode), steps never waiting for them."""
+    guarded(log, "kv_transfer_failed", lambda _: kv.on_events(events), 0)
+    kv.tick(time.monotonic(), frames_waiting)
+    for answer in kv.take_answers():
+        sock.send(encode(answer))
 
 
 def _send_failure(sock: zmq.Socket, code: str, message: str) -> None:
@@ -266,9 +277,7 @@ def _on_frame(
         return steps.on_plan(msg)
     steps.flush()
     if kv is not None and kv.handles(msg):
-        answer = kv.on_message(msg)
-        if answer is not None:
-            sock.send(encode(answer))
+        kv.on_message(msg)  # a pull's KvPulled goes out when its reply lands (_serve_kv)
         return "other"
     if isinstance(msg, WorkerShutdown):
         log.info("worker_shutdown_asked", reason=msg.reason, restart=msg.restart)

@@ -12,6 +12,7 @@ logged, so blocks that were freed (and maybe reused) are never served.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +49,7 @@ class KvReadReply:
     message: str = ""
     shape: list[int] = field(default_factory=list)
     dtype: str = ""
+    # the read answered (None: a frame that was no read): a decode worker with several pulls
+    # in flight on one connection matches each answer to its pull by them
+    lease_id: Optional[int] = None
+    generation: Optional[int] = None

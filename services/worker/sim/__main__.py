@@ -22,7 +22,7 @@ from services.worker.sim.faults import FaultInjectingRunner
 from services.worker.sim.kv_link import (
     KV_LINKS,
     SimKvPool,
-    reads_during_steps,
+    kv_during_steps,
     sim_kv_transfer,
 )
 from services.worker.sim.runner import SimRunner
@@ -74,10 +74,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         # the KV hand-over (disaggregation), as the real worker: one rank only
+        one_sided = sim.one_sided_reads()
         pool = SimKvPool(sim.device_profile(), sim.model_shape(), sim.block_size,
-                         KV_LINKS[sim.kv_link])  # fmt: skip
+                         KV_LINKS[sim.kv_link], one_sided)  # fmt: skip
         kv = sim_kv_transfer(pool, link, log) if parallel.world_size == 1 else None
-        wait = reads_during_steps(kv) if kv is not None and sim.kv_one_sided else None
+        wait = kv_during_steps(kv, one_sided) if kv is not None else None
         runner: StepRunner = SimRunner(sim, log, world_size=parallel.world_size, wait=wait)
     except ValueError as exc:  # a bad flag value or a model that does not fit the device
         log.error("bad_worker_config", message=f"SIMULATED worker: {exc}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Optional
 
-from services.worker.sim.kv_link import KV_LINKS
+from services.worker.sim.kv_link import KV_LINKS, KV_READS
 from services.worker.sim.profiles import (
     DEVICES,
     MODELS,
@@ -85,13 +85,16 @@ class SimConfig:
                   "help": "SIMULATED link a KV hand-over crosses: nvlink (one node), "
                   "infiniband (400 Gb/s per GPU), ethernet (100 Gb/s), free"},
     )  # fmt: skip
-    # where a simulated prefill worker answers KV reads: between its steps (as the CPU
-    # transport does: a read waits for the step in progress), or during them, as a one-sided
-    # RDMA read (NIXL) that needs no prefill compute would
-    kv_one_sided: bool = field(
-        default=False,
-        metadata={"help": "SIMULATED: the prefill worker answers KV reads during its steps "
-                  "(a one-sided RDMA read), not between them"},
+    # when a simulated prefill worker answers KV reads: "one-sided", during its steps, with
+    # the lease grants taken out of the plan stream (a one-sided RDMA read, NIXL: no prefill
+    # compute, its lease checked off the step); "two-sided", between its steps (what the real
+    # Python worker does: a read waits for the step in progress); "auto": the link's way
+    kv_reads: str = field(
+        default="auto",
+        metadata={"choices": KV_READS,
+                  "help": "SIMULATED: when the prefill worker answers KV reads: one-sided "
+                  "(during its steps, an RDMA read), two-sided (between them, as the real "
+                  "worker), auto (one-sided on nvlink/infiniband/free links)"},
     )  # fmt: skip
     token_id_low: int = field(
         default=DEFAULT_TOKEN_ID_LOW, metadata={"help": "emitted token ids start here"}
@@ -142,6 +145,8 @@ class SimConfig:
             raise ValueError("spec_acceptance must be in [0, 1]")
         if self.kv_link not in KV_LINKS:
             raise ValueError(f"kv_link must be one of {', '.join(KV_LINKS)}")
+        if self.kv_reads not in KV_READS:
+            raise ValueError(f"kv_reads must be one of {', '.join(KV_READS)}")
         if self.token_id_low < 0:
             raise ValueError("token_id_low must be >= 0")
         if self.token_id_high is not None and self.token_id_high <= self.token_id_low + 1:
@@ -157,6 +162,12 @@ class SimConfig:
                 f"tensor_parallel_size {n} does not divide {self.model}'s {shape.num_heads} "
                 f"query heads and {shape.num_kv_heads} KV heads"
             )
+
+    def one_sided_reads(self) -> bool:
+        """Whether KV reads are answered during steps (`kv_reads`, or its link's way)."""
+        if self.kv_reads == "auto":
+            return KV_LINKS[self.kv_link].one_sided
+        return self.kv_reads == "one-sided"
 
     def device_profile(self) -> DeviceProfile:
         """The named device, or the profile file when one is given."""

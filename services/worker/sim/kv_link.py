@@ -3,21 +3,30 @@
 A simulated prefill worker serves its leases and a simulated decode worker pulls them through
 the real worker's KvTransfer (services/worker/kv_transfer.py: the same ZeroMQ frames, leases,
 generations, refusals and time-outs); only the pool differs. `SimKvPool` sends an empty payload
-announcing the blocks' logical layout and waits, in the worker's loop thread as the real
-transfer blocks it, the time the bytes would take:
+announcing the blocks' logical layout; the time the bytes would take is modelled:
 
     bytes     = blocks * block_size * kv_bytes_per_token          (the model's K and V, all layers)
-    export_s  = 2 * bytes / kv_bandwidth                           (prefill side: gather the blocks
-                                                                    into one buffer, read + write)
-    pull_s    = link latency + bytes / link bandwidth + 2 * bytes / kv_bandwidth   (decode side:
+    export_s  = 2 * bytes / kv_bandwidth                           (two-sided only: the prefill
+                                                                    side gathers the blocks into
+                                                                    one buffer, read + write)
+    landing_s = link latency + bytes / link bandwidth + 2 * bytes / kv_bandwidth   (decode side:
                                                                     the wire, then the scatter)
 
-The links are named (`--sim-kv-link`), with stated bandwidths and the same ~80% achieved share
-the tensor-parallel model assumes (profiles.py); assumptions, not measurements. The software
-cost of a hand-over (the frontend's hop, both schedulers, the KvRead round trip) is not modelled:
-it runs for real in the simulated stack. A prefill worker answers reads between its steps,
-as the CPU transport does (a read waits for the step in progress), or with `--sim-kv-one-sided`
-during them, as a one-sided RDMA read (NIXL) that needs no prefill compute would.
+The export waits in the prefill worker's loop thread (the gather is device work); the landing
+does not hold up the decode worker: its pull is reported `landing_s` after the reply arrived
+(a DMA engine's copy, beside the decode steps). The links are named (`--sim-kv-link`), with
+stated bandwidths and the same ~80% achieved share the tensor-parallel model assumes
+(profiles.py); assumptions, not measurements. The software cost of a hand-over (the frontend's
+hop, both schedulers, the KvRead round trip) is not modelled: it runs for real in the simulated
+stack.
+
+When a read is answered (`--sim-kv-reads`): "two-sided", between the prefill worker's steps, as
+the real Python worker does (a read waits for the step in progress); "one-sided", during them,
+as an RDMA read from registered memory (NIXL) needs no prefill compute: the simulated prefill
+worker then also takes the lease messages (`GrantLease`, `EndLease`) out of its plan stream
+while a step runs (a progress thread's work on a GPU server; worker/inbox.py), and no gather is
+charged. "auto" (the default) is one-sided on links with RDMA (NVLink, InfiniBand, free) and
+two-sided on Ethernet (TCP). The real worker is always two-sided (docs/design/disaggregation.md).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from services.worker.kv_transfer import KvExport, KvLayoutError, KvTransfer
 from services.worker.process_config import WorkerProcessConfig
 from services.worker.sim.profiles import GB, DeviceProfile, ModelShape
 
+KV_READS = ("auto", "one-sided", "two-sided")  # SimConfig.kv_reads
 SIM_DTYPE = "sim"  # the payload's dtype: a layout only, no bytes
 LINK_EFFICIENCY = 0.8  # achieved share of a link's stated rate (as NVLINK_EFFICIENCY)
 
@@ -45,47 +55,64 @@ class KvLink:
     bandwidth: Optional[float]
     latency_s: float
     source: str
+    one_sided: bool  # RDMA reads of registered memory (no prefill compute)
 
 
 KV_LINKS: dict[str, KvLink] = {
     # both devices in one HGX node: NVLink 4, 450 GB/s each way (NVIDIA H100/H200 datasheets)
-    "nvlink": KvLink("nvlink", 450 * GB * LINK_EFFICIENCY, 10e-6, "NVLink 4, 450 GB/s each way"),
+    "nvlink": KvLink(
+        "nvlink", 450 * GB * LINK_EFFICIENCY, 10e-6, "NVLink 4, 450 GB/s each way", True
+    ),
     # separate nodes, one 400 Gb/s NDR InfiniBand NIC per GPU (GPUDirect RDMA): 50 GB/s
     "infiniband": KvLink(
-        "infiniband", 50 * GB * LINK_EFFICIENCY, 20e-6, "400 Gb/s NDR InfiniBand per GPU"
+        "infiniband", 50 * GB * LINK_EFFICIENCY, 20e-6, "400 Gb/s NDR InfiniBand per GPU", True
     ),
-    # separate nodes over 100 Gb/s Ethernet (RoCE): 12.5 GB/s
-    "ethernet": KvLink("ethernet", 12.5 * GB * LINK_EFFICIENCY, 50e-6, "100 Gb/s Ethernet"),
-    "free": KvLink("free", None, 0.0, "no transfer cost (the engine's own overhead only)"),
+    # separate nodes over 100 Gb/s Ethernet (TCP: the prefill host answers): 12.5 GB/s
+    "ethernet": KvLink(
+        "ethernet", 12.5 * GB * LINK_EFFICIENCY, 50e-6, "100 Gb/s Ethernet (TCP)", False
+    ),
+    "free": KvLink("free", None, 0.0, "no transfer cost (the engine's own overhead only)", True),
 }
 
 
 class SimKvPool:
-    """The `KvPool` of a simulated worker: modelled export and pull times, no bytes."""
+    """The `KvPool` of a simulated worker: modelled export and landing times, no bytes.
+    `one_sided`: reads need no gather on the prefill side (RDMA reads the blocks)."""
 
     def __init__(
-        self, device: DeviceProfile, model: ModelShape, block_size: int, link: KvLink
+        self,
+        device: DeviceProfile,
+        model: ModelShape,
+        block_size: int,
+        link: KvLink,
+        one_sided: bool = False,
     ) -> None:
         self._device = device
         self._block_bytes = block_size * model.kv_bytes_per_token
         self._layout = [block_size, model.kv_bytes_per_token]  # per block
         self._link = link
+        self._one_sided = one_sided
 
     def num_bytes(self, num_blocks: int) -> int:
         return num_blocks * self._block_bytes
 
-    def export_seconds(self, num_blocks: int) -> float:
+    def copy_seconds(self, num_blocks: int) -> float:
+        """One device-side copy of the blocks (a gather or a scatter): read + write."""
         if self._device.zero_cost or self._device.kv_bandwidth is None:
             return 0.0
         return 2.0 * self.num_bytes(num_blocks) / self._device.kv_bandwidth
 
-    def pull_seconds(self, num_blocks: int) -> float:
+    def export_seconds(self, num_blocks: int) -> float:
+        return 0.0 if self._one_sided else self.copy_seconds(num_blocks)
+
+    def landing_seconds(self, num_blocks: int) -> float:
+        """Called by KvTransfer after `load`: the wire and the scatter, modelled."""
         if self._device.zero_cost:
             return 0.0
         wire = 0.0
         if self._link.bandwidth is not None:
             wire = self._link.latency_s + self.num_bytes(num_blocks) / self._link.bandwidth
-        return wire + self.export_seconds(num_blocks)  # the scatter costs what the gather did
+        return wire + self.copy_seconds(num_blocks)
 
     def export(self, block_ids: list[int]) -> KvExport:
         """Called by KvTransfer to serve a read: the layout, an empty payload, after the
@@ -94,12 +121,11 @@ class SimKvPool:
         return KvExport([len(block_ids), *self._layout], SIM_DTYPE, b"")
 
     def load(self, block_ids: list[int], shape: list[int], dtype: str, payload: Any) -> int:
-        """Called by KvTransfer with a pulled answer: checks the layout, waits the modelled
-        wire and scatter time; the modelled bytes."""
+        """Called by KvTransfer with a pulled answer: checks the layout; the modelled bytes
+        (their time is `landing_seconds`)."""
         expected = [len(block_ids), *self._layout]
         if list(shape) != expected or dtype != SIM_DTYPE:
             raise KvLayoutError(f"got {shape} {dtype}, expected {expected} {SIM_DTYPE}")
-        _wait(self.pull_seconds(len(block_ids)))
         return self.num_bytes(len(block_ids))
 
 
@@ -110,17 +136,13 @@ def sim_kv_transfer(pool: SimKvPool, process: WorkerProcessConfig, log: Any) -> 
                       process.kv_pull_timeout_s)  # fmt: skip
 
 
-def reads_during_steps(kv: KvTransfer) -> Optional[Callable[[float], None]]:
-    """`--sim-kv-one-sided`: how a simulated step waits (until a perf_counter deadline) while
-    answering the KV reads that arrive meanwhile; None for a worker that serves no KV."""
-    server = kv.server
-    if server is None:
-        return None
+def kv_during_steps(kv: KvTransfer, one_sided: bool) -> Callable[[float], None]:
+    """How a simulated step waits (until a perf_counter deadline): the replies of its pulls
+    land meanwhile (ZeroMQ receives them beside the step), and, `one_sided`, the KV reads and
+    lease messages that arrive are answered at once (KvTransfer.serve_until)."""
 
     def wait(deadline: float) -> None:
-        while (left := deadline - time.perf_counter()) > 1e-3:
-            if server.poll(int(left * 1000), zmq.POLLIN):
-                kv.on_readable()
+        kv.serve_until(deadline, one_sided)
 
     return wait
 

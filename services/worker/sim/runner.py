@@ -69,7 +69,7 @@ class SimRunner:
         wait: Optional[Callable[[float], None]] = None,
     ) -> None:
         """`wait`: how a step waits for its modelled end (a perf_counter deadline) before the
-        last spin; None: sleeps (sim/kv_link.py `reads_during_steps` answers KV reads)."""
+        last spin; None: sleeps (sim/kv_link.py `kv_during_steps`: pulls land, reads answered)."""
         self.config = config
         self._wait = wait
         self.world_size = world_size  # processes of its group (each models the whole step)
