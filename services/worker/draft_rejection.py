@@ -21,7 +21,31 @@ without a seed is a sample of the right distribution, not a reproducible one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+
+from services.worker.held_batch import HeldSeq
+from shared.protocol.worker_channel import default_seed
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """One row's proposal: its draft ids and, for a row that draws freely, q [d, V] float:
+    the distribution each draft was drawn from (None: verified by the exact rule)."""
+
+    token_ids: list[int]
+    probs: Optional[torch.Tensor] = None
+
+
+def draws_freely(seq: HeldSeq) -> bool:
+    """Whether `seq` is a sampled request the client gave no seed: its drafts are verified by
+    rejection sampling. The frontend pins default_seed(rid) on such a request, so a seed equal
+    to it is taken as none (a client's own seed collides with it with odds 2**-32; then only
+    the rule changes, both keep the target's distribution)."""
+    seed = seq.sampling.seed
+    return not seq.sampling.greedy and (seed is None or seed == default_seed(seq.rid))
 
 
 def rejection_sample(
