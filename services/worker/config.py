@@ -97,9 +97,9 @@ class WorkerConfig:
     )
     draft_model: Optional[str] = field(
         default=None,
-        metadata={"help": "--speculative draft's model: a .gguf file or a Hugging Face folder "
-                  "with the target's vocabulary; its KV pool has as many blocks as the target's "
-                  "(the same block tables), its own bytes per block"},
+        metadata={"help": "--speculative draft's model (other modes ignore it): a .gguf file or "
+                  "a Hugging Face folder with the target's vocabulary; its KV pool has as many "
+                  "blocks as the target's (the same block tables), its own bytes per block"},
     )  # fmt: skip
     # Not a user setting: the worker decides itself (services/worker/pipeline.py has the rule).
     pipeline_steps: Literal["auto", "on", "off"] = field(
@@ -154,8 +154,8 @@ class WorkerConfig:
             raise ValueError(f"num_threads must be an integer > 0, got {self.num_threads!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}")
-        if (self.speculative == "draft") != (self.draft_model is not None):
-            raise ValueError("--speculative draft needs --draft-model, and only it takes one")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model")
         if not _pos_int(self.ngram_n):
             raise ValueError(f"ngram_n must be an integer > 0, got {self.ngram_n!r}")
         if self.pipeline_steps not in PIPELINE_MODES:
