@@ -69,7 +69,7 @@ def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     """The token a uniform u in [0, 1) picks from `probs` [V] (in vocabulary order; the
     weights need not sum to exactly 1)."""
     cdf = probs.cumsum(0)
-    where = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)
+    where = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
     return min(int(torch.searchsorted(cdf, where, right=True)), probs.shape[0] - 1)
 
 
