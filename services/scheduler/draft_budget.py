@@ -20,7 +20,11 @@ q_rj * p_rj expected tokens; limits are raised in order of p while p / b beats t
 tokens per second so far (each one taken raises the bar), then kept only if the step's
 predicted tokens per second is >= 2% above plain decoding's. A step that takes none still
 lets one decode try its k drafts now and then, so an acceptance that has become better is seen
-again (and the predictor sees steps with drafts even in one stream).
+again (and the predictor sees steps with drafts even in one stream): every 16th step, the
+interval doubling (up to 256) with each drafting row in a row that had nothing accepted, back
+to 16 at the first acceptance, so a proposer that always fills its limit and is never right
+(a draft model unlike the target) costs next to nothing. Before the predictor's first fit
+decodes draft as configured, until 8 drafting rows in a row had nothing accepted.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from shared.step_cost import StepCostPredictor, StepShape
 
 MIN_GAIN = 1.02  # drafts only where they pay at least 2% (the complexity budget's bar)
 EXPLORE_EVERY = 16  # a step without drafts lets one decode try k every N steps
+MAX_BACKOFF = 4  # ... N doubled per missing drafting row in a row, at most 2**4 times
+BLIND_MISSES = 8  # before the first fit: drafting rows in a row with nothing accepted
 ACCEPT_DECAY = 0.8  # per drafting step of a request: its last few steps weigh most
 PRIOR_ACCEPT = 0.6  # a position's acceptance, given a draft was offered, before any result
 
@@ -78,6 +84,7 @@ class DraftBudget:
         self._by_request: dict[str, _Record] = {}  # rid ->
         self._steps_without = 0
         self._explore_turn = 0
+        self._misses = 0  # drafting rows in a row that proposed drafts and had none accepted
 
     def observe_row(self, req: Request, limit: int, num_proposed: int, num_accepted: int) -> None:
         """Called per drafting row of a result: of up to `limit` drafts, `num_proposed` were
@@ -89,6 +96,10 @@ class DraftBudget:
             self._by_request[req.rid] = record
         record.learn(limit, num_proposed, num_accepted, 1 - ACCEPT_DECAY)
         self._engine.learn(limit, num_proposed, num_accepted, 0.01)
+        if num_accepted:
+            self._misses = 0
+        elif num_proposed:
+            self._misses += 1
 
     def forget(self, req: Request) -> None:
         self._by_request.pop(req.rid, None)
@@ -101,8 +112,10 @@ class DraftBudget:
             live = {r.rid for r in decodes}
             self._by_request = {k: v for k, v in self._by_request.items() if k in live}
         costs = self.draft_cost(shape, len(decodes)) if decodes else None
-        if costs is None:  # not measured yet: draft as configured
-            return {id(r): self._k for r in decodes}
+        if costs is None:  # not measured yet: draft as configured, unless drafts keep missing
+            if self._misses < BLIND_MISSES:
+                return {id(r): self._k for r in decodes}
+            return self._explore(decodes)
         seconds, b = costs
         tokens = float(len(decodes))
         plain_rate = tokens / seconds
@@ -119,8 +132,14 @@ class DraftBudget:
         if chosen and tokens / seconds >= MIN_GAIN * plain_rate:
             self._steps_without = 0
             return chosen
+        return self._explore(decodes)
+
+    def _explore(self, decodes: list[Request]) -> dict[int, int]:
+        """A step without drafts: now and then one decode, in turn, tries its k drafts (every
+        EXPLORE_EVERY steps, less often while drafts keep missing)."""
         self._steps_without += 1
-        if decodes and self._steps_without >= EXPLORE_EVERY:  # one decode tries, in turn
+        every = EXPLORE_EVERY << min(self._misses, MAX_BACKOFF)
+        if decodes and self._steps_without >= every:
             self._steps_without = 0
             self._explore_turn += 1
             return {id(decodes[self._explore_turn % len(decodes)]): self._k}

@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 # gap is large both ways (AVX2-only EPYC: bf16 ~5x slower; AMX Xeon: bf16 ~6x faster).
 DEFAULT_DTYPE = "auto"
 PIPELINE_MODES = ("auto", "on", "off")
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 # Weights (services/worker/linear.py): "auto" serves a GGUF's own Q4_0/Q4_1/Q8_0 blocks (other
 # block formats as Q8_0) and an unquantized checkpoint as it is; "none" the dequantized tensors in
 # the compute dtype; a block format requantizes every linear layer to it; "int8" int8 weights
@@ -85,15 +85,22 @@ class WorkerConfig:
     )
     # Speculative decoding (docs/design/speculation.md): the worker proposes, since it holds
     # the histories; the scheduler's --num-speculative-tokens bounds the drafts per step.
-    speculative: Literal["off", "ngram"] = field(
+    speculative: Literal["off", "ngram", "draft"] = field(
         default="off",
         metadata={"choices": SPECULATIVE_MODES, "help": "speculative decoding: ngram proposes "
                   "the tokens that followed the last --ngram-n tokens earlier in the request's "
-                  "own history (prompt lookup); the same text as off"},
+                  "own history (prompt lookup); draft runs --draft-model; greedy and seeded "
+                  "text the same as off"},
     )  # fmt: skip
     ngram_n: int = field(
         default=3, metadata={"help": "tokens an n-gram proposal matches (--speculative ngram)"}
     )
+    draft_model: Optional[str] = field(
+        default=None,
+        metadata={"help": "--speculative draft's model (other modes ignore it): a .gguf file or "
+                  "a Hugging Face folder with the target's vocabulary; its KV pool has as many "
+                  "blocks as the target's (the same block tables), its own bytes per block"},
+    )  # fmt: skip
     # Not a user setting: the worker decides itself (services/worker/pipeline.py has the rule).
     pipeline_steps: Literal["auto", "on", "off"] = field(
         default="auto",
@@ -147,6 +154,8 @@ class WorkerConfig:
             raise ValueError(f"num_threads must be an integer > 0, got {self.num_threads!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model")
         if not _pos_int(self.ngram_n):
             raise ValueError(f"ngram_n must be an integer > 0, got {self.ngram_n!r}")
         if self.pipeline_steps not in PIPELINE_MODES:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,6 +44,7 @@ from services.worker.config import (
     resolve_quantization,
 )
 from services.worker.constraints import ConstraintMasks, PendingMasks, RowMasks
+from services.worker.draft_model import load_draft
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCache, num_blocks_for
@@ -136,11 +138,12 @@ class ModelRunner:
         self.num_device_inputs = 0  # decode tokens taken from a previous step's device tensor
         self.model_name = model_name(self.folder)
         self.eos_token_ids = eos_token_ids(self.folder)
-        # grammar masks for constrained requests: rank 0 samples, so only rank 0 has matchers
-        self.constraints: Optional[ConstraintMasks] = None
-        if self.group.rank == 0:
+        self.constraints: Optional[ConstraintMasks] = None  # grammar masks: rank 0's alone
+        if self.group.rank == 0:  # it samples
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
-        self.speculator = make_speculator(config, world, self.pipelining)
+        draft = partial(load_draft, config, a, self.kv_cache, self.dtype, self.max_model_len,
+                        self.log)  # fmt: skip
+        self.speculator = make_speculator(config, world, self.pipelining, draft)
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""

@@ -143,6 +143,16 @@ def draw(filtered: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return idx.clamp_(max=filtered.shape[1] - 1)
 
 
+def processed_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """float [R, V], a copy: what each random row's draw reads (logit bias, penalties over its
+    history, temperature and filters; filtered entries -inf). Rejection sampling's p is its
+    softmax (services/worker/speculate.py); `logits` is left as it is."""
+    x = logits.float().clone()
+    apply_logit_bias(x, rows)
+    apply_penalties(x, rows)
+    return filter_logits(x, rows)
+
+
 def reads_history(params: SamplingParams) -> bool:
     """Whether sampling reads the token history (penalties), not just the logits and (seed, n)."""
     return (
@@ -191,12 +201,14 @@ def sample(
         processed = logits.clone()
         processed[rand] = filtered
     token_list = tokens.tolist()
-    return token_list, _logprobs(processed, rows, token_list)
+    return token_list, token_logprobs(processed, rows, token_list)
 
 
-def _logprobs(
+def token_logprobs(
     processed: torch.Tensor, rows: list[SampleRow], tokens: list[int]
 ) -> list[Optional[TokenLogprobs]]:
+    """Each row's logprobs of its token where its params ask (None elsewhere), from the
+    processed logits [R, V] its token was drawn from."""
     asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     out: list[Optional[TokenLogprobs]] = [None] * len(rows)
     if not asked:

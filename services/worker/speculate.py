@@ -17,21 +17,43 @@ decodes a plan gave a limit, and verifying them against the target's own samples
 The logprobs of accepted drafts are those of the target's token at each draft's own row (the
 distribution a plain decode at that index would have used).
 
+* The draft model (`--speculative draft`, services/worker/draft_model.py) is the other proposer
+  behind the same seam (`Proposer`). Its drafts for a sampled request without a client seed
+  come with the distribution q they were drawn from, and are verified by rejection sampling
+  (draft_rejection.py) instead: the target's distribution is kept, not its seeded text.
+
 Not yet (designed): drafts for constrained rows (masks per verified row, matcher rollback),
-tensor parallelism (rank 0 must share the accepted counts), pipelined steps, the draft model.
+tensor parallelism (rank 0 must share the accepted counts), pipelined steps.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable
+from typing import Optional, Protocol
 
 import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.constraints import RowMasks
+from services.worker.draft_rejection import Drafts, rejection_sample
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
-from services.worker.sampler import SampleRow, sample
+from services.worker.sampler import SampleRow, processed_logits, sample, token_logprobs
 from shared.protocol.worker_channel import DraftOutcome, TokenLogprobs
+
+VERIFY_SEED = 0  # the rejection sampler's generator (requests without a seed), seeded at start
+
+
+class Proposer(Protocol):
+    """What proposes drafts: NgramProposer, draft_model.DraftModel."""
+
+    def propose_rows(self, seqs: list[HeldSeq], limits: list[int]) -> list[Drafts]:
+        """Up to `limits[i]` drafts for each decode `seqs[i]` (its history ends with the token
+        this step decodes); called once per step with drafts, after the plan is applied."""
+        ...
+
+    def forget(self, seqs: list[HeldSeq]) -> None:
+        """Called with the sequences a plan released."""
+        ...
 
 
 class NgramProposer:
@@ -52,6 +74,10 @@ class NgramProposer:
         index = self._index(seq)
         end = index.get(tuple(tokens[-n:]))
         return [] if end is None else tokens[end : end + limit]
+
+    def propose_rows(self, seqs: list[HeldSeq], limits: list[int]) -> list[Drafts]:
+        """`propose` per row (a point mass: no q)."""
+        return [Drafts(self.propose(s, n)) for s, n in zip(seqs, limits, strict=True)]
 
     def forget(self, seqs: list[HeldSeq]) -> None:
         """Called with the sequences a plan released."""
@@ -74,9 +100,12 @@ class NgramProposer:
         return index
 
 
-def make_speculator(config: WorkerConfig, world_size: int, pipelined: bool) -> Optional[Speculator]:
-    """The worker's speculator for `config.speculative` (None: off). ValueError where it does
-    not run yet: tensor parallelism, pipelined steps (a CUDA device: --pipeline-steps off)."""
+def make_speculator(
+    config: WorkerConfig, world_size: int, pipelined: bool, draft: Callable[[], Proposer]
+) -> Optional[Speculator]:
+    """The worker's speculator for `config.speculative` (None: off); `draft` loads the draft
+    model (called for "draft" only). ValueError where it does not run yet: tensor
+    parallelism, pipelined steps (a CUDA device: --pipeline-steps off)."""
     if config.speculative == "off":
         return None
     if world_size > 1 or pipelined:
@@ -84,25 +113,32 @@ def make_speculator(config: WorkerConfig, world_size: int, pipelined: bool) -> O
             "speculative decoding does not run with tensor parallelism or pipelined steps yet "
             "(on CUDA: --pipeline-steps off)"
         )
-    return Speculator(NgramProposer(config.ngram_n))
+    return Speculator(draft() if config.speculative == "draft" else NgramProposer(config.ngram_n))
 
 
 class Speculator:
     """Proposes and verifies for one worker rank (rank 0 of a single-rank worker)."""
 
-    def __init__(self, proposer: NgramProposer) -> None:
+    def __init__(self, proposer: Proposer) -> None:
         self.proposer = proposer
+        self.generator = torch.Generator().manual_seed(VERIFY_SEED)
+        self._probs: dict[int, torch.Tensor] = {}  # b -> q [d, V] of this step's free rows
 
     def propose(self, held: HeldBatch, step: ExpandedStep) -> None:
         """Called after the plan is applied, before the inputs are built: each decode with a
         draft limit gets its drafts (constrained rows draft nothing yet)."""
         self.proposer.forget(step.released)
-        if not step.draft_limits:
+        self._probs = {}
+        limits = step.draft_limits or {}
+        rows = [b for b, n in limits.items() if n > 0 and step.seqs[b].sampling.constraint is None]
+        if not rows:
             return
-        for b, limit in (step.draft_limits or {}).items():
-            seq = step.seqs[b]
-            if seq.sampling.constraint is None:
-                held.propose(step, b, self.proposer.propose(seq, limit))
+        proposals = self.proposer.propose_rows([step.seqs[b] for b in rows],
+                                               [limits[b] for b in rows])  # fmt: skip
+        for b, drafts in zip(rows, proposals, strict=True):
+            held.propose(step, b, drafts.token_ids)
+            if drafts.probs is not None and drafts.token_ids:
+                self._probs[b] = drafts.probs
 
     def verify(
         self, held: HeldBatch, step: ExpandedStep, logits: torch.Tensor, masks: Optional[RowMasks]
@@ -113,22 +149,24 @@ class Speculator:
         sampled = [b for b, flag in enumerate(step.sample) if flag]
         drafts = step.drafts or {}
         rows: list[SampleRow] = []
+        starts: dict[int, int] = {}  # b -> its first logits row
         for b in sampled:
+            starts[b] = len(rows)
             rows.extend(_rows_of(step.seqs[b], drafts.get(b, [])))
         if masks is not None:  # constrained rows never draft: their row moves with the drafts
             masks = _shift_masks(masks, sampled, drafts)
+        free = {b: self._reject(logits, rows, starts[b], drafts[b], q)
+                for b, q in self._probs.items()}  # fmt: skip  # before `sample` edits logits
         targets, logprobs = sample(logits, rows, masks)
         tokens: list[int] = []
         kept: list[Optional[TokenLogprobs]] = []
         asking = {b for b in drafts if step.seqs[b].sampling.logprobs is not None}
         outcome = DraftOutcome(logprobs=[] if asking else None)
-        at = 0
         for i, b in enumerate(sampled):
-            proposed = drafts.get(b, [])
-            mine = targets[at : at + len(proposed) + 1]
-            accepted = 0
-            while accepted < len(proposed) and proposed[accepted] == mine[accepted]:
-                accepted += 1
+            proposed, at = drafts.get(b, []), starts[b]
+            mine, lps = targets[at : at + len(proposed) + 1], logprobs[at : at + len(proposed) + 1]
+            # rejection sampling (free rows): its own tokens; else the drafts equal to targets
+            accepted, mine, lps = free[b] if b in free else (_matched(proposed, mine), mine, lps)
             if proposed:
                 held.settle(step, b, accepted)
                 outcome.rows.append(i)
@@ -136,11 +174,23 @@ class Speculator:
                 outcome.accepted.append(accepted)
                 outcome.token_ids.extend(proposed[:accepted])
                 if outcome.logprobs is not None and b in asking:  # each accepted row's own
-                    outcome.logprobs.extend(_asked(logprobs[at : at + accepted]))
+                    outcome.logprobs.extend(_asked(lps[:accepted]))
             tokens.append(mine[accepted])
-            kept.append(logprobs[at + accepted])
-            at += len(proposed) + 1
+            kept.append(lps[accepted])
         return tokens, kept, outcome if outcome.rows else None
+
+    def _reject(
+        self, logits: torch.Tensor, rows: list[SampleRow], at: int, proposed: list[int],
+        q: torch.Tensor,
+    ) -> tuple[int, list[int], list[Optional[TokenLogprobs]]]:  # fmt: skip
+        """Rejection sampling of one free row's drafts against q: (accepted, the tokens it
+        emits at rows 0..accepted, their logprobs)."""
+        mine = rows[at : at + len(proposed) + 1]
+        x = processed_logits(logits[at : at + len(proposed) + 1], mine)  # [d + 1, V]
+        p = torch.softmax(x, dim=1)
+        accepted, token = rejection_sample(p, q.to(p.dtype), proposed, self.generator)
+        emitted = proposed[:accepted] + [token]
+        return accepted, emitted, token_logprobs(x, mine[: accepted + 1], emitted)
 
 
 def sample_step(
@@ -183,6 +233,14 @@ def draft_logits_rows(step: ExpandedStep, query_start_loc: list[int]) -> list[in
             end = query_start_loc[b + 1]
             out.extend(range(end - 1 - len(drafts.get(b, [])), end))
     return out
+
+
+def _matched(proposed: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the target's own tokens at their rows."""
+    accepted = 0
+    while accepted < len(proposed) and proposed[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted
 
 
 def _asked(logprobs: list[Optional[TokenLogprobs]]) -> list[TokenLogprobs]:

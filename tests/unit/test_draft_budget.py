@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.scheduler.draft_budget import EXPLORE_EVERY, DraftBudget
+from services.scheduler.draft_budget import BLIND_MISSES, EXPLORE_EVERY, MAX_BACKOFF, DraftBudget
 from services.scheduler.request import Request
 from shared.protocol.sampling import SamplingParams
 from shared.step_cost import StepCostPredictor, StepShape, step_shape
@@ -98,13 +98,32 @@ def test_one_stream_that_is_accepted_drafts_fully() -> None:
     assert budget.limits([r], _decodes(1)) == {id(r): 4}
 
 
+def _tried(budget: DraftBudget, r: Request, steps: int, accepted: int) -> list[dict[int, int]]:
+    """The limits of `steps` steps of one decode, its drafts (all offered) accepted so."""
+    tried = []
+    for _ in range(steps):
+        chosen = budget.limits([r], _decodes(1))
+        if chosen:
+            tried.append(chosen)
+            budget.observe_row(r, chosen[id(r)], chosen[id(r)], min(accepted, chosen[id(r)]))
+    return tried
+
+
 def test_drafts_that_are_never_accepted_stop() -> None:
     budget, r = _budget_on(CPU_A, CPU_B), _req("a")
     _learn(budget, [r], accepted=0)
-    chosen = [budget.limits([r], _decodes(1)) for _ in range(4 * EXPLORE_EVERY)]
-    tried = [c for c in chosen if c]
-    assert len(tried) == 4  # only the exploring steps
+    # only exploring steps draft, ever rarer while they miss: every 16 << 4 = 256 steps here
+    tried = _tried(budget, r, 1024, accepted=0)
+    assert len(tried) == 1024 // (EXPLORE_EVERY << MAX_BACKOFF)
     assert all(c == {id(r): 4} for c in tried)
+    budget.observe_row(r, 4, 4, 1)  # one accepted: exploring every 16 steps again
+    assert len(_tried(budget, r, 4 * EXPLORE_EVERY, accepted=1)) >= 4
+
+
+def test_a_draft_that_always_misses_stops_before_the_first_fit() -> None:
+    budget, r = DraftBudget(4, StepCostPredictor()), _req("a")
+    tried = _tried(budget, r, 64, accepted=0)  # no fit in these 64 steps
+    assert len(tried) == BLIND_MISSES  # as configured, until 8 rows in a row missed
 
 
 def test_a_large_batch_on_a_token_bound_step_does_not_draft() -> None:

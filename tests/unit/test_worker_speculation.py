@@ -1,5 +1,6 @@
 """Speculative decoding in the worker (services/worker/speculate.py): the n-gram proposer, and
-the scheduler driving the model runner on the tiny random model with `--speculative ngram`:
+the scheduler driving the model runner on the tiny random model with `--speculative ngram` and
+`draft` (a one-layer draft of the two-layer target, and the target as its own draft):
 greedy, seeded and penalised text equal to the text without speculation, with drafts proposed,
 some accepted and some rejected (a run where speculation never engaged proves nothing), with
 one plan in flight or two (results one plan late)."""
@@ -57,10 +58,12 @@ def _generate(
     sampling: list[SamplingParams],
     two_in_flight: bool,
     logprobs: Optional[dict[str, list[TokenLogprobs]]] = None,
+    draft_model: Optional[Path] = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Each prompt (a repeated pattern, so n-grams match) with its sampling, all at once."""
     worker = ModelRunner(WorkerConfig(model=str(tiny), dtype="float32", kv_cache_memory=8 << 20,
-                                      block_size=4, speculative=speculative))  # fmt: skip
+                                      block_size=4, speculative=speculative,
+                                      draft_model=draft_model and str(draft_model)))  # fmt: skip
     ready = worker.ready_message()
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64,
                              async_scheduling=two_in_flight, num_speculative_tokens=4)  # fmt: skip
@@ -126,6 +129,58 @@ def test_text_with_ngram_speculation_equals_text_without(tiny: Path, two_in_flig
         stats["spec_decode_num_accepted_tokens"],
     )
     assert proposed > accepted > 0, (proposed, accepted)  # drafts proposed, some of each fate
+
+
+@pytest.fixture(scope="module")
+def shallow(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft for `tiny`: the same seed with one layer of its two (the same embedding and
+    first layer), so it agrees with the target often, not always."""
+    return write_tiny_model(tmp_path_factory.mktemp("shallow"), num_hidden_layers=1)
+
+
+def test_text_with_a_draft_model_equals_text_without(tiny: Path, shallow: Path) -> None:
+    """Async scheduling. Greedy, seeded and penalised text as without speculation; a sampled
+    request without a seed is verified by rejection sampling (its text is a sample, not
+    compared)."""
+    sampling = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=37, temperature=0.7, top_p=0.9, logprobs=1, ignore_eos=True),
+    ]
+    plain, _ = _generate(tiny, "off", sampling, True)
+    spec_lps: dict[str, list[TokenLogprobs]] = {}
+    spec, sched = _generate(tiny, "draft", sampling, True, spec_lps, draft_model=shallow)
+    sampled = spec.pop("r4")
+    assert spec == {r: t for r, t in plain.items() if r != "r4"}
+    assert len(sampled) == len(spec_lps["r4"]) == 37  # one logprob per emitted token
+    assert ACCEPTED.pop("r4") > 0 and ACCEPTED.pop("r3") > 0  # rejection sampling accepts too
+    stats = sched.stats()
+    proposed, accepted = (
+        stats["spec_decode_num_draft_tokens"],
+        stats["spec_decode_num_accepted_tokens"],
+    )
+    assert proposed > accepted > 0, (proposed, accepted)  # drafts proposed, some of each fate
+
+
+def test_the_target_as_its_own_draft_has_its_greedy_drafts_accepted(tiny: Path) -> None:
+    sampling = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 2
+    spec, sched = _generate(tiny, "draft", sampling, False, draft_model=tiny)
+    assert spec == _generate(tiny, "off", sampling, False)[0]
+    stats = sched.stats()
+    proposed, accepted = (
+        stats["spec_decode_num_draft_tokens"],
+        stats["spec_decode_num_accepted_tokens"],
+    )
+    assert proposed > 20 and accepted >= 0.95 * proposed, (proposed, accepted)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny: Path, tmp_path: Path) -> None:
+    other = write_tiny_model(tmp_path / "other", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        ModelRunner(WorkerConfig(model=str(tiny), dtype="float32", kv_cache_memory=8 << 20,
+                                 speculative="draft", draft_model=str(other)))  # fmt: skip
 
 
 def _simulated(acceptance: Optional[float]) -> tuple[dict[str, list[int]], Scheduler]:
