@@ -123,8 +123,9 @@ class DraftModel:
     def _forward(self, parts: list[tuple[HeldSeq, int, int]]) -> torch.Tensor:
         """The draft's forward over the rows' tokens, writing its own KV: logits [R, V] at
         each row's last token."""
+        self.num_forwards += 1
         step = ExpandedStep(
-            step_id=-1,
+            step_id=self.num_forwards,  # the draft's own forward count: no plan's id
             seqs=[p[0] for p in parts],
             start_positions=[p[1] for p in parts],
             num_tokens=[p[2] for p in parts],
@@ -132,7 +133,6 @@ class DraftModel:
             new_seqs=[],
             released=[],
         )
-        self.num_forwards += 1
         logits = self.model.forward(self.inputs.tensors(step), self.kv_cache.layers)
         assert logits is not None  # a single rank
         return logits
