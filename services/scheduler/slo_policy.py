@@ -154,6 +154,29 @@ class SloPolicy:
             return None
         return sum(n for _, n in self._steps) / span
 
+    def route_report(self, waiting: Iterable[Request]) -> dict[str, float]:
+        """What the frontends' routers read with this engine's load (EngineReady, once per
+        heartbeat; services/tokenizer/router_targets.py): the predicted wait of a request
+        arriving now (`slo_queue_s`), the admission rate it comes from, the decode step a new
+        row would join (`slo_decode_step_s`) and prompt tokens per second of a full chunk
+        beside the batch. A figure not known yet (no fit, no backlog seen) is left out."""
+        out: dict[str, float] = {}
+        rate = self.admission_rate()
+        ahead = sum(1 for r in waiting if not r.best_effort)
+        ahead += self._num_rows >= self._max_num_seqs
+        if rate is not None and rate > 0:
+            out.update(slo_queue_s=ahead / rate, slo_admission_rate=rate)
+        elif not ahead:
+            out["slo_queue_s"] = 0.0
+        rows, context = self._num_rows, self._context
+        step = self._predictor.predict(_decode_shape(rows + 1, context + context // max(rows, 1)))
+        chunk = self._predictor.predict(self._mixed_shape(self._chunk_size))
+        if step is not None:
+            out["slo_decode_step_s"] = step
+        if chunk is not None and chunk > 0:
+            out["slo_prefill_tokens_per_s"] = self._chunk_size / chunk
+        return out
+
     # ---- each step ---------------------------------------------------------------------------
 
     def begin_step(self, running: Iterable[Request], token_budget: int) -> int:
