@@ -79,12 +79,13 @@ def test_falls_back_to_todays_choice_without_targets_reports_or_a_meeting_engine
 def test_the_slo_policy_reports_a_wait_the_router_can_use() -> None:
     predictor = StepCostPredictor()
     policy = SloPolicy(predictor, max_wait=30.0, max_num_seqs=8, chunk_size=512)
-    assert policy.route_report([]) == {"slo_queue_s": 0.0}  # no fit, no backlog yet
+    assert policy.route_report([]) == {}  # no fit, no backlog yet: nothing known
     now = 0.0
     for _ in range(40):  # 40 steps 0.1 s apart, each admitting one of a backlog: 10 req/s
-        policy.end_step(now, num_admitted=1, num_waiting=5)
+        policy.end_step(now, num_admitted=1, num_waiting=5, num_prompt_tokens=300)
         now += 0.1
     report = policy.route_report([])
     assert report["slo_admission_rate"] == pytest.approx(10.0)
-    assert report["slo_queue_s"] == 0.0
+    assert report["slo_prefill_tokens_per_s"] == pytest.approx(3000.0)
+    assert report["slo_queue_s"] == 0.0  # nothing ahead
     assert "slo_decode_step_s" not in report  # the predictor has no fit yet
