@@ -33,7 +33,7 @@ class StepCosts:
     def shape(self, step_id: int, step: StepBuilder) -> Optional[StepShape]:
         """Called by `_build` before the step's computed counts move: its shape when the
         predictor learns from this step, else None (nothing walked)."""
-        return step.shape() if step_id % self._every == 0 else None
+        return step.final_shape() if step_id % self._every == 0 else None
 
     def observe(self, flight: InFlightStep, result: StepResult, step_s: Optional[float]) -> None:
         """Called with each result of the oldest step in flight. Its time: the worker's

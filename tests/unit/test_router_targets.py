@@ -1,14 +1,16 @@
 """The router's preference for the engine predicted to meet a request's latency targets
-(services/tokenizer/router_targets.py), from two engines' reports; and what the scheduler's slo
-policy reports for it (SloPolicy.route_report)."""
+(services/tokenizer/router_targets.py), from two engines' reports; what the scheduler's slo
+policy reports for it (SloPolicy.route_report), and its TTFT prediction from prompt tokens."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.scheduler.request import Request
 from services.scheduler.slo_policy import SloPolicy
 from services.tokenizer.router import Router, RouterConfig
 from services.tokenizer.router_targets import LatencyReport, RouteTargets, predicted_ttft_s
+from shared.protocol.sampling import SamplingParams
 from shared.step_cost import StepCostPredictor
 
 INTERACTIVE = RouteTargets(ttft_ms=2000.0, tpot_ms=50.0)
@@ -89,3 +91,27 @@ def test_the_slo_policy_reports_a_wait_the_router_can_use() -> None:
     assert report["slo_prefill_tokens_per_s"] == pytest.approx(3000.0)
     assert report["slo_queue_s"] == 0.0  # nothing ahead
     assert "slo_decode_step_s" not in report  # the predictor has no fit yet
+
+
+def _waiting(prompt_lens: list[int]) -> list[Request]:
+    sampling = SamplingParams(max_tokens=8)
+    return [
+        Request(f"w{i}", [1] * n, n, sampling, 0, i, 0.0, n + 8, frozenset(), ttft_deadline=1.0)
+        for i, n in enumerate(prompt_lens)
+    ]
+
+
+def test_a_ttft_is_predicted_from_the_prompt_tokens_ahead_at_the_measured_token_rate() -> None:
+    # a backlog drained 3,000 prompt tokens a second (10 requests a second of 300 tokens):
+    # three 500-token prompts ahead wait three times longer than three 50-token ones would,
+    # where a count of requests over the admission rate would say the same for both
+    policy = SloPolicy(StepCostPredictor(), max_wait=30.0, max_num_seqs=8, chunk_size=512)
+    for i in range(40):
+        policy.end_step(0.1 * i, num_admitted=1, num_waiting=5, num_prompt_tokens=300)
+    assert policy.prompt_token_rate() == pytest.approx(3000.0)
+    long_ahead = policy.predicted_ttft(100, 2.0, 0.0, _waiting([500, 500, 500]))
+    short_ahead = policy.predicted_ttft(100, 2.0, 0.0, _waiting([50, 50, 50]))
+    assert long_ahead == pytest.approx(1600 / 3000.0)
+    assert short_ahead == pytest.approx(250 / 3000.0)
+    # a request with a later deadline does not count as ahead of one with an earlier one
+    assert policy.predicted_ttft(100, 0.5, 0.0, _waiting([500, 500])) == pytest.approx(100 / 3000)
