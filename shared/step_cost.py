@@ -42,6 +42,15 @@ RMS_TOLERANCE = 1e-4
 # took 1 / FIT_SHARE times that fit (and at least MIN_REFIT_STEPS steps arrived).
 FIT_SHARE = 0.01
 MIN_REFIT_STEPS = 16
+# A fit is stale when steps surprise it: MIN_SURPRISES steps since it missed by more than
+# SURPRISE_ERROR (10% step-time noise gives such a miss about once in 10^5 steps) make a full
+# fit due, with every starting split (a fit from the current branches cannot find a branch it
+# has no sample in: on the simulated 70B, decode-only first steps left prompt chunks predicted
+# at a tenth of their time until the next full fit; docs/lab/2026-12-slo.md), once the steps
+# since took 1 / SURPRISE_FIT_SHARE times a full fit.
+SURPRISE_ERROR = 0.5
+MIN_SURPRISES = 4
+SURPRISE_FIT_SHARE = 0.1
 
 # [N, k] feature blocks: overheads, compute, memory (each row times its coefficients is that
 # part of the step's time)
@@ -242,6 +251,7 @@ class StepCostPredictor:
         self._max_starts = max_starts
         self._since_fit = self._since_full = 0
         self._seconds_since_fit = 0.0
+        self._num_surprises = 0  # steps since the last fit that it missed by SURPRISE_ERROR
         self._one_start_s = 0.0  # how long the last fit took per starting split
         self._coeffs: Optional[np.ndarray] = None
         self.num_fits = 0
@@ -254,7 +264,9 @@ class StepCostPredictor:
             return
         guess = self.predict(shape)
         if guess is not None:
-            self._errors.append(abs(guess - seconds) / seconds)
+            error = abs(guess - seconds) / seconds
+            self._errors.append(error)
+            self._num_surprises += error > SURPRISE_ERROR
         self._shapes.append(shape)
         self._seconds.append(seconds)
         self._since_fit += 1
@@ -267,12 +279,21 @@ class StepCostPredictor:
         if self._coeffs is None:
             due = full = self._since_fit >= self._first_fit
         else:
-            full = self._since_full >= self._refit_every
+            full = self._since_full >= self._refit_every or self._surprised()
             long_enough = self._seconds_since_fit * FIT_SHARE >= self._one_start_s
             due = full or (self._since_fit >= MIN_REFIT_STEPS and long_enough)
         if due:
             self.fit_now(full)
         return due
+
+    def _surprised(self) -> bool:
+        """Whether enough steps since the last fit missed it by far (SURPRISE_ERROR) and took
+        long enough to pay for a full fit."""
+        full_fit_s = self._one_start_s * self._max_starts
+        return (
+            self._num_surprises >= MIN_SURPRISES
+            and self._seconds_since_fit * SURPRISE_FIT_SHARE >= full_fit_s
+        )
 
     def fit_now(self, full: bool = True) -> None:
         """A full fit (every starting split), or one from the current fit's branches."""
@@ -285,7 +306,7 @@ class StepCostPredictor:
         else:
             self._coeffs = _fit_pruned(features, seconds, deciding_branch(features, self._coeffs))
         self.fitted_multi_token_rows = any(s.has_chunk for s in shapes)
-        self._since_fit, self._seconds_since_fit = 0, 0.0
+        self._since_fit, self._seconds_since_fit, self._num_surprises = 0, 0.0, 0
         self._one_start_s = (time.perf_counter() - began) / (self._max_starts if full else 1)
         self.num_fits += 1
 

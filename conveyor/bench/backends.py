@@ -82,6 +82,7 @@ class _Clock:
             success=False,
             slo_class=self.req.slo_class,
             start_wall=self.start_wall,
+            latency=time.perf_counter() - self.start,  # a refusal's: how soon it came
             error=error,
             rid=rid,
         )

@@ -276,6 +276,7 @@ def _goodput_columns(r: dict[str, Any], base: Optional[dict[str, Any]]) -> dict[
         "goodput req/s": r["request_goodput"],
         "goodput x": r["request_goodput"] / base_goodput if base_goodput else None,
         "refused": r.get("num_refused"),
+        "refusal max ms": r.get("max_refusal_ms"),
         "failed": r["failed"],
         "met % admitted": None if met is None else 100.0 * met,
     }

@@ -171,7 +171,11 @@ def compute_metrics(
         by_name = {c.name: c.slos for c in classes}
         met = [t for t in done if t.slo_class in by_name and by_name[t.slo_class].met_by(t)]
         out["request_goodput"] = len(met) / duration_s
-        out["num_refused"] = sum(1 for t in traces if t.error.startswith(REFUSAL_CODES))
+        refusals = [t for t in traces if t.error.startswith(REFUSAL_CODES)]
+        out["num_refused"] = len(refusals)
+        waits_ms = [1000.0 * t.latency for t in refusals if t.latency is not None]  # to refusal
+        out["p99_refusal_ms"] = float(np.percentile(waits_ms, 99)) if waits_ms else None
+        out["max_refusal_ms"] = max(waits_ms) if waits_ms else None
         out["met_share_of_admitted"] = len(met) / len(done) if done else None
     samples = {
         "ttft": [t.ttft for t in done if t.ttft is not None],

@@ -230,7 +230,8 @@ class StepFiller:
         for req in admitted:
             self._waiting.remove(req)
         if slo is not None:
-            slo.end_step(now, len(admitted), len(self._waiting))
+            num_prompt_tokens = step.num_counted_tokens - len(step.decodes)
+            slo.end_step(now, len(admitted), len(self._waiting), num_prompt_tokens)
 
     def _make_room_for_priority(self, step: StepBuilder, now: float) -> None:
         """Priority policy, all slots taken: a waiting request with a better (lower) priority

@@ -362,6 +362,7 @@ class Scheduler:
         if self.slo is not None:
             out.update(num_slo_refused=self.slo.num_refused,
                        num_slo_best_effort=self.slo.num_best_effort)  # fmt: skip
+            out.update(self.slo.route_report(self._waiting.ordered(self._clock())))
         for part in (self.prefix_cache.stats(), self._spec_counters.as_stats(),
                      self.leases.stats(), self.pulls.stats(), self.step_costs.stats()):  # fmt: skip
             out.update(part)

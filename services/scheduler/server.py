@@ -184,6 +184,10 @@ class SchedulerServer:
             prefix_caching=bool(load.get("prefix_caching", 1.0)),
             role=self.config.role,
             kv_endpoint=first.kv_endpoint,
+            slo_queue_s=load.get("slo_queue_s"),
+            slo_admission_rate=load.get("slo_admission_rate"),
+            slo_decode_step_s=load.get("slo_decode_step_s"),
+            slo_prefill_tokens_per_s=load.get("slo_prefill_tokens_per_s"),
         )
 
     def stats(self) -> dict[str, float]:

@@ -2,12 +2,13 @@
 policy"). One object, asked at three points of the scheduler's recipe:
 
 * **on arrival** (`Scheduler.add_request` -> `on_arrival`): the request's TTFT is predicted
-  (the waiting requests ahead of it in deadline order over the measured admission rate, plus its
-  own prefill at the predicted step time) and so is its lone decode step against its TPOT
-  target. Out of reach: refused at once with `slo_unattainable` when it asked
-  `on_slo_miss: "reject"`, else served best-effort (after every request that can still make
-  its targets). A resumed request (earlier outputs, or `attempt` > 0) is never refused. The
-  decision is made here, before any waiting, and never revisited.
+  (the prompt tokens ahead of it: the running prefills' rest, the waiting requests ahead in
+  deadline order, its own; over the prompt tokens per second measured while requests waited)
+  and so is its lone decode step against its TPOT target. Out of reach: refused at once with
+  `slo_unattainable` when it asked `on_slo_miss: "reject"`, else served best-effort (after
+  every request that can still make its targets). A resumed request (earlier outputs, or
+  `attempt` > 0) is never refused. The decision is made here, before any waiting, and never
+  revisited.
 * **the waiting order** (policy.py `WaitingQueue`, key `sort_key`): earliest TTFT deadline
   first (least slack), best-effort requests after all others, by arrival; a request without a
   TTFT target has the aging bound as its deadline. Aging is the rule of every sorted policy:
@@ -78,8 +79,11 @@ class SloPolicy:
         self._num_rows = 0
         self._context = 0
         self._tightest: Optional[float] = None
-        # capacity-limited steps: (seconds since the previous step, requests admitted)
-        self._steps: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW_STEPS)
+        self._prompt_left = 0  # prompt tokens the running prefills still need, as of that step
+        self._prompt_budget = chunk_size  # prompt tokens the last step could take beside decodes
+        # capacity-limited steps: (seconds since the previous step, requests admitted, prompt
+        # tokens scheduled)
+        self._steps: deque[tuple[float, int, int]] = deque(maxlen=RATE_WINDOW_STEPS)
         self._last_step_at: Optional[float] = None
         self._backlogged = False  # the last fill left requests waiting
         self.num_refused = 0
@@ -131,28 +135,66 @@ class SloPolicy:
     def predicted_ttft(
         self, prompt_len: int, deadline: float, now: float, waiting: Iterable[Request]
     ) -> Optional[float]:
-        """Seconds until a new request's first token: the requests ahead of it (reachable,
-        earlier deadline) leave the queue at the measured admission rate, and it needs a free
-        slot too when the batch is full; then its prefill runs at the predicted step time."""
-        ahead = sum(1 for r in waiting if not r.best_effort and sort_key(r)[1] <= deadline)
-        ahead += self._num_rows >= self._max_num_seqs
-        queue_s = 0.0
-        if ahead:
+        """Seconds until a new request's first token: the prompt tokens ahead of it (the
+        running prefills' rest, the reachable waiting requests with an earlier deadline) and
+        its own, at the prompt tokens per second measured while requests waited (a rate of
+        requests would miss by the spread of prompt lengths: 32-512 tokens in the mixed
+        workload), plus a slot's wait when the batch is full. Before any backlog was measured:
+        the prompts at the predicted step time, `_prompt_budget` tokens a step."""
+        ahead = [r for r in waiting if not r.best_effort and sort_key(r)[1] <= deadline]
+        work = self._prompt_left + sum(len(r.token_ids) for r in ahead) + prompt_len
+        slot_s = 0.0
+        if self._num_rows >= self._max_num_seqs:
             rate = self.admission_rate()
-            if rate is not None:
-                queue_s = math.inf if rate == 0 else ahead / rate
-        chunk = min(self._chunk_size, prompt_len)
+            slot_s = math.inf if rate == 0 else 1.0 / rate if rate is not None else 0.0
+        token_rate = self.prompt_token_rate()
+        if token_rate is not None:
+            return slot_s + (math.inf if token_rate == 0 else work / token_rate)
+        chunk = max(1, min(self._chunk_size, self._prompt_budget, work))
         step = self._predictor.predict(self._mixed_shape(chunk))
         if step is None:
-            return None if not ahead else queue_s
-        return queue_s + math.ceil(prompt_len / chunk) * step
+            return None
+        return slot_s + math.ceil(work / chunk) * step
 
     def admission_rate(self) -> Optional[float]:
         """Requests admitted per second while requests were left waiting; None before any."""
-        span = sum(dt for dt, _ in self._steps)
+        span = sum(dt for dt, _, _ in self._steps)
         if span <= 0:
             return None
-        return sum(n for _, n in self._steps) / span
+        return sum(n for _, n, _ in self._steps) / span
+
+    def prompt_token_rate(self) -> Optional[float]:
+        """Prompt tokens scheduled per second while requests were left waiting; None before
+        any such interval."""
+        span = sum(dt for dt, _, _ in self._steps)
+        if span <= 0:
+            return None
+        return sum(n for _, _, n in self._steps) / span
+
+    def route_report(self, waiting: Iterable[Request]) -> dict[str, float]:
+        """What the frontends' routers read with this engine's load (EngineReady, once per
+        heartbeat; services/tokenizer/router_targets.py): the predicted wait of a request
+        arriving now before its own prompt (`slo_queue_s`), the admission rate and prompt
+        tokens per second behind it, and the decode step a new row would join. A figure not
+        known yet (no fit, no backlog seen) is left out."""
+        out: dict[str, float] = {}
+        queue_s = self.predicted_ttft(0, math.inf, 0.0, waiting)
+        if queue_s is not None and math.isfinite(queue_s):
+            out["slo_queue_s"] = queue_s
+        rate = self.admission_rate()
+        if rate is not None and rate > 0:
+            out["slo_admission_rate"] = rate
+        rows, context = self._num_rows, self._context
+        step = self._predictor.predict(_decode_shape(rows + 1, context + context // max(rows, 1)))
+        if step is not None:
+            out["slo_decode_step_s"] = step
+        token_rate = self.prompt_token_rate()
+        if token_rate is None:
+            chunk = self._predictor.predict(self._mixed_shape(self._prompt_budget))
+            token_rate = None if not chunk else self._prompt_budget / chunk
+        if token_rate:
+            out["slo_prefill_tokens_per_s"] = token_rate
+        return out
 
     # ---- each step ---------------------------------------------------------------------------
 
@@ -160,14 +202,16 @@ class SloPolicy:
         """Called at the start of each forward's fill with the running requests: notes the
         batch and returns the token budget that keeps the predicted step within the tightest
         TPOT target (never below one token per running request). O(running)."""
-        rows = context = 0
+        rows = context = prompt_left = 0
         tightest: Optional[float] = None
         for r in running:
             rows += 1
             context += r.num_computed_tokens
+            prompt_left += max(r.prefill_len - r.num_computed_tokens, 0)
             if r.tpot_s is not None and (tightest is None or r.tpot_s < tightest):
                 tightest = r.tpot_s
         self._num_rows, self._context, self._tightest = rows, context, tightest
+        self._prompt_left, self._prompt_budget = prompt_left, max(token_budget - rows, 1)
         if tightest is None or self._predictor.predict(self._mixed_shape(0)) is None:
             return token_budget
         limit = tightest * TPOT_HEADROOM
@@ -179,6 +223,7 @@ class SloPolicy:
                 lo = mid
             else:
                 hi = mid - 1
+        self._prompt_budget = max(lo, 1)
         return max(rows + lo, rows, 1)
 
     def may_admit(self, req: Request, num_running: int) -> bool:
@@ -194,15 +239,18 @@ class SloPolicy:
         t = self._predictor.predict(shape)
         return t is None or t <= min(targets) * TPOT_HEADROOM
 
-    def end_step(self, now: float, num_admitted: int, num_waiting: int) -> None:
-        """Called after each fill's admissions: the interval since the previous fill counts
-        towards the admission rate when that fill left requests waiting (a backlog: what was
-        admitted since is the engine's rate, not the arrivals'). Counting by the state at the
-        interval's start, not its end, keeps the fill that empties the queue in the sample."""
+    def end_step(
+        self, now: float, num_admitted: int, num_waiting: int, num_prompt_tokens: int
+    ) -> None:
+        """Called after each fill's admissions with the prompt tokens the step holds: the
+        interval since the previous fill counts towards the rates when that fill left requests
+        waiting (a backlog: what was admitted since is the engine's rate, not the arrivals').
+        Counting by the state at the interval's start, not its end, keeps the fill that
+        empties the queue in the sample."""
         last, self._last_step_at = self._last_step_at, now
         backlogged, self._backlogged = self._backlogged, num_waiting > 0
         if backlogged and last is not None and now > last:
-            self._steps.append((now - last, num_admitted))
+            self._steps.append((now - last, num_admitted, num_prompt_tokens))
 
     def _mixed_shape(self, chunk: int) -> StepShape:
         """The running batch's decodes plus one prompt chunk of `chunk` tokens from 0."""

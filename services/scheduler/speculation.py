@@ -128,7 +128,7 @@ class Speculation:
         if not step.decodes or step.draft_budget_left <= 0:
             return
         candidates = [r for r in step.decodes if not r.padding]
-        limits = self._budget.limits(candidates, step.shape())
+        limits = self._budget.limits(candidates, step.final_shape())  # walked once a step
         if not limits:
             return
         bs, batch = self._block_size, self._batch

@@ -74,6 +74,7 @@ class StepBuilder:
         # speculation: (decode, draft limit), the limits counted in the budget
         self.drafts: list[tuple[Request, int]] = []
         self._num_draft_tokens = 0
+        self._shape: Optional[StepShape] = None  # `final_shape`'s, until a chunk changes
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self._chunks)
@@ -119,6 +120,7 @@ class StepBuilder:
         self._reused = (rids, checked)
 
     def add_chunk(self, req: Request, num_tokens: int) -> None:
+        self._shape = None
         self._chunks[req.rid] = (req, num_tokens)
         self._num_chunk_tokens += num_tokens
 
@@ -130,6 +132,7 @@ class StepBuilder:
 
     def drop(self, req: Request) -> None:
         """Unschedule `req` (it is being preempted); its tokens go back to the budget."""
+        self._shape = None
         entry = self._chunks.pop(req.rid, None)
         if entry is not None:
             self._num_chunk_tokens -= entry[1]
@@ -154,6 +157,14 @@ class StepBuilder:
         rows, tokens = num_decodes + len(self._chunks), num_decodes + self._num_chunk_tokens
         has_chunk = any(n > 1 for _, n in self._chunks.values())
         return StepShape(rows, tokens, num_sampled, pairs, kv, has_chunk)
+
+    def final_shape(self) -> StepShape:
+        """`shape()`, walked once per step: called when the decodes and chunks are in (drafts
+        do not change it): speculation's draft limits, then the step costs at build. O(rows)
+        the first time."""
+        if self._shape is None:
+            self._shape = self.shape()
+        return self._shape
 
     def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
         """Assemble the plan (only what changed in the worker's batch) and advance each

@@ -33,17 +33,23 @@ class StepCosts:
     def shape(self, step_id: int, step: StepBuilder) -> Optional[StepShape]:
         """Called by `_build` before the step's computed counts move: its shape when the
         predictor learns from this step, else None (nothing walked)."""
-        return step.shape() if step_id % self._every == 0 else None
+        return step.final_shape() if step_id % self._every == 0 else None
 
     def observe(self, flight: InFlightStep, result: StepResult, step_s: Optional[float]) -> None:
         """Called with each result of the oldest step in flight. Its time: the worker's
         `forward_s`, or `step_s` (the loop's measure: from when the step could begin to its
         result) when shorter: a pipelined worker's `forward_s` counts from the step's launch,
-        while the step before it still ran, so it can be up to two steps long. The drafts the
-        worker proposed were computed too: they join the shape."""
+        while the step before it still ran, so it can be up to two steps long; hence never
+        below half of `forward_s` either: a loop measure that short is a result read late, just
+        after the one before it (SIMULATED 70B at 2x load: one 0.4 ms sample of a 20 ms step,
+        weighed 50x by the fit's relative error, left every step predicted at ~2 ms for the
+        rest of the run). The drafts the worker proposed were computed too: they join the
+        shape."""
         if flight.shape is None or flight.step_id != result.step_id:
             return
-        seconds = result.forward_s if step_s is None else min(result.forward_s, step_s)
+        seconds = result.forward_s
+        if step_s is not None:
+            seconds = min(seconds, max(step_s, seconds / 2))
         shape = flight.shape
         if result.drafts is not None:
             shape = shape.with_drafts(result.drafts.proposed)

@@ -17,6 +17,7 @@ import zmq
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engine_link import EngineLink
 from services.tokenizer.router import Router
+from services.tokenizer.router_targets import LatencyReport, RouteTargets
 from shared.protocol.codec import encode
 from shared.protocol.engine_channel import (
     EngineNotReady,
@@ -81,9 +82,10 @@ class Engines:
         ready = [link.index for link in self.links if link.ready and link.index != exclude]
         ready, submit = self._by_role(ready, submit)
         by_load = submit.kv_source is not None
+        targets = RouteTargets(submit.ttft_ms, submit.tpot_ms)
         frame = encode(submit)
         while ready:
-            engine = self._router.choose(ids, ready, by_load)
+            engine = self._router.choose(ids, ready, by_load, targets)
             if engine is None:
                 return None
             if self.links[engine].send(frame):
@@ -165,7 +167,9 @@ class Engines:
                 "engine_ready", engine=link.name, address=link.address, model=msg.model_name,
                 max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
             )  # fmt: skip
-        self._router.on_report(link.index, msg.num_waiting, msg.num_running, msg.kv_usage)
+        latency = LatencyReport(msg.slo_queue_s, msg.slo_admission_rate, msg.slo_decode_step_s,
+                                msg.slo_prefill_tokens_per_s)  # fmt: skip
+        self._router.on_report(link.index, msg.num_waiting, msg.num_running, msg.kv_usage, latency)
         self._router.set_prefix_caching(
             all(e.ready.prefix_caching for e in self.links if e.ready is not None)
         )

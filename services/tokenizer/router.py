@@ -16,6 +16,9 @@ Policies (`--router-policy`):
   uses the same two-threshold idea): a hot prefix may pile up a little on its engine, never
   without bound. The picture of an engine is dropped when it goes away (its cache is gone).
 
+A request with latency targets (`ttft_ms`, `tpot_ms`) is routed by the same rule among the
+engines not predicted to miss them, from what each engine reports (router_targets.py).
+
 Several frontends each keep their own picture; their choices may differ, and each one still
 balances by load, so none can starve an engine. Kept free of sockets: engines.py feeds it.
 """
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from services.tokenizer.router_targets import LatencyReport, RouteTargets, engines_to_consider
 from shared.prefix_hash import cache_namespace, extend_block_keys
 
 POLICIES = ("round-robin", "least-load", "cache-aware")
@@ -47,6 +51,12 @@ class EngineLoad:
     reported_running: int = 0
     kv_usage: float = 0.0
     num_local_at_report: int = 0
+    latency: Optional[LatencyReport] = None  # what it predicts for a new request (slo policy)
+
+    @property
+    def num_sent_since_report(self) -> int:
+        """This frontend's requests sent to the engine after its last report (net of ends)."""
+        return max(0, self.num_local - self.num_local_at_report)
 
     def estimate(self) -> int:
         """Requests on the engine now, as well as this frontend can tell."""
@@ -100,13 +110,23 @@ class Router:
         self._blocks: OrderedDict[bytes, set[int]] = OrderedDict()
 
     def choose(
-        self, prompt_ids: Sequence[int], ready: Sequence[int], by_load: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        ready: Sequence[int],
+        by_load: bool = False,
+        targets: Optional[RouteTargets] = None,
     ) -> Optional[int]:
         """The engine for a prompt among `ready` (engine indexes); None when none is ready.
         `by_load`: least-load whatever the policy (a decode engine for a hand-over: the
-        prompt's KV comes with it, so where its prefix is cached does not matter)."""
+        prompt's KV comes with it, so where its prefix is cached does not matter).
+        `targets`: the request's own; engines predicted to miss them are passed over while
+        another is left (router_targets.py)."""
         if not ready:
             return None
+        ready = engines_to_consider(
+            ready, [load.latency for load in self.loads],
+            [load.num_sent_since_report for load in self.loads], len(prompt_ids), targets,
+        )  # fmt: skip
         if by_load:
             return self._least_loaded(ready)
         if self.config.policy == "round-robin":
@@ -135,11 +155,20 @@ class Router:
         load = self.loads[engine]
         load.num_local = max(0, load.num_local - 1)
 
-    def on_report(self, engine: int, waiting: int, running: int, kv_usage: float) -> None:
-        """The engine's own load figures (with its heartbeat answer)."""
+    def on_report(
+        self,
+        engine: int,
+        waiting: int,
+        running: int,
+        kv_usage: float,
+        latency: Optional[LatencyReport] = None,
+    ) -> None:
+        """The engine's own load figures (with its heartbeat answer) and, under its slo policy,
+        what it predicts for a new request."""
         load = self.loads[engine]
         load.reported_waiting, load.reported_running, load.kv_usage = waiting, running, kv_usage
         load.num_local_at_report = load.num_local
+        load.latency = latency
 
     def engine_lost(self, engine: int) -> None:
         """The engine went away: its cache and load figures are gone with it."""

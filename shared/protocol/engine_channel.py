@@ -133,6 +133,12 @@ class EngineReady:
     prefix_caching: bool = True  # whether this engine keeps a prefix cache
     role: str = "colocated"  # "colocated", "prefill" or "decode" (docs/design/disaggregation.md)
     kv_endpoint: str = ""  # a prefill engine's worker KV address (where leases are read)
+    # under --policy slo, what the engine predicts for a request arriving now (None: not known
+    # yet); a frontend prefers an engine predicted to meet a request's targets (router_targets)
+    slo_queue_s: Optional[float] = None  # seconds before its prefill starts
+    slo_admission_rate: Optional[float] = None  # requests admitted per second while backlogged
+    slo_decode_step_s: Optional[float] = None  # the decode step it would join
+    slo_prefill_tokens_per_s: Optional[float] = None  # a full prompt chunk beside the batch
 
 
 @dataclass(frozen=True, slots=True)

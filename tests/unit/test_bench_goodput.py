@@ -37,8 +37,10 @@ def test_goodput_holds_each_request_to_its_class_and_refusals_miss() -> None:
         done(1, "fast", 0.5),  # missed: 500 ms > 100 ms
         done(2, "slow", 0.5),  # met: 500 ms <= 1000 ms
         RequestTrace(3, 4, False, error="slo_unattainable: out of reach", slo_class="fast"),
+        RequestTrace(4, 4, False, latency=0.012, error="slo_unattainable: x", slo_class="fast"),
     ]
     out = compute_metrics(traces, duration_s=2.0, classes=classes)
     assert out["request_goodput"] == 1.0  # 2 met in 2 s
-    assert out["num_refused"] == 1 and out["failed"] == 1
+    assert out["num_refused"] == 2 and out["failed"] == 2
     assert out["met_share_of_admitted"] == pytest.approx(2 / 3)
+    assert out["max_refusal_ms"] == pytest.approx(12.0)  # send to refusal, where it was timed

@@ -8,7 +8,12 @@ import random
 
 from services.worker.sim.cost_model import step_cost, step_work
 from services.worker.sim.profiles import DEVICES, MODELS
-from shared.step_cost import StepCostPredictor, StepShape, step_shape
+from shared.step_cost import (
+    MIN_SURPRISES,
+    StepCostPredictor,
+    StepShape,
+    step_shape,
+)
 
 MODEL = MODELS["llama-3-8b"]
 
@@ -90,3 +95,26 @@ def test_long_steps_are_refitted_sooner_than_short_ones() -> None:
         for shape, _ in timed[64:80]:
             predictor.observe(shape, seconds)
         assert predictor.maybe_refit() is refits
+
+
+def test_steps_that_surprise_the_fit_make_a_full_refit_due() -> None:
+    # fitted on decode-only steps, the predictor cannot know a prompt token's cost; the first
+    # few prompt-chunk steps it misses by far make a full fit due (every starting split: a fit
+    # from the current branches would keep them on the memory side) before the periodic quick
+    # fit would catch up, after which it predicts them
+    timed = _log("h200", seed=5, n=400)
+    decodes = [(s, t) for s, t in timed if not s.has_chunk]
+    chunks = [(s, t) for s, t in timed if s.has_chunk]
+    predictor = StepCostPredictor(first_fit=64)
+    for shape, t in decodes[:64]:
+        predictor.observe(shape, t)
+    assert predictor.maybe_refit()
+    assert _worst(predictor, chunks[20:60]) > 0.5  # stale for prompt chunks
+    first_refit = None
+    for i, (shape, t) in enumerate(chunks[:40]):
+        predictor.observe(shape, t)
+        if predictor.maybe_refit() and first_refit is None:
+            first_refit = i + 1
+    # MIN_SURPRISES steps at least; more only while they have not paid for the fit's time
+    assert first_refit is not None and first_refit >= MIN_SURPRISES
+    assert _worst(predictor, chunks[40:80]) < 0.01  # quick fits alone leave it ~0.2

@@ -43,3 +43,20 @@ def test_drafts_join_a_step_shape_as_the_tokens_they_are() -> None:
     decodes = step_shape([10, 10, 10], [1, 1, 1], 3)
     assert decodes.with_drafts([2, 0, 1]) == step_shape([10, 10, 10], [3, 1, 2], 6)
     assert decodes.with_drafts([0, 0, 0]) is decodes
+
+
+def test_a_loop_measure_far_below_forward_s_is_not_the_step_time() -> None:
+    # every result is read just after the one before it (0.4 ms apart) while the worker says
+    # each step took 20 ms: the predictor learns at least half of forward_s (a pipelined
+    # worker's forward_s spans two steps at most), never the 0.4 ms
+    sched, worker, _ = make(num_blocks=512, policy="slo", max_num_seqs=4)
+    for i in range(4):
+        assert sched.add_request(submit(f"r{i}", 8, 1000)) is None
+    for _ in range(80):  # past the first fit (64 steps)
+        plan = sched.schedule()
+        assert plan is not None
+        result = dataclasses.replace(worker.execute(plan), forward_s=0.02)
+        sched.update(result, step_s=0.0004)
+        sched.after_plan()
+    predicted = sched.predictor.predict(step_shape([100] * 4, [1] * 4, 4))
+    assert predicted is not None and 0.009 < predicted < 0.021

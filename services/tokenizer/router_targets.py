@@ -1,0 +1,93 @@
+"""The router's preference for a request with latency targets (TTFT, TPOT): an engine predicted
+to meet them, from what each engine reports with its load under `--policy slo` (EngineReady,
+once per heartbeat; docs/protocol.md §4.1), never from a guess of its configuration.
+
+An engine's report: the wait a request arriving then would have before its prefill starts
+(`queue_s`), the admission rate that wait comes from, the decode step a new row would join and
+the prompt tokens per second of a full chunk beside its batch. The frontend adds what it sent
+the engine since the report (each one more ahead in its queue, at the reported rate) and the
+request's own prefill. Engines predicted to miss are passed over while another is not; an engine
+that reports nothing (another policy, no fit yet) is not predicted to miss. The router's usual
+rule then chooses among those left, so with no targets, no reports or every engine predicted to
+miss, the choice is today's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+# A TTFT counts as met within this share of its target: the engine's own margin (its slo
+# policy refuses or serves best-effort past 0.8 of the target), so the router prefers the
+# engines that would admit the request as reachable.
+TTFT_SHARE = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyReport:
+    """What one engine last predicted for a new request (EngineReady's `slo_*` fields)."""
+
+    queue_s: Optional[float] = None
+    admission_rate: Optional[float] = None
+    decode_step_s: Optional[float] = None
+    prefill_tokens_per_s: Optional[float] = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTargets:
+    """A request's own targets, as it sent them (milliseconds; None: no target)."""
+
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+
+
+def predicted_ttft_s(
+    report: LatencyReport, num_sent_since: int, prompt_len: int
+) -> Optional[float]:
+    """Seconds to a new request's first token on the reporting engine, or None when it reported
+    no wait. `num_sent_since`: requests this frontend sent it after the report (queued ahead)."""
+    if report.queue_s is None:
+        return None
+    queue_s = report.queue_s
+    if num_sent_since > 0:
+        rate = report.admission_rate
+        if rate is not None:
+            queue_s += num_sent_since / rate if rate > 0 else math.inf
+    if report.prefill_tokens_per_s:
+        queue_s += prompt_len / report.prefill_tokens_per_s
+    return queue_s
+
+
+def predicted_miss(
+    report: Optional[LatencyReport], num_sent_since: int, prompt_len: int, targets: RouteTargets
+) -> bool:
+    """True when the engine's report predicts the request misses a target; False when it
+    predicts both met or cannot tell."""
+    if report is None:
+        return False
+    step = report.decode_step_s
+    if targets.tpot_ms is not None and step is not None and step * 1000.0 > targets.tpot_ms:
+        return True
+    if targets.ttft_ms is None:
+        return False
+    ttft = predicted_ttft_s(report, num_sent_since, prompt_len)
+    return ttft is not None and ttft * 1000.0 > targets.ttft_ms * TTFT_SHARE
+
+
+def engines_to_consider(
+    ready: Sequence[int],
+    reports: Sequence[Optional[LatencyReport]],
+    num_sent_since: Sequence[int],
+    prompt_len: int,
+    targets: Optional[RouteTargets],
+) -> Sequence[int]:
+    """The ready engines not predicted to miss `targets` (indexes into `reports` and
+    `num_sent_since`); all of `ready` when there are no targets or none is left."""
+    if targets is None or (targets.ttft_ms is None and targets.tpot_ms is None):
+        return ready
+    kept = [
+        e for e in ready if not predicted_miss(reports[e], num_sent_since[e], prompt_len, targets)
+    ]
+    return kept or ready
