@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from shared.client import Client, Completion
 from tests.e2e.conftest import REFERENCE_KV_CACHE_MEMORY, Engine
 from tests.e2e.stack_tools import ENGINE_WORKER, engine_settings, running_stack
+from tests.e2e.test_speculation import _engine_stats, _run_all  # one request runner for both
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-MAX_TOKENS = 32
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
 REQUESTS: list[dict[str, Any]] = [
     {"prompt": f"Repeat the sentence twice.\n{TEXT}\n"},
@@ -47,26 +45,12 @@ def draft_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield Engine(stack.frontend_address, None, stack.log_dir, stack)
 
 
-def _run_all(address: str) -> list[Completion]:
-    def one(kw: dict[str, Any]) -> Completion:
-        with Client(address, timeout=300.0) as client:
-            return client.generate(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, **kw})
-
-    with ThreadPoolExecutor(len(REQUESTS)) as pool:
-        return list(pool.map(one, REQUESTS))
-
-
-def _engine_stats(address: str) -> dict[str, Any]:
-    with Client(address, timeout=60.0) as client:
-        return dict(client.stats()["engine"])
-
-
 def test_the_target_as_its_own_draft_changes_no_output(
     engine: Engine, draft_engine: Engine
 ) -> None:
-    want = _run_all(engine.frontend_address)
+    want = _run_all(engine.frontend_address, REQUESTS)
     before = _engine_stats(draft_engine.frontend_address)
-    got = _run_all(draft_engine.frontend_address)
+    got = _run_all(draft_engine.frontend_address, REQUESTS)
     after = _engine_stats(draft_engine.frontend_address)
     for kw, w, g in zip(REQUESTS, want, got, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw

@@ -20,7 +20,6 @@ from test_scheduler_properties import (
     EOS,
     VOCAB,
     Arrival,
-    _arrive_and_abort,
     _check_final,
     arrivals,
     configs,
@@ -29,6 +28,7 @@ from test_scheduler_support import (
     CheckingWorker,
     FakeClock,
     Run,
+    arrive,
     check_composition,
     drive,
     make,
@@ -53,7 +53,7 @@ def _run_out_of_phase(
     results: deque[StepResult] = deque()  # executed by the worker, not yet delivered
     last_arrival = max(a.step for a in workload)
     for step in range(4000):
-        admitted.update(_arrive_and_abort(sched, workload, step, False, run))
+        admitted.update(arrive(sched, workload, step, False, run))
         ahead = phases[step % len(phases)]
         while sched.can_schedule() and (ahead or not results):
             plan = sched.schedule()
@@ -65,7 +65,7 @@ def _run_out_of_phase(
             results.append(worker.execute(plan))  # the worker runs plans in order, at once
             if len(results) == 2:
                 event("two plans in flight")
-            _arrive_and_abort(sched, workload, step, True, run)  # aborts while in flight
+            arrive(sched, workload, step, True, run)  # aborts while in flight
         if results:
             run.add(sched.update(results.popleft()))
             sched.check_invariants()

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
-from test_scheduler_properties import EOS, VOCAB, Arrival, _arrive_and_abort, _check_final
-from test_scheduler_support import CheckingWorker, FakeClock, Run
+from test_scheduler_properties import EOS, VOCAB, Arrival, _check_final
+from test_scheduler_support import CheckingWorker, FakeClock, Run, arrive
 
 from services.scheduler import Scheduler, SchedulerConfig
 from shared.protocol.worker_channel import StepResult
@@ -40,14 +40,14 @@ def _run(
     run, admitted = Run(), {}
     results: deque[StepResult] = deque()
     for step in range(2000):
-        admitted.update(_arrive_and_abort(sched, workload, step, False, run))
+        admitted.update(arrive(sched, workload, step, False, run))
         while sched.can_schedule() and (phases[step % len(phases)] or not results):
             plan = sched.schedule()
             sched.check_invariants()
             if plan is None:
                 break
             results.append(worker.execute(plan))
-            _arrive_and_abort(sched, workload, step, True, run)
+            arrive(sched, workload, step, True, run)
         if results:
             run.add(sched.update(results.popleft()))
             sched.check_invariants()
