@@ -33,6 +33,7 @@ from typing import Optional
 
 from services.scheduler.request import Request
 from services.scheduler.slo_classes import SloTargets, resolve_targets
+from shared.protocol.client_channel.targets import TTFT_HEADROOM
 from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.errors import ErrorCode
 from shared.step_cost import StepCostPredictor, StepShape
@@ -43,12 +44,6 @@ RATE_WINDOW_STEPS = 256
 # The step time aimed at is this share of the tightest TPOT: room for the predictor's error
 # and the step-time noise (a few %), and for the prefill chunks that lengthen some gaps.
 TPOT_HEADROOM = 0.9
-
-# A TTFT is predicted reachable within this share of its target: room for the path the
-# prediction does not see (frontend, tokenizer, the stream's first chunk) and for the
-# admission rate's noise. At 1.0 the simulated H200 at 2x load admitted to the edge and 17%
-# of the admitted missed (TTFT p99 2.3 s for 2 s; docs/lab/2026-12-slo.md).
-TTFT_HEADROOM = 0.8
 
 
 @dataclass(frozen=True, slots=True)

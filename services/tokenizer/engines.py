@@ -17,7 +17,8 @@ import zmq
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engine_link import EngineLink
 from services.tokenizer.router import Router
-from services.tokenizer.router_targets import LatencyReport, RouteTargets
+from services.tokenizer.router_targets import LatencyReport
+from shared.protocol.client_channel.messages import LatencyTargets
 from shared.protocol.codec import encode
 from shared.protocol.engine_channel import (
     EngineNotReady,
@@ -82,7 +83,9 @@ class Engines:
         ready = [link.index for link in self.links if link.ready and link.index != exclude]
         ready, submit = self._by_role(ready, submit)
         by_load = submit.kv_source is not None
-        targets = RouteTargets(submit.ttft_ms, submit.tpot_ms)
+        has_targets = submit.ttft_ms is not None or submit.tpot_ms is not None
+        targets = (LatencyTargets(ttft_ms=submit.ttft_ms, tpot_ms=submit.tpot_ms)
+                   if has_targets else None)  # fmt: skip
         frame = encode(submit)
         while ready:
             engine = self._router.choose(ids, ready, by_load, targets)

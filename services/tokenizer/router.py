@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services.tokenizer.router_targets import LatencyReport, RouteTargets, engines_to_consider
+from services.tokenizer.router_targets import LatencyReport, engines_to_consider
 from shared.prefix_hash import cache_namespace, extend_block_keys
+from shared.protocol.client_channel.messages import LatencyTargets
 
 POLICIES = ("round-robin", "least-load", "cache-aware")
 AUTO = "auto"  # cache-aware while the engines cache prefixes, else least-load
@@ -114,7 +115,7 @@ class Router:
         prompt_ids: Sequence[int],
         ready: Sequence[int],
         by_load: bool = False,
-        targets: Optional[RouteTargets] = None,
+        targets: Optional[LatencyTargets] = None,
     ) -> Optional[int]:
         """The engine for a prompt among `ready` (engine indexes); None when none is ready.
         `by_load`: least-load whatever the policy (a decode engine for a hand-over: the
@@ -123,10 +124,11 @@ class Router:
         another is left (router_targets.py)."""
         if not ready:
             return None
-        ready = engines_to_consider(
-            ready, [load.latency for load in self.loads],
-            [load.num_sent_since_report for load in self.loads], len(prompt_ids), targets,
-        )  # fmt: skip
+        if targets is not None:  # the engines' reports walked only for a request with targets
+            ready = engines_to_consider(
+                ready, [load.latency for load in self.loads],
+                [load.num_sent_since_report for load in self.loads], len(prompt_ids), targets,
+            )  # fmt: skip
         if by_load:
             return self._least_loaded(ready)
         if self.config.policy == "round-robin":

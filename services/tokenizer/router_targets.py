@@ -19,10 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-# A TTFT counts as met within this share of its target: the engine's own margin (its slo
-# policy refuses or serves best-effort past 0.8 of the target), so the router prefers the
-# engines that would admit the request as reachable.
-TTFT_SHARE = 0.8
+from shared.protocol.client_channel.messages import LatencyTargets
+from shared.protocol.client_channel.targets import TTFT_HEADROOM
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +31,6 @@ class LatencyReport:
     admission_rate: Optional[float] = None
     decode_step_s: Optional[float] = None
     prefill_tokens_per_s: Optional[float] = None
-
-
-@dataclass(frozen=True, slots=True)
-class RouteTargets:
-    """A request's own targets, as it sent them (milliseconds; None: no target)."""
-
-    ttft_ms: Optional[float] = None
-    tpot_ms: Optional[float] = None
 
 
 def predicted_ttft_s(
@@ -61,7 +51,7 @@ def predicted_ttft_s(
 
 
 def predicted_miss(
-    report: Optional[LatencyReport], num_sent_since: int, prompt_len: int, targets: RouteTargets
+    report: Optional[LatencyReport], num_sent_since: int, prompt_len: int, targets: LatencyTargets
 ) -> bool:
     """True when the engine's report predicts the request misses a target; False when it
     predicts both met or cannot tell."""
@@ -73,7 +63,7 @@ def predicted_miss(
     if targets.ttft_ms is None:
         return False
     ttft = predicted_ttft_s(report, num_sent_since, prompt_len)
-    return ttft is not None and ttft * 1000.0 > targets.ttft_ms * TTFT_SHARE
+    return ttft is not None and ttft * 1000.0 > targets.ttft_ms * TTFT_HEADROOM
 
 
 def engines_to_consider(
@@ -81,7 +71,7 @@ def engines_to_consider(
     reports: Sequence[Optional[LatencyReport]],
     num_sent_since: Sequence[int],
     prompt_len: int,
-    targets: Optional[RouteTargets],
+    targets: Optional[LatencyTargets],
 ) -> Sequence[int]:
     """The ready engines not predicted to miss `targets` (indexes into `reports` and
     `num_sent_since`); all of `ready` when there are no targets or none is left."""

@@ -9,11 +9,12 @@ import pytest
 from services.scheduler.request import Request
 from services.scheduler.slo_policy import SloPolicy
 from services.tokenizer.router import Router, RouterConfig
-from services.tokenizer.router_targets import LatencyReport, RouteTargets, predicted_ttft_s
+from services.tokenizer.router_targets import LatencyReport, predicted_ttft_s
+from shared.protocol.client_channel.messages import LatencyTargets
 from shared.protocol.sampling import SamplingParams
 from shared.step_cost import StepCostPredictor
 
-INTERACTIVE = RouteTargets(ttft_ms=2000.0, tpot_ms=50.0)
+INTERACTIVE = LatencyTargets(ttft_ms=2000.0, tpot_ms=50.0)
 # engine 0: a long queue (3 s before a prefill starts); engine 1: a short one, fewer requests
 SLOW_QUEUE = LatencyReport(
     queue_s=3.0, admission_rate=10.0, decode_step_s=0.02, prefill_tokens_per_s=20_000.0
@@ -36,12 +37,12 @@ def test_a_request_with_targets_goes_to_the_engine_predicted_to_meet_them() -> N
     prompt = [1] * 1000
     assert router.choose(prompt, [0, 1]) == 0
     assert router.choose(prompt, [0, 1], targets=INTERACTIVE) == 1
-    assert router.choose(prompt, [0, 1], targets=RouteTargets(ttft_ms=10_000.0)) == 0
+    assert router.choose(prompt, [0, 1], targets=LatencyTargets(ttft_ms=10_000.0)) == 0
     # a TPOT the fast queue's decode step breaks sends it to the other engine
     slow_steps = LatencyReport(0.2, 10.0, 0.08, 20_000.0)
     router = _router([SLOW_QUEUE, slow_steps], running=[9, 4])
     assert router.choose(prompt, [0, 1]) == 1
-    assert router.choose(prompt, [0, 1], targets=RouteTargets(tpot_ms=50.0)) == 0
+    assert router.choose(prompt, [0, 1], targets=LatencyTargets(tpot_ms=50.0)) == 0
     router.check_invariants()
 
 
