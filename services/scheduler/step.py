@@ -74,7 +74,10 @@ class StepBuilder:
         # speculation: (decode, draft limit), the limits counted in the budget
         self.drafts: list[tuple[Request, int]] = []
         self._num_draft_tokens = 0
-        self._shape: Optional[StepShape] = None  # `final_shape`'s, until a chunk changes
+        # `final_shape`'s (number of decodes it counted, shape): dropped when a chunk is added or
+        # a request dropped; appended decodes (the filler's hot loop appends to the list itself)
+        # change the count, so the shape is walked again
+        self._shape: Optional[tuple[int, StepShape]] = None
 
     def __len__(self) -> int:
         return len(self.decodes) + len(self._chunks)
@@ -118,6 +121,7 @@ class StepBuilder:
         ones may have new blocks; every other one is held by the worker with its whole table."""
         self.decodes = list(decodes)
         self._reused = (rids, checked)
+        self._shape = None
 
     def add_chunk(self, req: Request, num_tokens: int) -> None:
         self._shape = None
@@ -161,10 +165,11 @@ class StepBuilder:
     def final_shape(self) -> StepShape:
         """`shape()`, walked once per step: called when the decodes and chunks are in (drafts
         do not change it): speculation's draft limits, then the step costs at build. O(rows)
-        the first time."""
-        if self._shape is None:
-            self._shape = self.shape()
-        return self._shape
+        the first time; walked again if decodes were appended or a request dropped since."""
+        cached = self._shape
+        if cached is None or cached[0] != len(self.decodes):
+            cached = self._shape = (len(self.decodes), self.shape())
+        return cached[1]
 
     def build(self, step_id: int, worker: WorkerView, held: Iterable[Request]) -> BuiltStep:
         """Assemble the plan (only what changed in the worker's batch) and advance each
