@@ -32,6 +32,7 @@ from conveyor.bench.metrics import compute_metrics, missed_targets, parse_goodpu
 from conveyor.bench.plots import plot_latency_cdfs, plot_step_strips, plot_timeline
 from conveyor.bench.report import ProgressBar, format_table, write_json
 from conveyor.bench.runner import RunOutcome, run_workload
+from conveyor.bench.spec_figures import drafts, predicted_columns, spec_counters
 from conveyor.bench.steplog import (
     StepEntry,
     engine_rids,
@@ -104,10 +105,10 @@ def run_compare(args: argparse.Namespace, command: str, flags_scenario: Scenario
             stack.wait_ready(timeout=args.engine_timeout)
             plan = fit_to_engine(plan, stack.frontend_address)
             for i, sc in enumerate(plan):
-                before = _spec_counters(stack.frontend_address)
+                before = spec_counters(stack.frontend_address)
                 outcome = _run_scenario(args, stack.frontend_address, sc, value, warmup=i == 0)
                 measured, run_steps = _measure(args, outcome, log_dir, sc, comparison, value)
-                measured.update(_drafts(before, _spec_counters(stack.frontend_address)))
+                measured.update(drafts(before, spec_counters(stack.frontend_address)))
                 runs[sc.name][value], traces[sc.name][value] = measured, outcome.traces
                 steps[sc.name][value] = run_steps
         finally:
@@ -209,6 +210,7 @@ def comparison_rows(
             if any("spec_draft_tokens" in v for b in runs.values() for v in b.values()):
                 share = r.get("spec_accepted_share")  # speculation: drafts accepted
                 row["drafts acc %"] = None if share is None else 100.0 * share
+                row.update(predicted_columns(r, base))
             if r.get("request_goodput") is not None:  # --goodput: refusals count as misses
                 row.update(_goodput_columns(r, base))
             if comparison.field == "batching" and comparison.batch_size is not None:
@@ -237,36 +239,6 @@ def _batching_columns(
         p = predict(lens, batch_size, t_static / 1000.0, t_cont / 1000.0)
         out.update({"model x": p.ratio_queue_limited, "packing x": p.ratio_packing})
     return out
-
-
-def _spec_counters(address: str) -> dict[str, float]:
-    """The engine's speculation counters since start (spec_decode_*; none: it does not
-    speculate)."""
-    with Client(address, timeout=30.0) as client:
-        engine = client.stats().get("engine") or {}
-    return {k: v for k, v in engine.items() if k.startswith("spec_decode_")}
-
-
-def _drafts(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """A scenario's speculation (counters after - before, warm-up included): draft tokens,
-    accepted ones, the share accepted, and per draft position the share of drafting rows
-    whose draft there was accepted (vLLM's acceptance per position)."""
-    delta = {k: v - before.get(k, 0) for k, v in after.items()}
-    drafted = delta.get("spec_decode_num_draft_tokens", 0)
-    rows = delta.get("spec_decode_num_drafts", 0)
-    if not drafted or not rows:
-        return {}
-    accepted = delta.get("spec_decode_num_accepted_tokens", 0)
-    per_pos, j = [], 0
-    while f"spec_decode_num_accepted_tokens_pos_{j}" in delta:
-        per_pos.append(delta[f"spec_decode_num_accepted_tokens_pos_{j}"] / rows)
-        j += 1
-    return {
-        "spec_draft_tokens": drafted,
-        "spec_accepted_tokens": accepted,
-        "spec_accepted_share": accepted / drafted,
-        "spec_accepted_per_pos": per_pos,
-    }
 
 
 def _goodput_columns(r: dict[str, Any], base: Optional[dict[str, Any]]) -> dict[str, Any]:

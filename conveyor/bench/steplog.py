@@ -223,7 +223,7 @@ def match_rids(engine_rids: Iterable[str], client_ids: Iterable[str]) -> dict[st
 
 def step_summary(steps: Sequence[StepEntry]) -> dict[str, Optional[float]]:
     """Averages the comparison needs: step time (all steps, decode-only steps), sequences per
-    step, slots held, batch utilization."""
+    step, slots held, batch utilization; and the number of decode rows over all steps."""
     if not steps:
         keys = (
             "num_steps",
@@ -232,6 +232,7 @@ def step_summary(steps: Sequence[StepEntry]) -> dict[str, Optional[float]]:
             "mean_num_seqs",
             "mean_num_running",
             "mean_batch_utilization",
+            "num_decode_rows",
         )
         return dict.fromkeys(keys)
     decode = [s.step_s for s in steps if s.is_decode_only]
@@ -243,6 +244,8 @@ def step_summary(steps: Sequence[StepEntry]) -> dict[str, Optional[float]]:
         "mean_num_seqs": sum(s.num_seqs for s in steps) / len(steps),
         "mean_num_running": sum(s.num_running for s in steps) / len(steps),
         "mean_batch_utilization": sum(utils) / len(utils) if utils else None,
+        # rows that decoded (not a prompt chunk), in every step: speculation's prediction
+        "num_decode_rows": float(sum(s.num_seqs - sum(s.is_prefill) for s in steps)),
     }
 
 

@@ -11,8 +11,9 @@ import pytest
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import SamplingChoice
 from conveyor.bench.cli import build_parser
-from conveyor.bench.compare import _drafts, comparison_rows
+from conveyor.bench.compare import comparison_rows
 from conveyor.bench.compare_plan import Comparison, Scenario, comparison_from_args
+from conveyor.bench.spec_figures import drafts
 from conveyor.bench.texts import TEXT_WORKLOADS, TEXTS, _tokenizer
 from conveyor.bench.workloads import WorkloadConfig, generate
 from tests.support.tiny_model import write_tiny_model
@@ -71,11 +72,11 @@ def test_speculation_columns_come_from_the_engine_counters() -> None:
              "spec_decode_num_accepted_tokens": 50, "spec_decode_num_accepted_tokens_pos_0": 24,
              "spec_decode_num_accepted_tokens_pos_1": 14,
              "spec_decode_num_accepted_tokens_pos_2": 4}  # fmt: skip
-    spec = _drafts(before, after)
+    spec = drafts(before, after)
     assert spec["spec_draft_tokens"] == 80 and spec["spec_accepted_tokens"] == 30
     assert spec["spec_accepted_share"] == pytest.approx(30 / 80)
     assert spec["spec_accepted_per_pos"] == pytest.approx([16 / 20, 8 / 20, 4 / 20])
-    assert _drafts({}, {}) == {} and _drafts(after, after) == {}  # off, or nothing drafted
+    assert drafts({}, {}) == {} and drafts(after, after) == {}  # off, or nothing drafted
     base: dict[str, object] = {
         "completed": 4,
         "output_throughput": 10.0,
@@ -87,10 +88,18 @@ def test_speculation_columns_come_from_the_engine_counters() -> None:
         "max_itl_ms": 80.0,
         "num_steps": 100,
         "mean_step_ms": 50.0,
+        "mean_decode_step_ms": 50.0,
+        "total_output_tokens": 104,
+        "num_decode_rows": 100.0,
     }
-    runs = {"copy": {"off": base, "ngram": {**base, "output_throughput": 20.0, **spec}}}
+    # with drafts: 2.5 tokens a decode row, steps 25% longer -> 2.0x predicted; measured 1.8x
+    ngram_run = {**base, "output_throughput": 18.0, "total_output_tokens": 254,
+                 "mean_decode_step_ms": 62.5, **spec}  # fmt: skip
+    runs = {"copy": {"off": base, "ngram": ngram_run}}
     scenario = Scenario("copy", WorkloadConfig(), ArrivalConfig(), SamplingChoice())
     c = Comparison("speculative", ["off", "ngram"], [scenario], None)
     off, ngram = comparison_rows(c, runs)
     assert off["drafts acc %"] is None and ngram["drafts acc %"] == pytest.approx(37.5)
-    assert ngram["x off"] == pytest.approx(2.0)
+    assert ngram["x off"] == pytest.approx(1.8)
+    assert ngram["pred x"] == pytest.approx(2.0) and ngram["of pred %"] == pytest.approx(90.0)
+    assert off["pred x"] is None  # the run without drafts predicts nothing of itself
