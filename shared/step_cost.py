@@ -311,7 +311,7 @@ class StepCostPredictor:
         """Called once per step off the result -> plan path: starts a fit when due (`first_fit`
         steps for the first; then see `__init__`) and does one starting split of the fit under
         way, so a full fit (9 starts, ~30 ms) is spread over 9 calls: the scheduler answers its
-        frontends between them (a refusal waited a whole fit: 59-93 ms at 2x load on the
+        frontends between them (a refusal waited 130 ms for a whole fit at 2x load on the
         simulated 70B, docs/lab/2026-12-slo.md). True when a fit was completed."""
         if self._job is None:
             if self._coeffs is None:
