@@ -146,28 +146,59 @@ def _fit_pruned(features: Features, y: np.ndarray, start: np.ndarray) -> np.ndar
         allowed &= ~weak
 
 
-def fit(features: Features, y: np.ndarray, max_starts: Optional[int] = None) -> np.ndarray:
-    """The coefficients minimizing squared relative error over the samples `y` (seconds).
-
-    Starting splits: every one (the least intense `split` samples start memory-bound), or
-    `max_starts` of them evenly spaced (the online fit's bound on its work)."""
+def starting_splits(features: Features, max_starts: Optional[int] = None) -> list[np.ndarray]:
+    """The fit's starting assignments: every split (the least intense `split` samples start
+    memory-bound), or `max_starts` of them evenly spaced (the online fit's bound on its work)."""
     _, comp, mem = features
-    n = len(y)
+    n = len(comp)
     intensity = comp.sum(axis=1) / np.maximum(mem.sum(axis=1), 1e-30)
     order = np.argsort(intensity)
     splits = range(n + 1)
     if max_starts is not None and max_starts < n + 1:
         splits = sorted({round(i * n / (max_starts - 1)) for i in range(max_starts)})
-    candidates: list[tuple[float, int, np.ndarray]] = []  # (RMS error, terms, coefficients)
+    starts = []
     for split in splits:
         start = np.zeros(n, dtype=bool)
         start[order[:split]] = True
-        coeffs = _fit_pruned(features, y, start)
+        starts.append(start)
+    return starts
+
+
+class FitJob:
+    """One fit over a fixed set of samples, done one starting assignment at a time
+    (`advance`), so that its owner can spread it over several calls; the result is the one
+    `fit` gives."""
+
+    def __init__(self, features: Features, y: np.ndarray, starts: list[np.ndarray]) -> None:
+        self._features, self._y = features, y
+        self._starts = starts
+        self._candidates: list[tuple[float, int, np.ndarray]] = []  # (RMS, terms, coeffs)
+
+    @property
+    def num_starts(self) -> int:
+        return len(self._starts)
+
+    def advance(self) -> Optional[np.ndarray]:
+        """Fit from the next starting assignment; the best coefficients once every one was
+        tried (fewest terms among those within RMS_TOLERANCE of the best), else None."""
+        features, y = self._features, self._y
+        coeffs = _fit_pruned(features, y, self._starts[len(self._candidates)])
         rms = float(np.sqrt(np.mean(((predict(features, coeffs) - y) / y) ** 2)))
-        candidates.append((rms, int(np.count_nonzero(coeffs)), coeffs))
-    best_rms = min(c[0] for c in candidates)
-    good = [c for c in candidates if c[0] <= best_rms + RMS_TOLERANCE]
-    return min(good, key=lambda c: (c[1], c[0]))[2]
+        self._candidates.append((rms, int(np.count_nonzero(coeffs)), coeffs))
+        if len(self._candidates) < len(self._starts):
+            return None
+        best_rms = min(c[0] for c in self._candidates)
+        good = [c for c in self._candidates if c[0] <= best_rms + RMS_TOLERANCE]
+        return min(good, key=lambda c: (c[1], c[0]))[2]
+
+
+def fit(features: Features, y: np.ndarray, max_starts: Optional[int] = None) -> np.ndarray:
+    """The coefficients minimizing squared relative error over the samples `y` (seconds),
+    from every starting split or `max_starts` of them (`starting_splits`)."""
+    job = FitJob(features, y, starting_splits(features, max_starts))
+    while (coeffs := job.advance()) is None:
+        pass
+    return coeffs
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +285,9 @@ class StepCostPredictor:
         self._num_surprises = 0  # steps since the last fit that it missed by SURPRISE_ERROR
         self._one_start_s = 0.0  # how long the last fit took per starting split
         self._coeffs: Optional[np.ndarray] = None
+        self._job: Optional[FitJob] = None  # the fit under way (one start per maybe_refit)
+        self._job_s = 0.0  # its time so far
+        self._job_multi = False  # its samples had a multi-token row
         self.num_fits = 0
         # the last fit saw a step where some row computed more than one token (a prompt
         # chunk, drafts): only then can it tell a token's cost from a row's
@@ -274,17 +308,22 @@ class StepCostPredictor:
         self._seconds_since_fit += seconds
 
     def maybe_refit(self) -> bool:
-        """Refit when due (`first_fit` steps for the first; then see `__init__`); True when
-        it did."""
-        if self._coeffs is None:
-            due = full = self._since_fit >= self._first_fit
-        else:
-            full = self._since_full >= self._refit_every or self._surprised()
-            long_enough = self._seconds_since_fit * FIT_SHARE >= self._one_start_s
-            due = full or (self._since_fit >= MIN_REFIT_STEPS and long_enough)
-        if due:
-            self.fit_now(full)
-        return due
+        """Called once per step off the result -> plan path: starts a fit when due (`first_fit`
+        steps for the first; then see `__init__`) and does one starting split of the fit under
+        way, so a full fit (9 starts, ~30 ms) is spread over 9 calls: the scheduler answers its
+        frontends between them (a refusal waited 130 ms for a whole fit at 2x load on the
+        simulated 70B, docs/lab/2026-12-slo.md). True when a fit was completed."""
+        if self._job is None:
+            if self._coeffs is None:
+                due = full = self._since_fit >= self._first_fit
+            else:
+                full = self._since_full >= self._refit_every or self._surprised()
+                long_enough = self._seconds_since_fit * FIT_SHARE >= self._one_start_s
+                due = full or (self._since_fit >= MIN_REFIT_STEPS and long_enough)
+            if not due:
+                return False
+            self._start_fit(full)
+        return self._advance_fit()
 
     def _surprised(self) -> bool:
         """Whether enough steps since the last fit missed it by far (SURPRISE_ERROR) and took
@@ -296,19 +335,45 @@ class StepCostPredictor:
         )
 
     def fit_now(self, full: bool = True) -> None:
-        """A full fit (every starting split), or one from the current fit's branches."""
-        began = time.perf_counter()
+        """A whole fit at once (every starting split, or one from the current fit's branches),
+        after finishing one under way."""
+        while self._job is not None:
+            self._advance_fit()
+        self._start_fit(full)
+        while not self._advance_fit():
+            pass
+
+    def _start_fit(self, full: bool) -> None:
+        """A fit over the steps seen so far: every starting split, or (`full` False, a fit
+        standing) one start from the current fit's branch assignment."""
         shapes = list(self._shapes)
         features, seconds = _stack(shapes), np.array(self._seconds)
         if full or self._coeffs is None:
-            self._coeffs = fit(features, seconds, self._max_starts)
+            starts = starting_splits(features, self._max_starts)
             self._since_full = 0
         else:
-            self._coeffs = _fit_pruned(features, seconds, deciding_branch(features, self._coeffs))
-        self.fitted_multi_token_rows = any(s.has_chunk for s in shapes)
-        self._since_fit, self._seconds_since_fit, self._num_surprises = 0, 0.0, 0
-        self._one_start_s = (time.perf_counter() - began) / (self._max_starts if full else 1)
+            starts = [deciding_branch(features, self._coeffs)]
+        self._job = FitJob(features, seconds, starts)
+        self._job_s = 0.0
+        self._job_multi = any(s.has_chunk for s in shapes)
+        self._since_fit, self._seconds_since_fit = 0, 0.0
+
+    def _advance_fit(self) -> bool:
+        """One starting split of the fit under way; True when that finished it (its
+        coefficients now predict)."""
+        job = self._job
+        assert job is not None
+        began = time.perf_counter()
+        coeffs = job.advance()
+        self._job_s += time.perf_counter() - began
+        if coeffs is None:
+            return False
+        self._coeffs, self._job = coeffs, None
+        self.fitted_multi_token_rows = self._job_multi
+        self._num_surprises = 0  # misses of the fit before this one
+        self._one_start_s = self._job_s / job.num_starts
         self.num_fits += 1
+        return True
 
     def predict(self, shape: StepShape) -> Optional[float]:
         """Modelled seconds of a step of this shape; None before the first fit."""

@@ -32,15 +32,12 @@ from services.scheduler.frontend_link import FrontendLink
 from services.scheduler.inflight import InFlightStep
 from services.scheduler.maintenance import MaintenanceDrain
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
+from services.scheduler.slo_classes import reported_classes
 from services.scheduler.step_log import StepLogColumns
 from services.scheduler.summary import EngineSummary
 from services.scheduler.worker_link import WorkerLink
 from shared.protocol.codec import encode
-from shared.protocol.engine_channel import (
-    EngineNotReady,
-    EngineReady,
-    EngineShutdown,
-)
+from shared.protocol.engine_channel import EngineNotReady, EngineReady, EngineShutdown
 from shared.protocol.errors import ErrorCode
 from shared.protocol.worker_channel import (
     KvPulled,
@@ -170,7 +167,8 @@ class SchedulerServer:
         if not self._workers_up():
             return EngineNotReady(reason="waiting for the worker")
         first = self.workers.first()
-        load = self.sched.stats() if self.sched is not None else {}  # the frontends route by it
+        assert self.sched is not None  # the workers are up
+        load = self.sched.stats()  # the frontends route by it
         return EngineReady(
             model_name=first.model_name,
             max_model_len=first.max_model_len,
@@ -188,6 +186,8 @@ class SchedulerServer:
             slo_admission_rate=load.get("slo_admission_rate"),
             slo_decode_step_s=load.get("slo_decode_step_s"),
             slo_prefill_tokens_per_s=load.get("slo_prefill_tokens_per_s"),
+            slo_classes=reported_classes(self.sched.config.slo_class_targets),
+            slo_default_class=self.sched.config.slo_default_class,
         )
 
     def stats(self) -> dict[str, float]:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from shared.protocol.engine_channel import SubmitRequest
+from shared.protocol.engine_channel import ClassTargets, SubmitRequest
 
 ON_SLO_MISS = ("reject", "best_effort")
 # What a request that does not say gets: served late rather than refused, the choice that
@@ -85,3 +85,9 @@ def resolve_targets(
         tpot_ms=req.tpot_ms if req.tpot_ms is not None else base.tpot_ms,
         on_slo_miss=req.on_slo_miss if req.on_slo_miss is not None else base.on_slo_miss,
     )
+
+
+def reported_classes(classes: dict[str, SloTargets]) -> dict[str, ClassTargets]:
+    """The classes as the engine reports them to its frontends (EngineReady, each heartbeat):
+    a frontend routes a request naming a class by that class's targets."""
+    return {name: ClassTargets(t.ttft_ms, t.tpot_ms) for name, t in classes.items()}

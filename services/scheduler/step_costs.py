@@ -4,7 +4,8 @@ and measured time. The one owner of those inputs (the scheduler core calls it fr
 draft_budget.py), which only call `predict`.
 
 Learning has a cost on the scheduler's path: a step's shape is O(rows) (a walk over every
-decode's computed count) and a refit ~30 ms every 256 observations. So the predictor learns
+decode's computed count) and a full refit ~30 ms every 256 observations (in `after_plan`, one
+of its 9 starting splits per step, so no frontend waits for all of it). So the predictor learns
 from every step only where a policy reads it (`--policy slo`, speculation); elsewhere from one
 step in `every`, for the error figures `engine_summary` and /metrics report.
 """

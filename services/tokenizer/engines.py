@@ -17,8 +17,7 @@ import zmq
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engine_link import EngineLink
 from services.tokenizer.router import Router
-from services.tokenizer.router_targets import LatencyReport
-from shared.protocol.client_channel.messages import LatencyTargets
+from services.tokenizer.router_targets import LatencyReport, request_targets
 from shared.protocol.codec import encode
 from shared.protocol.engine_channel import (
     EngineNotReady,
@@ -83,9 +82,10 @@ class Engines:
         ready = [link.index for link in self.links if link.ready and link.index != exclude]
         ready, submit = self._by_role(ready, submit)
         by_load = submit.kv_source is not None
-        has_targets = submit.ttft_ms is not None or submit.tpot_ms is not None
-        targets = (LatencyTargets(ttft_ms=submit.ttft_ms, tpot_ms=submit.tpot_ms)
-                   if has_targets else None)  # fmt: skip
+        table = self.reference()  # the engines behind one frontend share one class table
+        targets = None
+        if table is not None:
+            targets = request_targets(submit, table.slo_classes, table.slo_default_class)
         frame = encode(submit)
         while ready:
             engine = self._router.choose(ids, ready, by_load, targets)

@@ -9,7 +9,9 @@ the engine since the report (each one more ahead in its queue, at the reported r
 request's own prefill. Engines predicted to miss are passed over while another is not; an engine
 that reports nothing (another policy, no fit yet) is not predicted to miss. The router's usual
 rule then chooses among those left, so with no targets, no reports or every engine predicted to
-miss, the choice is today's.
+miss, the choice is today's. A request's targets are its own over its class's over the default
+class's, from the class table the engines report (`request_targets`), as the engine resolves
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Optional
 
 from shared.protocol.client_channel.messages import LatencyTargets
 from shared.protocol.client_channel.targets import TTFT_HEADROOM
+from shared.protocol.engine_channel import ClassTargets, SubmitRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,22 @@ class LatencyReport:
     admission_rate: Optional[float] = None
     decode_step_s: Optional[float] = None
     prefill_tokens_per_s: Optional[float] = None
+
+
+def request_targets(
+    submit: SubmitRequest, classes: dict[str, ClassTargets], default_class: Optional[str]
+) -> Optional[LatencyTargets]:
+    """The targets a request is routed by: its own over its class's (the engines' table as they
+    report it, EngineReady) over the default class's, as the engine resolves them
+    (services/scheduler/slo_classes.py); None when it has none. A class the table lacks adds
+    nothing (the engine refuses it)."""
+    name = submit.slo_class if submit.slo_class is not None else default_class
+    base = classes.get(name, ClassTargets()) if name is not None else ClassTargets()
+    ttft_ms = submit.ttft_ms if submit.ttft_ms is not None else base.ttft_ms
+    tpot_ms = submit.tpot_ms if submit.tpot_ms is not None else base.tpot_ms
+    if ttft_ms is None and tpot_ms is None:
+        return None
+    return LatencyTargets(ttft_ms=ttft_ms, tpot_ms=tpot_ms)
 
 
 def predicted_ttft_s(

@@ -114,6 +114,15 @@ class FrontendBye:
 
 
 @dataclass(frozen=True, slots=True)
+class ClassTargets:
+    """One latency-target class an engine is configured with (`--slo-classes`), as it reports
+    it in EngineReady; a None target is no target."""
+
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineReady:
     """Sent to every frontend after the worker handshake (and in answer to FrontendHello).
 
@@ -139,6 +148,10 @@ class EngineReady:
     slo_admission_rate: Optional[float] = None  # requests admitted per second while backlogged
     slo_decode_step_s: Optional[float] = None  # the decode step it would join
     slo_prefill_tokens_per_s: Optional[float] = None  # a full prompt chunk beside the batch
+    # its classes of targets and the class of a request naming none: a frontend resolves a
+    # request's class with them to route it as one with those targets
+    slo_classes: dict[str, ClassTargets] = field(default_factory=dict)
+    slo_default_class: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.request import Request
+from services.scheduler.slo_classes import parse_slo_classes, reported_classes
 from services.scheduler.slo_policy import SloPolicy
 from services.tokenizer.router import Router, RouterConfig
-from services.tokenizer.router_targets import LatencyReport, predicted_ttft_s
+from services.tokenizer.router_targets import LatencyReport, predicted_ttft_s, request_targets
 from shared.protocol.client_channel.messages import LatencyTargets
+from shared.protocol.codec import decode, encode
+from shared.protocol.engine_channel import EngineReady, SubmitRequest
 from shared.protocol.sampling import SamplingParams
 from shared.step_cost import StepCostPredictor
 
@@ -116,3 +119,30 @@ def test_a_ttft_is_predicted_from_the_prompt_tokens_ahead_at_the_measured_token_
     assert short_ahead == pytest.approx(250 / 3000.0)
     # a request with a later deadline does not count as ahead of one with an earlier one
     assert policy.predicted_ttft(100, 0.5, 0.0, _waiting([500, 500])) == pytest.approx(100 / 3000)
+
+
+def test_a_request_naming_only_a_class_is_routed_by_the_class_the_engines_report() -> None:
+    # the engine's table travels in EngineReady; the frontend resolves a request's class with
+    # it as the engine does (its own targets over its class's over the default class's)
+    classes = parse_slo_classes("interactive:ttft_ms=2000,tpot_ms=50;batch:ttft_ms=30000")
+    ready = EngineReady("m", 64, 100, [0], 10, 16, slo_classes=reported_classes(classes),
+                        slo_default_class="batch")  # fmt: skip
+    heard = decode(encode(ready))
+    assert heard == ready
+
+    def submit(**targets: object) -> SubmitRequest:
+        return SubmitRequest("r", [1, 2], SamplingParams(max_tokens=4), **targets)  # type: ignore[arg-type]
+
+    table, default = heard.slo_classes, heard.slo_default_class
+    assert request_targets(submit(slo_class="interactive"), table, default) == INTERACTIVE
+    assert request_targets(submit(), table, default) == LatencyTargets(ttft_ms=30000.0)
+    assert request_targets(submit(slo_class="interactive", ttft_ms=500.0), table, default) == (
+        LatencyTargets(ttft_ms=500.0, tpot_ms=50.0)
+    )
+    assert request_targets(submit(slo_class="unknown"), table, default) is None
+    assert request_targets(submit(), table, None) is None
+    assert request_targets(submit(), {}, None) is None  # an engine reporting no classes
+    # routed: the class's 2 s TTFT passes over the engine with the long queue
+    router = _router([SLOW_QUEUE, FAST_QUEUE], running=[4, 9])
+    targets = request_targets(submit(slo_class="interactive"), table, default)
+    assert router.choose([1] * 1000, [0, 1], targets=targets) == 1

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import pytest
+
 from services.worker.sim.cost_model import step_cost, step_work
 from services.worker.sim.profiles import DEVICES, MODELS
 from shared.step_cost import (
     MIN_SURPRISES,
     StepCostPredictor,
     StepShape,
+    _stack,
+    fit,
+    predict,
     step_shape,
 )
 
@@ -32,11 +38,20 @@ def _steps(rng: random.Random, n: int) -> list[tuple[list[int], list[int], int]]
     return out
 
 
+def _refit(predictor: StepCostPredictor, max_calls: int = 9) -> int:
+    """Call maybe_refit (once per step in the scheduler) until a fit completes: how many calls
+    that took (a full fit: one per starting split)."""
+    for calls in range(1, max_calls + 1):
+        if predictor.maybe_refit():
+            return calls
+    raise AssertionError(f"no fit completed in {max_calls} calls")
+
+
 def _fitted(timed: list[tuple[StepShape, float]]) -> StepCostPredictor:
     predictor = StepCostPredictor(window=len(timed), first_fit=len(timed))
     for shape, seconds in timed:
         predictor.observe(shape, seconds)
-    assert predictor.maybe_refit()
+    _refit(predictor)
     return predictor
 
 
@@ -91,10 +106,14 @@ def test_long_steps_are_refitted_sooner_than_short_ones() -> None:
         predictor = StepCostPredictor(first_fit=64)
         for shape, t in timed[:64]:
             predictor.observe(shape, t)
-        assert predictor.maybe_refit() and predictor.num_fits == 1
+        _refit(predictor)
+        assert predictor.num_fits == 1
         for shape, _ in timed[64:80]:
             predictor.observe(shape, seconds)
-        assert predictor.maybe_refit() is refits
+        if refits:  # due (a full one here: they surprise the fit), one split a call
+            _refit(predictor)
+        else:
+            assert not any(predictor.maybe_refit() for _ in range(9))
 
 
 def test_steps_that_surprise_the_fit_make_a_full_refit_due() -> None:
@@ -108,7 +127,7 @@ def test_steps_that_surprise_the_fit_make_a_full_refit_due() -> None:
     predictor = StepCostPredictor(first_fit=64)
     for shape, t in decodes[:64]:
         predictor.observe(shape, t)
-    assert predictor.maybe_refit()
+    _refit(predictor)
     assert _worst(predictor, chunks[20:60]) > 0.5  # stale for prompt chunks
     first_refit = None
     for i, (shape, t) in enumerate(chunks[:40]):
@@ -118,3 +137,22 @@ def test_steps_that_surprise_the_fit_make_a_full_refit_due() -> None:
     # MIN_SURPRISES steps at least; more only while they have not paid for the fit's time
     assert first_refit is not None and first_refit >= MIN_SURPRISES
     assert _worst(predictor, chunks[40:80]) < 0.01  # quick fits alone leave it ~0.2
+
+
+def test_a_full_fit_is_spread_over_calls_one_starting_split_each() -> None:
+    # the scheduler calls maybe_refit once per step, between answering its frontends: a full
+    # fit (9 starting splits, ~30 ms) done in one call kept a refusal waiting for all of it
+    timed = _log("h200", seed=6, n=64)
+    predictor = StepCostPredictor(first_fit=64, max_starts=9)
+    for shape, t in timed:
+        predictor.observe(shape, t)
+    for _ in range(8):  # each call one starting split: nothing to predict with yet
+        assert not predictor.maybe_refit() and predictor.predict(timed[0][0]) is None
+    extra = step_shape([100], [1], 1)
+    predictor.observe(extra, 0.01)  # a step observed meanwhile is not in this fit
+    assert predictor.maybe_refit() and predictor.num_fits == 1
+    # the same model as the fit done at once on the samples it started with
+    features = _stack([s for s, _ in timed])
+    at_once = predict(features, fit(features, np.array([t for _, t in timed]), 9))
+    for (shape, _), expected in zip(timed, at_once, strict=True):
+        assert predictor.predict(shape) == pytest.approx(float(expected), rel=1e-9)
