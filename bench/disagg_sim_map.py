@@ -77,8 +77,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="the simulated workers' (default: the model's, 8,192 for Llama-3)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="the simulated workers' (default: model's)"
+    )
     p.add_argument("--budget", type=int, default=2048, help="token budget and chunk size")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--ttft-ms", type=float, default=2000.0)

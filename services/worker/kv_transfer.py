@@ -287,7 +287,7 @@ class KvTransfer:
         if endpoint is None:
             message = (f"the prefill worker serves {len(src.kv_endpoint.split())} tensor-parallel"
                        f" rank(s) ({src.kv_endpoint}), this worker has {self._world_size}: "
-                       "its KV heads are not split as ours; recomputed instead")
+                       "its KV heads are not split as ours; recomputed instead")  # fmt: skip
             self._log.error("kv_pull_refused", rid=msg.rid, code=TP_MISMATCH, message=message)
             self._answers.append(self._failed(msg, TP_MISMATCH, message))
             return
@@ -347,8 +347,9 @@ class KvTransfer:
                 self._log.info("kv_pulled", rid=msg.rid, num_blocks=len(msg.block_ids),
                                num_bytes=pull.num_bytes, seconds=seconds,
                                source=key[0])  # fmt: skip
-                self._answers.append(KvPulled(msg.rid, True, pull.num_bytes, seconds,
-                                              rank=self._rank, world_size=self._world_size))
+                done = KvPulled(msg.rid, True, pull.num_bytes, seconds, rank=self._rank,
+                                world_size=self._world_size)  # fmt: skip
+                self._answers.append(done)
             elif pull.landed_at is None and pull.deadline <= now:
                 del self._pulls[key]
                 message = f"no answer from {key[0]}"
@@ -357,7 +358,7 @@ class KvTransfer:
     def _failed(self, msg: PullKv, code: str, message: str) -> KvPulled:
         self._log.warning("kv_pull_failed", rid=msg.rid, code=code, message=message)
         return KvPulled(msg.rid, False, code=code, message=message, rank=self._rank,
-                        world_size=self._world_size)
+                        world_size=self._world_size)  # fmt: skip
 
     def _peer(self, endpoint: str) -> zmq.Socket:
         sock = self._peers.get(endpoint)

@@ -62,10 +62,8 @@ def run_worker(
     if stop.is_set():
         return 0
     log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
-    try:
-        kv = _kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
-    except FatalWorkerError as exc:  # a rank lost while they gathered their KV endpoints
-        log.error("worker_group_lost", message=str(exc), exit_code=EXIT_GROUP_LOST)
+    kv = _kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
+    if kv is None:  # a rank was lost while the ranks gathered their KV endpoints
         return EXIT_GROUP_LOST
     code = serve_worker(
         runner,
@@ -109,7 +107,12 @@ def _kv_transfer(
     pull_timeout_s: float,
 ) -> Any:
     """The worker's KV hand-over: every rank pulls its KV-head shard, and serves it when
-    `kv_addr` is given (services/worker/kv_ranks.py)."""
+    `kv_addr` is given (services/worker/kv_ranks.py); None (logged) when the tensor-parallel
+    group was lost meanwhile."""
     from services.worker.kv_ranks import make_kv_transfer
 
-    return make_kv_transfer(runner, parallel, log, kv_addr, curve_keys, pull_timeout_s)
+    try:
+        return make_kv_transfer(runner, parallel, log, kv_addr, curve_keys, pull_timeout_s)
+    except FatalWorkerError as exc:
+        log.error("worker_group_lost", message=str(exc), exit_code=EXIT_GROUP_LOST)
+        return None
