@@ -77,6 +77,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="the simulated workers' (default: model's)"
+    )
     p.add_argument("--budget", type=int, default=2048, help="token budget and chunk size")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--ttft-ms", type=float, default=2000.0)
@@ -87,12 +90,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def stack_settings(args: argparse.Namespace, layout: Layout, log_dir: Path) -> StackSettings:
     budget = layout.budget or args.budget
+    # a budget under --max-num-seqs caps the slots too (the scheduler needs budget >= slots)
     sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, chunk_size=budget,
+        max_num_seqs=min(args.max_num_seqs, budget), max_num_batched_tokens=budget,
+        chunk_size=budget,
         step_composition=layout.composition,  # type: ignore[arg-type]
     )  # fmt: skip
     sim = SimConfig(device=args.device, model=args.model, weight_dtype=args.weight_dtype,
-                    kv_link=args.kv_link, kv_reads=layout.kv_reads or args.kv_reads)  # fmt: skip
+                    kv_link=args.kv_link, kv_reads=layout.kv_reads or args.kv_reads,
+                    max_model_len=args.max_model_len)  # fmt: skip
     engines: dict[str, int] = (
         {"data_parallel_size": layout.num_colocated}
         if layout.num_colocated

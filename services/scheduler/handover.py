@@ -116,6 +116,7 @@ class _Pull:
     block_ids: list[int]
     decision: Optional[ArrivalDecision]  # its targets, decided on arrival, kept for admission
     cancelled: bool = False
+    answers: dict[int, KvPulled] = dataclasses.field(default_factory=dict)  # rank -> its answer
 
 
 # A request to admit once its pull ends, with the targets decided on its arrival (a hand-over
@@ -176,12 +177,18 @@ class Pulls:
         return True
 
     def finish(self, msg: KvPulled) -> Optional[Admission]:
-        """The worker's KvPulled: the request to admit now and its arrival decision (None:
-        unknown or cancelled). On
-        success its pulled blocks are registered in the prefix cache before they are freed."""
-        pull = self._pending.pop(msg.rid, None)
+        """A rank's KvPulled: the request to admit now and its arrival decision (None:
+        unknown, cancelled, or other ranks of a tensor-parallel worker still pulling their
+        shards: its blocks are written only when every rank has answered). On success its
+        pulled blocks are registered in the prefix cache before they are freed."""
+        pull = self._pending.get(msg.rid)
         if pull is None:
             return None
+        pull.answers[msg.rank] = msg
+        if len(pull.answers) < msg.world_size:
+            return None
+        del self._pending[msg.rid]
+        msg = _joined(msg.rid, list(pull.answers.values()))
         src = pull.submit.kv_source
         assert src is not None
         if msg.ok:
@@ -242,3 +249,13 @@ class Pulls:
         }  # fmt: skip
         out.update({f"num_kv_pulls_skipped_{k}": v for k, v in self.num_skipped.items()})
         return out
+
+
+def _joined(rid: str, answers: list[KvPulled]) -> KvPulled:
+    """The ranks' answers to one pull as one: ok when every rank's shard landed (its bytes
+    summed, the slowest rank's seconds), else the first failure's code (the request
+    recomputes; a shard alone is no KV)."""
+    failed = [a for a in answers if not a.ok]
+    if failed:
+        return KvPulled(rid, False, code=failed[0].code, message=failed[0].message)
+    return KvPulled(rid, True, sum(a.num_bytes for a in answers), max(a.seconds for a in answers))

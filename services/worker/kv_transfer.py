@@ -41,6 +41,7 @@ from shared.protocol.kv_channel import KvRead, KvReadReply
 from shared.protocol.worker_channel import EndLease, GrantLease, KvPulled, PullKv
 
 LEASE_UNKNOWN = "lease_unknown"  # no such lease, or another generation: freed, maybe reused
+TP_MISMATCH = "kv_tp_mismatch"  # the prefill worker has another number of tensor-parallel ranks
 GRANT_WAIT_S = 0.5  # a read of a lease newer than every grant waits this long for its grant
 
 
@@ -91,7 +92,9 @@ class KvTransfer:
     (`server`, a ROUTER, on prefill workers; one DEALER per prefill worker pulled from);
     `on_events` serves what they bring; `on_message` takes the worker-channel messages of the
     hand-over; `take_answers` hands out the KvPulled to send. Owns the leases this worker may
-    serve (lease id -> (generation, blocks)) and the pulls in flight."""
+    serve (lease id -> (generation, blocks)) and the pulls in flight. A tensor-parallel worker
+    has one per rank (kv_ranks.py): rank r serves and pulls its own KV-head shard, from rank r
+    of the other side, and answers each pull itself (`KvPulled.rank` of `world_size`)."""
 
     def __init__(
         self,
@@ -101,8 +104,12 @@ class KvTransfer:
         bind_addr: Optional[str] = None,
         curve_keys: Optional[Path] = None,
         pull_timeout_s: float = 1.0,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self._pool = pool
+        self._rank = rank
+        self._world_size = world_size
         self._context = context
         self._log = log
         self._curve_keys = curve_keys
@@ -276,13 +283,21 @@ class KvTransfer:
         """Send the read of `msg.source` to its prefill worker; the answer is served by
         `on_events` when it lands (or the pull fails at its time-out, `tick`)."""
         src = msg.source
-        key = (src.kv_endpoint, src.lease_id, src.generation)
+        endpoint = rank_endpoint(src.kv_endpoint, self._rank, self._world_size)
+        if endpoint is None:
+            message = (f"the prefill worker serves {len(src.kv_endpoint.split())} tensor-parallel"
+                       f" rank(s) ({src.kv_endpoint}), this worker has {self._world_size}: "
+                       "its KV heads are not split as ours; recomputed instead")  # fmt: skip
+            self._log.error("kv_pull_refused", rid=msg.rid, code=TP_MISMATCH, message=message)
+            self._answers.append(self._failed(msg, TP_MISMATCH, message))
+            return
+        key = (endpoint, src.lease_id, src.generation)
         if key in self._pulls:  # the same lease twice: the second could not be told apart
             self._answers.append(self._failed(msg, "duplicate_pull", "already pulling it"))
             return
         began = time.perf_counter()
         self._pulls[key] = _Pull(msg, began, began + self._pull_timeout_s)
-        self._peer(src.kv_endpoint).send(encode(KvRead(src.lease_id, src.generation)))
+        self._peer(endpoint).send(encode(KvRead(src.lease_id, src.generation)))
 
     def _on_replies(self, endpoint: str, sock: zmq.Socket) -> None:
         """Every answer waiting on one pull connection, each to the pull it answers (an
@@ -325,22 +340,25 @@ class KvTransfer:
     def _end_pulls(self, now: float) -> None:
         """Answer the pulls that landed by `now`; fail those past their time-out unanswered."""
         for key, pull in list(self._pulls.items()):
-            msg, src = pull.msg, pull.msg.source
+            msg = pull.msg
             if pull.landed_at is not None and pull.landed_at <= now:
                 del self._pulls[key]
                 seconds = now - pull.began
                 self._log.info("kv_pulled", rid=msg.rid, num_blocks=len(msg.block_ids),
                                num_bytes=pull.num_bytes, seconds=seconds,
-                               source=src.kv_endpoint)  # fmt: skip
-                self._answers.append(KvPulled(msg.rid, True, pull.num_bytes, seconds))
+                               source=key[0])  # fmt: skip
+                done = KvPulled(msg.rid, True, pull.num_bytes, seconds, rank=self._rank,
+                                world_size=self._world_size)  # fmt: skip
+                self._answers.append(done)
             elif pull.landed_at is None and pull.deadline <= now:
                 del self._pulls[key]
-                message = f"no answer from {src.kv_endpoint}"
+                message = f"no answer from {key[0]}"
                 self._answers.append(self._failed(msg, "timeout", message))
 
     def _failed(self, msg: PullKv, code: str, message: str) -> KvPulled:
         self._log.warning("kv_pull_failed", rid=msg.rid, code=code, message=message)
-        return KvPulled(msg.rid, False, code=code, message=message)
+        return KvPulled(msg.rid, False, code=code, message=message, rank=self._rank,
+                        world_size=self._world_size)  # fmt: skip
 
     def _peer(self, endpoint: str) -> zmq.Socket:
         sock = self._peers.get(endpoint)
@@ -366,3 +384,11 @@ class KvTransfer:
         if self.server is not None:
             self.server.close()
         stop_authenticator(self._auth)
+
+
+def rank_endpoint(kv_endpoint: str, rank: int, world_size: int) -> Optional[str]:
+    """Rank `rank`'s endpoint in a prefill worker's `kv_endpoint` (its ranks' endpoints,
+    space-separated, rank order: kv_ranks.py); None when that worker has another number of
+    ranks than `world_size`, ours (a shard of other heads than ours: never pulled)."""
+    endpoints = kv_endpoint.split()
+    return endpoints[rank] if len(endpoints) == world_size else None

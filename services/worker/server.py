@@ -63,6 +63,8 @@ def run_worker(
         return 0
     log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
     kv = _kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
+    if kv is None:  # a rank was lost while the ranks gathered their KV endpoints
+        return EXIT_GROUP_LOST
     code = serve_worker(
         runner,
         plan_address,
@@ -104,15 +106,13 @@ def _kv_transfer(
     curve_keys: Optional[Path],
     pull_timeout_s: float,
 ) -> Any:
-    """The worker's KV hand-over (services/worker/kv_transfer.py): a single-rank worker pulls
-    KV, and serves it at `kv_addr` when given; None for a tensor-parallel rank (its per-rank
-    hand-over of KV-head shards is not built)."""
-    if parallel.world_size != 1:
+    """The worker's KV hand-over: every rank pulls its KV-head shard, and serves it when
+    `kv_addr` is given (services/worker/kv_ranks.py); None (logged) when the tensor-parallel
+    group was lost meanwhile."""
+    from services.worker.kv_ranks import make_kv_transfer
+
+    try:
+        return make_kv_transfer(runner, parallel, log, kv_addr, curve_keys, pull_timeout_s)
+    except FatalWorkerError as exc:
+        log.error("worker_group_lost", message=str(exc), exit_code=EXIT_GROUP_LOST)
         return None
-    import zmq
-
-    from services.worker.kv_pool import TensorKvPool
-    from services.worker.kv_transfer import KvTransfer
-
-    pool = TensorKvPool(runner.kv_cache)
-    return KvTransfer(pool, zmq.Context.instance(), log, kv_addr, curve_keys, pull_timeout_s)

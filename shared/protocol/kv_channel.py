@@ -20,7 +20,8 @@ class KvHandover:
     """Where a request's prompt KV waits for its decode engine: the prefill scheduler's lease
     (`lease_id`, `generation`) over `block_ids` (its full blocks, in order: `num_tokens` =
     len(block_ids) * block_size prompt positions). `kv_endpoint`: the prefill worker's KV
-    address, filled in by the frontend from that engine's EngineReady."""
+    address (a tensor-parallel worker's: one per rank, space-separated, in rank order), filled
+    in by the frontend from that engine's EngineReady."""
 
     lease_id: int
     generation: int

@@ -39,7 +39,7 @@ class WorkerReady:
     # speculative decoding: the worker's proposer ("ngram", "sim"); None: it does not
     # speculate, so the scheduler gives no draft limits (docs/design/speculation.md)
     proposer: Optional[str] = None
-    kv_endpoint: str = ""  # where decode workers pull this worker's leased KV ("": nowhere)
+    kv_endpoint: str = ""  # where decode workers pull its leased KV (per rank, space-separated)
 
     def __post_init__(self) -> None:
         # Checked on decode (the codec turns this into invalid_field): a WorkerReady that
@@ -219,7 +219,7 @@ class PullKv:
 @dataclass(frozen=True, slots=True)
 class KvPulled:
     """Decode worker -> scheduler: the answer to `PullKv` (`ok` False: nothing usable was
-    written; `code` says why)."""
+    written; `code` says why), one per rank of the worker."""
 
     rid: str
     ok: bool
@@ -227,6 +227,10 @@ class KvPulled:
     seconds: float = 0.0
     code: str = ""
     message: str = ""
+    # a tensor-parallel decode worker: every rank pulls its own KV-head shard and answers
+    # (`rank` of `world_size`); the scheduler admits the request once all have answered
+    rank: int = 0
+    world_size: int = 1
 
 
 def check_plan(plan: StepPlan) -> None:

@@ -8,6 +8,8 @@ the output index; every context read is checked against the KV its blocks hold),
   worker's KV, starts from them as a prefix-cache hit and goes on exactly as the undisturbed
   request; releasing the lease frees the blocks;
 * a failed pull, and a worker lost during a pull, recompute instead, with the same tokens;
+* a tensor-parallel decode worker's pull is admitted once every rank answered (one failed:
+  recomputed);
 * an unreleased lease expires after `lease_timeout_s` (renewed: later) and its blocks are
   free again.
 """
@@ -100,6 +102,33 @@ def test_a_failed_pull_and_a_lost_worker_recompute_the_same_tokens() -> None:
         assert run.tokens("r") == whole[1:]
         assert run.plans[0].start_positions == [0]  # recomputed: nothing was pulled
         assert dec.pool.num_used == 0
+
+
+def test_a_tensor_parallel_pull_is_admitted_once_every_rank_answered() -> None:
+    """Two decode ranks pull their own shard each: one rank's answer admits nothing (the other
+    may still be writing its shard into the blocks); both ok: the pulled blocks are a prefix hit
+    (bytes summed, the slower rank's seconds); one failed: the request recomputes."""
+    whole = undisturbed()
+    pre, pre_worker, _, ref = prefill()
+    for second_ok in (True, False):
+        dec, dec_worker, dec_clock = make()
+        dec.add_request(decode_submit(whole[:1], ref))
+        (pull,) = dec.take_worker_messages()
+        copy_kv(pre_worker, ref.block_ids, dec_worker, pull.block_ids)
+        dec.pull_done(KvPulled("r", True, 1000, 0.002, rank=1, world_size=2))
+        assert not dec.has_work() and dec.is_live("r") and dec.pulls.take_done() == []
+        last = KvPulled("r", second_ok, 1000, 0.001, code="" if second_ok else "timeout",
+                        rank=0, world_size=2)  # fmt: skip
+        dec.pull_done(last)
+        (done,) = dec.pulls.take_done()
+        assert (done.ok, done.code) == ((True, "") if second_ok else (False, "timeout"))
+        if second_ok:
+            assert done.num_bytes == 2000 and done.seconds == 0.002
+        run = drive(dec, dec_worker, dec_clock)
+        assert run.tokens("r") == whole[1:]
+        assert run.plans[0].start_positions == [40 if second_ok else 0]
+        assert dec.pool.num_used == 0
+        dec.check_invariants()
 
 
 def test_an_aborted_pull_admits_nothing_and_frees_its_blocks() -> None:
