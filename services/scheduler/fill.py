@@ -205,6 +205,7 @@ class StepFiller:
         """Continuous mode: waiting requests join in policy order. Stops at the first that does
         not fit (no skipping ahead: that is what keeps fcfs fair and aging effective)."""
         admitted: list[Request] = []
+        num_cached_admitted = 0  # prompt tokens the admitted found in the prefix cache
         config, cache, pool, bs = self._config, self._cache, self._pool, self._block_size
         batch, slo, is_aged = self._batch, self._slo, self._waiting.is_aged
         for req in self._waiting.ordered(now):
@@ -227,10 +228,13 @@ class StepFiller:
             batch.allocate_for(req, need)
             admitted.append(req)
             step.add_chunk(req, n)
+            num_cached_admitted += num_cached
         for req in admitted:
             self._waiting.remove(req)
         if slo is not None:
-            num_prompt_tokens = step.num_counted_tokens - len(step.decodes)
+            # the prompts' tokens served this step, computed or found cached: the slo policy
+            # predicts a wait from whole prompts ahead, so its rate counts hits as served too
+            num_prompt_tokens = step.num_counted_tokens - len(step.decodes) + num_cached_admitted
             slo.end_step(now, len(admitted), len(self._waiting), num_prompt_tokens)
 
     def _make_room_for_priority(self, step: StepBuilder, now: float) -> None:

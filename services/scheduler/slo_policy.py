@@ -237,7 +237,8 @@ class SloPolicy:
     def end_step(
         self, now: float, num_admitted: int, num_waiting: int, num_prompt_tokens: int
     ) -> None:
-        """Called after each fill's admissions with the prompt tokens the step holds: the
+        """Called after each fill's admissions with the prompt tokens the step holds (and those
+        its admitted requests found in the prefix cache: whole prompts are what waits): the
         interval since the previous fill counts towards the rates when that fill left requests
         waiting (a backlog: what was admitted since is the engine's rate, not the arrivals').
         Counting by the state at the interval's start, not its end, keeps the fill that

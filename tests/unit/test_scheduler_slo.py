@@ -139,3 +139,26 @@ def test_under_slo_every_waiting_request_runs_within_the_aging_bound(
     bound = max_wait + (stream_tokens + 3 + 40) * max_step_s(max_num_seqs, budget)
     assert started - arrived <= bound + 1e-9, (started - arrived, bound)
     assert run.final("starved").error_code is None
+
+
+def test_prompt_tokens_found_cached_count_as_served_in_the_ttft_rate() -> None:
+    """With prefix caching, whole prompts wait (`predicted_ttft` sums them), so the measured
+    prompt-token rate counts the cached part of an admitted prompt as served: the rate is the
+    admission rate times the prompt length, not times its uncached tail (which predicted a
+    TTFT several times too long and refused reachable requests)."""
+    sched, worker, clock = make(num_blocks=512, policy="slo", max_num_seqs=2,
+                                max_num_batched_tokens=64, chunk_size=64,
+                                enable_prefix_caching=True)  # fmt: skip
+    run, prefix, prompt_len = Run(), list(range(3, 51)), 56  # 48 shared tokens: 12 blocks
+    for i in range(240):
+        if i % 2 == 0:  # arrivals outpace the 2 slots: a backlog throughout
+            tail = [100 + (i + j) % 800 for j in range(prompt_len - len(prefix))]
+            sub = submit(f"r{i}", prompt_len, 6)
+            assert (
+                sched.add_request(dataclasses.replace(sub, prompt_token_ids=prefix + tail)) is None
+            )
+        timed_step(sched, worker, clock, run)
+    assert sched.slo is not None and sched.stats()["num_waiting"] > 4
+    requests_per_s, tokens_per_s = sched.slo.admission_rate(), sched.slo.prompt_token_rate()
+    assert requests_per_s and tokens_per_s
+    assert tokens_per_s / requests_per_s > 0.8 * prompt_len  # the uncached tail: 8 tokens
