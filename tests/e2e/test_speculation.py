@@ -123,7 +123,7 @@ def test_a_json_schema_request_drafts_and_keeps_its_text(
 ) -> None:
     """Structured outputs under speculation: the grammar masks every verified row (the
     matcher advanced through the drafts), so the text equals the text without, parses,
-    and drafts were accepted."""
+    and drafts were accepted; the step log's lines carry the drafts."""
     want = _run_all(engine.frontend_address, JSON_REQUESTS)
     before = _engine_stats(spec_engine.frontend_address)
     got = _run_all(spec_engine.frontend_address, JSON_REQUESTS)
@@ -134,6 +134,11 @@ def test_a_json_schema_request_drafts_and_keeps_its_text(
     assert set(json.loads(got[0].text)) == {"text", "count"}
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert accepted >= 10, accepted  # the neighbour accepts at most 7 of its 8 tokens
+    # the step log says the same per step (lines flushed so far: at most the counters)
+    steps = [r for r in spec_engine.log_records("scheduler") if r.get("event") == "step"]
+    logged = sum(r.get("num_accepted_tokens", 0) for r in steps)
+    assert 0 < logged <= after["spec_decode_num_accepted_tokens"], logged
+    assert sum(r.get("num_draft_tokens", 0) for r in steps) >= logged
 
 
 def _check_logprobs(got: Completion, want: Completion, kw: dict[str, Any]) -> None:
