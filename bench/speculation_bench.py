@@ -6,43 +6,73 @@ alternating in one command, and whether the texts are equal.
 
 Workloads: `repeat` (a text given twice, which the model goes on repeating: a verbatim copy) and
 `instruct` (asked to copy a text: SmolLM2-135M writes new text instead, so this is the
-n-gram proposer on ordinary output). Greedy, `--max-tokens` each. The natural-text workloads
+n-gram proposer on ordinary output), and `json` (asked to copy a JSON list of records under its
+json_schema: structured outputs, each verified row masked by the grammar; ends when the JSON
+does). Greedy, `--max-tokens` each. The natural-text workloads
 through the whole engine: `conveyor bench --scenarios copy,edit,quote` (docs/bench.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from services.scheduler import Scheduler, SchedulerConfig
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from shared.model_files import prepare_model
 from shared.protocol.engine_channel import SubmitRequest
-from shared.protocol.sampling import SamplingParams
+from shared.protocol.sampling import Constraint, SamplingParams
 
 SOURCE = Path(__file__).resolve().parent.parent / "services" / "scheduler" / "request.py"
 
 
-def _prompts() -> dict[str, str]:
+PEOPLE = [
+    {"name": n, "city": c, "age": a}
+    for n, c, a in [("Ada Lovelace", "London", 36), ("Alan Turing", "Wilmslow", 41),
+                    ("Grace Hopper", "Arlington", 85), ("Edsger Dijkstra", "Nuenen", 72),
+                    ("Barbara Liskov", "Cambridge", 84), ("Donald Knuth", "Stanford", 86)]
+]  # fmt: skip
+PEOPLE_SCHEMA = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                       "age": {"type": "integer"}},
+        "required": ["name", "city", "age"], "additionalProperties": False}}},
+    "required": ["people"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def _prompts() -> dict[str, tuple[str, Optional[Constraint]]]:
     text = SOURCE.read_text()
+    people = json.dumps({"people": PEOPLE})
     return {
-        "repeat": f"{text[:700]}\n\n{text[:700]}\n\n",
-        "instruct": f"Copy the following text exactly.\n\n{text[:1400]}\n\nCopy:\n\n",
+        "repeat": (f"{text[:700]}\n\n{text[:700]}\n\n", None),
+        "instruct": (f"Copy the following text exactly.\n\n{text[:1400]}\n\nCopy:\n\n", None),
+        "json": (
+            f"Copy this JSON exactly.\n\n{people}\n\nCopy:\n\n",
+            Constraint("json_schema", json.dumps(PEOPLE_SCHEMA)),
+        ),  # fmt: skip
     }
 
 
-def _run(runner: ModelRunner, prompt: list[int], args: argparse.Namespace, rid: str) -> tuple:
+def _run(
+    runner: ModelRunner, prompt: list[int], args: argparse.Namespace, rid: str,
+    constraint: Optional[Constraint],
+) -> tuple:  # fmt: skip
     """One request to its end: (tokens, tok/s after the first, steps, drafts, accepted)."""
     ready = runner.ready_message()
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, chunk_size=512,
                              num_speculative_tokens=args.k)  # fmt: skip
     sched = Scheduler(config, ready.num_blocks, ready.block_size, ready.max_model_len,
                       ready.eos_token_ids, speculative=ready.proposer is not None)  # fmt: skip
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                              ignore_eos=constraint is None, constraint=constraint)  # fmt: skip
     sched.add_request(SubmitRequest(rid, prompt, sampling))
     out: list[int] = []
     first, steps = 0.0, 0
@@ -69,6 +99,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--workloads", default="", help="comma-separated (default: all)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -76,13 +107,16 @@ def main(argv: list[str]) -> int:
     runners = {mode: ModelRunner(WorkerConfig(dtype="float32", kv_cache_memory=128 << 20,
                                               max_model_len=2048, speculative=mode))
                for mode in ("off", "ngram")}  # fmt: skip
-    for name, text in _prompts().items():
+    for name, (text, constraint) in _prompts().items():
+        if args.workloads and name not in args.workloads.split(","):
+            continue
         prompt = tok(text)["input_ids"]
         rates: dict[str, list[float]] = {"off": [], "ngram": []}
         texts = set()
         for i in range(args.rounds):
             for mode in ("off", "ngram") if i % 2 == 0 else ("ngram", "off"):
-                out, rate, steps, drafts, accepted = _run(runners[mode], prompt, args, f"{i}")
+                out, rate, steps, drafts, accepted = _run(runners[mode], prompt, args, f"{i}",
+                                                             constraint)  # fmt: skip
                 rates[mode].append(rate)
                 texts.add(tuple(out))
                 print(f"{name:8s} {mode:5s} round {i}: {rate:6.1f} tok/s, {steps} steps, "

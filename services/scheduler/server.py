@@ -310,7 +310,7 @@ class SchedulerServer:
 
     def _log_step(self, flight: InFlightStep, result: StepResult, now: float, n_out: int) -> None:
         # converted once, after the next plan has left: the record is not copied on send
-        fields = self._step_columns.fields(flight.record)
+        fields = self._step_columns.fields(flight.record, flight.plan, result)
         fields.update(
             step_id=result.step_id,
             num_seqs=flight.plan.num_seqs,

@@ -3,7 +3,8 @@
 Like vLLM's periodic "Avg prompt throughput ..." line: while there is work, the scheduler logs
 once per `interval_s` the prompt and generation tokens per second over that interval, the requests
 running / waiting / preempted, the KV pool's use, the prefix cache's hit rate (only when the
-core reports one), the drafts' acceptance (only while speculation drafts), the median step time
+core reports one), the drafts' acceptance (only while speculation drafts: tokens drafted and
+accepted, the mean acceptance length and the acceptance per position), the median step time
 and the step-time predictor's p50 / p90 relative error (once it has fitted). Idle, it logs
 nothing.
 
@@ -24,6 +25,7 @@ PREFIX_HIT_KEY = "num_prefix_cache_hit_tokens"
 PREFIX_QUERY_KEY = "num_prefix_cache_query_tokens"
 # Speculation's counters (services/scheduler/speculation.py), present when the worker drafts.
 DRAFT_KEY, ACCEPTED_KEY = "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"
+ROWS_KEY, POS_KEY = "spec_decode_num_drafts", "spec_decode_num_accepted_tokens_pos_"
 # the step-time predictor's p50 / p90 relative error (shared/step_cost.py), once it has fitted
 PREDICTOR_P50_KEY = "step_predictor_p50_error"
 PREDICTOR_P90_KEY = "step_predictor_p90_error"
@@ -104,10 +106,8 @@ def summarize(
     queries = delta(PREFIX_QUERY_KEY)
     if PREFIX_QUERY_KEY in after and queries > 0:
         out["prefix_cache_hit_pct"] = round(100.0 * delta(PREFIX_HIT_KEY) / queries, 1)
-    drafts = delta(DRAFT_KEY)
-    if drafts > 0:  # speculation: the share of the interval's drafts the target accepted
-        out["num_draft_tokens"] = int(drafts)
-        out["draft_acceptance_pct"] = round(100.0 * delta(ACCEPTED_KEY) / drafts, 1)
+    if delta(DRAFT_KEY) > 0:
+        out.update(_drafts(delta, after))
     if pulls := delta("num_kv_pulls"):  # a decode engine's KV hand-overs in the interval
         seconds = delta("kv_pull_seconds")
         out.update(num_kv_pulls=int(pulls), kv_pull_mib=round(delta("kv_pull_bytes") / 2**20, 1),
@@ -115,4 +115,24 @@ def summarize(
                    if seconds else None)  # fmt: skip
     if leases := delta("num_leases_granted"):  # a prefill engine's
         out.update(num_leases_granted=int(leases), num_leases_held=int(after["num_leases"]))
+    return out
+
+
+def _drafts(delta: Callable[[str], float], after: Mapping[str, float]) -> dict[str, Any]:
+    """Speculation over an interval with drafts, in vLLM's terms: draft and accepted tokens,
+    the share accepted, the mean acceptance length (tokens a drafting decode emitted: 1 + its
+    accepted drafts, averaged) and the acceptance per draft position (the share of drafting
+    decodes whose first j + 1 drafts were all accepted)."""
+    drafts, accepted, rows = delta(DRAFT_KEY), delta(ACCEPTED_KEY), delta(ROWS_KEY)
+    out: dict[str, Any] = {
+        "num_draft_tokens": int(drafts),
+        "num_accepted_tokens": int(accepted),
+        "draft_acceptance_pct": round(100.0 * accepted / drafts, 1),
+    }
+    if rows > 0:
+        out["mean_acceptance_length"] = round(1.0 + accepted / rows, 2)
+        positions = sorted(int(k[len(POS_KEY) :]) for k in after if k.startswith(POS_KEY))
+        out["acceptance_per_position_pct"] = [
+            round(100.0 * delta(f"{POS_KEY}{j}") / rows, 1) for j in positions
+        ]
     return out

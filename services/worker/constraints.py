@@ -16,6 +16,11 @@ on that thread too, then advanced through the outputs it already has: recompute 
 matcher from the token history, never from state the worker lost. Only the job changes the
 matchers, and one job runs at a time, so no lock is needed.
 
+Speculative decoding: a constrained sequence verifying d drafts has d + 1 rows of the step's
+logits; the job fills each with the mask after the drafts before it, in the same GIL-free call,
+and the matcher never keeps a draft (services/worker/spec_masks.py). The masks' rows are rows of
+the step's logits.
+
 A matcher that has stopped (the grammar is complete) allows only the end-of-sequence tokens, so
 the request finishes there; one that failed (a token it cannot take, e.g. after a stop token
 ended the request one step early under async scheduling) does the same.
@@ -36,14 +41,14 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 
 from services.worker.held_batch import PENDING_TOKEN, HeldSeq
+from services.worker.spec_masks import first_logits_rows, rows_after_eos
 from shared.constraints import GrammarCache, load_tokenizer
 
 MAX_WAIT_SAMPLES = 4096  # mask waits kept for the bench (the most recent)
 
 
 class TokenMatcher(Protocol):
-    """What a sampler needs of one sequence's grammar state; speculative decoding checks and
-    rolls back drafted tokens through the same three calls."""
+    """What a sampler needs of one sequence's grammar state."""
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +121,7 @@ def eos_only(bitmask: torch.Tensor, row: int, eos_token_ids: Sequence[int]) -> N
 class RowMasks:
     """The step's masks: `bitmask[j]` is for the sampled row `rows[j]`."""
 
-    rows: list[int]  # [R] positions among the step's sampled sequences
+    rows: list[int]  # [R] rows of the step's logits (one per sampler; more with drafts)
     bitmask: torch.Tensor  # [R, ceil(V / 32)] int32, CPU
 
 
@@ -140,14 +145,25 @@ class ConstraintMasks:
         self.mask_wait_s: deque[float] = deque(maxlen=MAX_WAIT_SAMPLES)
         self.num_steps = 0
 
-    def start(self, sampled: Sequence[HeldSeq], held: Iterable[HeldSeq]) -> PendingMasks | None:
+    def start(
+        self,
+        sampled: Sequence[HeldSeq],
+        held: Iterable[HeldSeq],
+        num_drafts: Sequence[int] | None = None,
+    ) -> PendingMasks | None:
         """Called before a step's forward with its sampled sequences (batch order) and every
-        sequence the batch holds; None when no sampled sequence is constrained."""
+        sequence the batch holds; None when no sampled sequence is constrained. `num_drafts`
+        (speculative decoding): the drafts each sampled sequence verifies this step, the last
+        tokens of its history; its rows of the step's logits are 1 + that many, each masked as
+        a plain decode after the drafts before it (spec_masks.py). The masks' rows are rows
+        of the step's logits."""
         rows = [i for i, seq in enumerate(sampled) if seq.sampling.constraint is not None]
         if not rows:
             return None
-        seqs = [sampled[i] for i in rows]
-        return PendingMasks(self._thread.submit(self._job, rows, seqs, list(held)))
+        drafts = list(num_drafts) if num_drafts else [0] * len(sampled)
+        firsts = first_logits_rows(drafts)
+        seqs = [(sampled[i], firsts[i], drafts[i]) for i in rows]
+        return PendingMasks(self._thread.submit(self._job, seqs, list(held)))
 
     def wait(self, pending: PendingMasks) -> RowMasks:
         """Called after the forward: the masks (raises what the job raised)."""
@@ -164,35 +180,45 @@ class ConstraintMasks:
         return None if pending is None else self.wait(pending)
 
     def matcher(self, seq: HeldSeq) -> LlgMatcher | None:
-        """A sequence's matcher, when a job made one (tests, speculative decoding)."""
+        """A sequence's matcher, when a job made one (tests)."""
         return self._matchers.get(seq)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
 
-    def _job(self, rows: list[int], seqs: list[HeldSeq], held: list[HeldSeq]) -> RowMasks:
-        """On the helper thread. Little Python and one call that fills every row without the
-        GIL: the forward's thread needs the GIL back after each of its operations, and a job
-        that held it would stall the forward (measured on the tiny model: 40x slower steps)."""
+    def _job(self, seqs: list[tuple[HeldSeq, int, int]], held: list[HeldSeq]) -> RowMasks:
+        """On the helper thread; `seqs`: (sequence, its first logits row, its drafts). Little
+        Python and one call (two with drafts) that fills every row without the GIL: the
+        forward's thread needs the GIL back after each of its operations, and a job that held
+        it would stall the forward (measured on the tiny model: 40x slower steps)."""
         live = set(held)
         for gone in [s for s in self._matchers if s not in live]:
             del self._matchers[gone]
-        bitmask = torch.full((len(rows), (self._vocab_size + 31) // 32), -1, dtype=torch.int32)
-        work: list[tuple[LLMatcher, int]] = []
-        for j, seq in enumerate(seqs):
-            m = self._synced(seq)
+        num_rows = sum(1 + d for _, _, d in seqs)
+        bitmask = torch.full((num_rows, (self._vocab_size + 31) // 32), -1, dtype=torch.int32)
+        rows: list[int] = []  # the logits row of each bitmask row
+        work: list[tuple[LLMatcher, int, list[int]]] = []  # matcher, its first row, drafts
+        for seq, first, d in seqs:
+            m, at = self._synced(seq, d), len(rows)
+            rows.extend(range(first, first + d + 1))
             if m.failed():
-                eos_only(bitmask, j, self._eos)
+                for row in range(at, at + d + 1):
+                    eos_only(bitmask, row, self._eos)
             else:
-                work.append((m.llg, j))
-        if work:
-            self._executor.unsafe_compute_mask_ptr(
-                work, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows)
-            )
+                work.append((m.llg, at, seq.token_ids[len(seq.token_ids) - d :] if d else []))
+        ptr, size = bitmask.data_ptr(), bitmask.shape[1] * 4
+        if plain := [(m, at) for m, at, drafts in work if not drafts]:
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, size, num_rows)
+        if drafting := [w for w in work if w[2]]:  # masks after each draft (spec_masks.py)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafting, ptr, size, num_rows)
+            for _, at, drafts in drafting:
+                for row in rows_after_eos(at, drafts, self._eos):
+                    eos_only(bitmask, row, self._eos)
         return RowMasks(rows, bitmask)
 
-    def _synced(self, seq: HeldSeq) -> LlgMatcher:
-        """The sequence's matcher, made if new, having consumed every output token it holds."""
+    def _synced(self, seq: HeldSeq, num_drafts: int) -> LlgMatcher:
+        """The sequence's matcher, made if new, having consumed every output token it holds
+        but its last `num_drafts` (this step's drafts; the matcher never keeps a draft)."""
         m = self._matchers.get(seq)
         if m is None:
             assert seq.sampling.constraint is not None
@@ -201,7 +227,8 @@ class ConstraintMasks:
                 self._cache = GrammarCache(tokenizer)
             m = LlgMatcher(self._cache.matcher(seq.sampling.constraint), self._eos)
             self._matchers[seq] = m
-        outputs = seq.token_ids[seq.num_prompt_tokens + m.num_tokens :]
+        end = len(seq.token_ids) - num_drafts
+        outputs = seq.token_ids[seq.num_prompt_tokens + m.num_tokens : end]
         if PENDING_TOKEN in outputs:
             raise RuntimeError(f"{seq.rid!r}: a mask was asked before its last token landed")
         if outputs:

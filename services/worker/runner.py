@@ -70,7 +70,7 @@ from services.worker.sampler import (
     reads_history,
     sample,
 )
-from services.worker.speculate import make_speculator, sample_rows, sample_step
+from services.worker.speculate import make_speculator, sample_rows, sample_step, sampler_drafts
 from services.worker.steps import FatalWorkerError
 from services.worker.warmup import CompileWatch, compile_kernels
 from services.worker.weights import ModelArgs, model_args
@@ -206,7 +206,9 @@ class ModelRunner:
                 self.speculator.propose(self.held, step)
             tensors = self.inputs.tensors(step)
             sampled = step.sampled()  # once: the masks and the sampling both read it
-            masks = self.constraints and self.constraints.start(sampled, self.held.seqs.values())
+            masks = self.constraints and self.constraints.start(
+                sampled, self.held.seqs.values(), sampler_drafts(step)
+            )
             begin = self.clock.mark()
             logits = self._forward(step, tensors)  # [S, V] on rank 0
             end = self.clock.mark()

@@ -14,6 +14,7 @@ decodes a plan gave a limit, and verifying them against the target's own samples
   history: the text equals the text without speculation, greedy or seeded; for n-gram drafts
   (a point mass) this is rejection sampling's accept-with-p(x), residual p without x.
 
+Each row is sampled once: the rows rejection sampling draws are left out of the plain sampler.
 The logprobs of accepted drafts are those of the target's token at each draft's own row (the
 distribution a plain decode at that index would have used).
 
@@ -22,14 +23,19 @@ distribution a plain decode at that index would have used).
   come with the distribution q they were drawn from, and are verified by rejection sampling
   (draft_rejection.py) instead: the target's distribution is kept, not its seeded text.
 
-Not yet (designed): drafts for constrained rows (masks per verified row, matcher rollback),
-tensor parallelism (rank 0 must share the accepted counts), pipelined steps.
+* Constrained rows (structured outputs) draft too: the mask job (constraints.py, on the helper
+  thread beside the forward) gives each of their d + 1 verified rows the mask of the matcher
+  advanced through the drafts before it, and keeps the matcher at the confirmed outputs
+  (spec_masks.py); `verify` applies the masks before any row is read, so a draft the grammar
+  refuses is never accepted.
+
+Not yet (designed): tensor parallelism (rank 0 must share the accepted counts), pipelined steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional, Protocol
+from typing import Optional, Protocol, cast
 
 import torch
 
@@ -37,7 +43,13 @@ from services.worker.config import WorkerConfig
 from services.worker.constraints import RowMasks
 from services.worker.draft_rejection import Drafts, rejection_sample
 from services.worker.held_batch import ExpandedStep, HeldBatch, HeldSeq
-from services.worker.sampler import SampleRow, processed_logits, sample, token_logprobs
+from services.worker.sampler import (
+    SampleRow,
+    apply_token_masks,
+    processed_logits,
+    sample,
+    token_logprobs,
+)
 from shared.protocol.worker_channel import DraftOutcome, TokenLogprobs
 
 VERIFY_SEED = 0  # the rejection sampler's generator (requests without a seed), seeded at start
@@ -126,11 +138,12 @@ class Speculator:
 
     def propose(self, held: HeldBatch, step: ExpandedStep) -> None:
         """Called after the plan is applied, before the inputs are built: each decode with a
-        draft limit gets its drafts (constrained rows draft nothing yet)."""
+        draft limit gets its drafts (constrained ones too: their grammar masks every verified
+        row, spec_masks.py)."""
         self.proposer.forget(step.released)
         self._probs = {}
         limits = step.draft_limits or {}
-        rows = [b for b, n in limits.items() if n > 0 and step.seqs[b].sampling.constraint is None]
+        rows = [b for b, n in limits.items() if n > 0]
         if not rows:
             return
         proposals = self.proposer.propose_rows([step.seqs[b] for b in rows],
@@ -143,9 +156,10 @@ class Speculator:
     def verify(
         self, held: HeldBatch, step: ExpandedStep, logits: torch.Tensor, masks: Optional[RowMasks]
     ) -> tuple[list[int], list[Optional[TokenLogprobs]], Optional[DraftOutcome]]:
-        """`logits` [sum over samplers of 1 + drafts, V] (rows in `draft_logits_rows` order):
-        the sampled token per sampler, their logprobs, and what was accepted. Settles every
-        drafting sequence's history (held.settle); the caller records the tokens."""
+        """`logits` [sum over samplers of 1 + drafts, V] (rows in `draft_logits_rows` order;
+        `masks` name rows of it: one per verified row of a constrained sampler): the sampled
+        token per sampler, their logprobs, and what was accepted. Settles every drafting
+        sequence's history (held.settle); the caller records the tokens."""
         sampled = [b for b, flag in enumerate(step.sample) if flag]
         drafts = step.drafts or {}
         rows: list[SampleRow] = []
@@ -153,20 +167,25 @@ class Speculator:
         for b in sampled:
             starts[b] = len(rows)
             rows.extend(_rows_of(step.seqs[b], drafts.get(b, [])))
-        if masks is not None:  # constrained rows never draft: their row moves with the drafts
-            masks = _shift_masks(masks, sampled, drafts)
+        if masks is not None:  # before anything reads the logits, the free rows too
+            apply_token_masks(logits, masks)
         free = {b: self._reject(logits, rows, starts[b], drafts[b], q)
-                for b, q in self._probs.items()}  # fmt: skip  # before `sample` edits logits
-        targets, logprobs = sample(logits, rows, masks)
+                for b, q in self._probs.items()}  # fmt: skip
+        drawn = {r for b in free for r in range(starts[b], starts[b] + len(drafts[b]) + 1)}
+        targets, logprobs = _sample_rest(logits, rows, drawn)
         tokens: list[int] = []
         kept: list[Optional[TokenLogprobs]] = []
         asking = {b for b in drafts if step.seqs[b].sampling.logprobs is not None}
         outcome = DraftOutcome(logprobs=[] if asking else None)
         for i, b in enumerate(sampled):
             proposed, at = drafts.get(b, []), starts[b]
-            mine, lps = targets[at : at + len(proposed) + 1], logprobs[at : at + len(proposed) + 1]
             # rejection sampling (free rows): its own tokens; else the drafts equal to targets
-            accepted, mine, lps = free[b] if b in free else (_matched(proposed, mine), mine, lps)
+            if b in free:
+                accepted, mine, lps = free[b]
+            else:
+                mine = cast(list[int], targets[at : at + len(proposed) + 1])
+                lps = logprobs[at : at + len(proposed) + 1]
+                accepted = _matched(proposed, mine)
             if proposed:
                 held.settle(step, b, accepted)
                 outcome.rows.append(i)
@@ -235,6 +254,24 @@ def draft_logits_rows(step: ExpandedStep, query_start_loc: list[int]) -> list[in
     return out
 
 
+def _sample_rest(
+    logits: torch.Tensor, rows: list[SampleRow], drawn: set[int]
+) -> tuple[list[Optional[int]], list[Optional[TokenLogprobs]]]:
+    """`sample` over every row but those rejection sampling drew already (each row is
+    sampled once); None at those."""
+    if not drawn:
+        tokens, logprobs = sample(logits, rows)
+        return cast(list[Optional[int]], tokens), logprobs
+    keep = [r for r in range(len(rows)) if r not in drawn]
+    out: list[Optional[int]] = [None] * len(rows)
+    lps: list[Optional[TokenLogprobs]] = [None] * len(rows)
+    if keep:
+        tokens, logprobs = sample(logits[keep], [rows[r] for r in keep])
+        for r, t, lp in zip(keep, tokens, logprobs, strict=True):
+            out[r], lps[r] = t, lp
+    return out, lps
+
+
 def _matched(proposed: list[int], targets: list[int]) -> int:
     """How many leading drafts equal the target's own tokens at their rows."""
     accepted = 0
@@ -267,11 +304,9 @@ def _rows_of(seq: HeldSeq, drafts: list[int]) -> list[SampleRow]:
     ]
 
 
-def _shift_masks(masks: RowMasks, sampled: list[int], drafts: dict[int, list[int]]) -> RowMasks:
-    """Mask rows are sampler indices; with drafts a sampler's row is its last verified row."""
-    where: list[int] = []
-    at = 0
-    for b in sampled:
-        at += len(drafts.get(b, [])) + 1
-        where.append(at - 1)
-    return RowMasks([where[r] for r in masks.rows], masks.bitmask)
+def sampler_drafts(step: ExpandedStep) -> Optional[list[int]]:
+    """How many drafts each sampler of `step` verifies (batch order), None when none drafts:
+    the mask job's row layout (constraints.py `start`)."""
+    if not step.drafts:
+        return None
+    return [len(step.drafts.get(b, [])) for b, flag in enumerate(step.sample) if flag]

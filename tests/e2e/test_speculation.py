@@ -18,6 +18,7 @@ layers; tensor parallelism, the same sums split across ranks, agrees within 1e-4
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -99,6 +100,45 @@ def test_requests_asking_for_logprobs_draft_too(engine: Engine, spec_engine: Eng
     for kw, w, g in zip(asking, want, got, strict=True):
         assert (g.token_ids, g.text) == (w.token_ids, w.text), kw
         _check_logprobs(g, w, kw)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}, "count": {"type": "integer"}},
+    "required": ["text", "count"],
+    "additionalProperties": False,
+}
+JSON_REQUESTS: list[dict[str, Any]] = [  # the model copies JSON that the prompt holds
+    {
+        "prompt": f'Copy this JSON exactly:\n{{"text": "{TEXT}", "count": 2}}\nCopy:\n',
+        "json_schema": SCHEMA,
+        "max_tokens": 48,
+    },  # fmt: skip
+    {"prompt": "The capital of France is", "max_tokens": 8},  # a plain neighbour
+]
+
+
+def test_a_json_schema_request_drafts_and_keeps_its_text(
+    engine: Engine, spec_engine: Engine
+) -> None:
+    """Structured outputs under speculation: the grammar masks every verified row (the
+    matcher advanced through the drafts), so the text equals the text without, parses,
+    and drafts were accepted; the step log's lines carry the drafts."""
+    want = _run_all(engine.frontend_address, JSON_REQUESTS)
+    before = _engine_stats(spec_engine.frontend_address)
+    got = _run_all(spec_engine.frontend_address, JSON_REQUESTS)
+    after = _engine_stats(spec_engine.frontend_address)
+    for kw, w, g in zip(JSON_REQUESTS, want, got, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
+    assert got[0].finish_reason == "stop", got[0].text
+    assert set(json.loads(got[0].text)) == {"text", "count"}
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted >= 10, accepted  # the neighbour accepts at most 7 of its 8 tokens
+    # the step log says the same per step (lines flushed so far: at most the counters)
+    steps = [r for r in spec_engine.log_records("scheduler") if r.get("event") == "step"]
+    logged = sum(r.get("num_accepted_tokens", 0) for r in steps)
+    assert 0 < logged <= after["spec_decode_num_accepted_tokens"], logged
+    assert sum(r.get("num_draft_tokens", 0) for r in steps) >= logged
 
 
 def _check_logprobs(got: Completion, want: Completion, kw: dict[str, Any]) -> None:

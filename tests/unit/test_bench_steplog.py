@@ -4,6 +4,7 @@ Runtime ~5-20 s (matplotlib's import and PNG rendering on a shared 2-core machin
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import orjson
@@ -23,6 +24,7 @@ from conveyor.bench.steplog import (
 )
 from services.scheduler.stats import StepRecord
 from services.scheduler.step_log import StepLogColumns
+from shared.protocol.worker_channel import DraftOutcome, PlanDrafts, StepPlan, StepResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -254,3 +256,20 @@ def test_step_lines_of_two_engines_mixed_in_one_file_keep_their_own_rids(tmp_pat
         ("0", ["x", "y"]), ("1", ["z"]), ("0", ["x", "y"]), ("1", ["z"]),
         ("0", ["x", "y"]), ("1", ["z"]),
     ]  # fmt: skip
+
+
+def test_a_step_line_carries_the_steps_drafts() -> None:
+    """With speculation the line says what the plan allowed and what the result accepted;
+    without draft limits it has no draft columns."""
+    record = _record(1, ["a", "b", "c"], [])
+    plan = StepPlan(step_id=1, prev_step_id=0, num_seqs=3, num_scheduled_tokens=3,
+                    drafts=PlanDrafts(slots=[0, 2], limits=[4, 3]))  # fmt: skip
+    outcome = DraftOutcome(rows=[0, 2], proposed=[4, 2], accepted=[3, 0], token_ids=[7, 8, 9])
+    result = StepResult(step_id=1, token_ids=[1, 2, 3], drafts=outcome)
+    fields = StepLogColumns().fields(record, plan, result)
+    assert (fields["draft_limit"], fields["num_draft_rows"]) == (7, 2)
+    assert (fields["num_draft_tokens"], fields["num_accepted_tokens"]) == (6, 3)
+    nothing = StepLogColumns().fields(record, plan, StepResult(step_id=1, token_ids=[1, 2, 3]))
+    assert (nothing["num_draft_tokens"], nothing["num_accepted_tokens"]) == (0, 0)
+    plain = dataclasses.replace(plan, drafts=None)
+    assert "draft_limit" not in StepLogColumns().fields(record, plain, result)

@@ -149,9 +149,13 @@ def test_summarize_rates_over_the_interval() -> None:
     cached = summarize(before, _stats(0, 0, **{PREFIX_HIT_KEY: 30, PREFIX_QUERY_KEY: 120}), 1.0, [])
     assert cached["prefix_cache_hit_pct"] == 25.0
     assert "draft_acceptance_pct" not in cached
-    spec = {"spec_decode_num_draft_tokens": 40, "spec_decode_num_accepted_tokens": 30}
+    spec = {"spec_decode_num_draft_tokens": 40, "spec_decode_num_accepted_tokens": 30,
+            "spec_decode_num_drafts": 10, "spec_decode_num_accepted_tokens_pos_0": 9,
+            "spec_decode_num_accepted_tokens_pos_1": 5}  # fmt: skip
     drafted = summarize(_stats(0, 0, **{k: 0 for k in spec}), _stats(0, 0, **spec), 1.0, [])
     assert drafted["draft_acceptance_pct"] == 75.0 and drafted["num_draft_tokens"] == 40
+    assert drafted["num_accepted_tokens"] == 30 and drafted["mean_acceptance_length"] == 4.0
+    assert drafted["acceptance_per_position_pct"] == [90.0, 50.0]
     assert "drafts accepted 75.0%" in summary_text(drafted)
 
 
