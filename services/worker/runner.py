@@ -145,7 +145,6 @@ class ModelRunner:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
         draft = partial(load_draft, config, a, self.kv_cache, self.dtype, self.max_model_len,
                         self.log)  # fmt: skip
-        # rank 0 proposes and verifies; the other ranks take its drafts and counts (spec_ranks)
         self.speculator = make_speculator(config, self.group.rank, self.pipelining, draft)
 
     def close(self) -> None:
