@@ -10,7 +10,8 @@ exits with EXIT_GROUP_LOST for its supervisor to restart the whole group.
 
 Per step a sharded model does 2 all-reduces per layer (after o_proj and after down) plus one
 for the vocab-parallel embedding, one gather of the logits to rank 0 (which samples) and one
-broadcast of the sampled tokens, so that every rank ends the step holding them.
+broadcast of the sampled tokens, so that every rank ends the step holding them (with
+speculation, a broadcast of rank 0's drafts before the forward too: spec_ranks.py).
 A world size of 1 uses SingleRank: no process group, every collective the identity.
 """
 

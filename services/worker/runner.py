@@ -17,9 +17,10 @@ loop (services/worker/steps.py) holds the launched steps and launches step N+1 b
 two, its decodes reading step N's tokens on the device.
 
 Tensor parallel (parallel.py): every rank runs every plan on its shard; rank 0 samples from the
-gathered logits and broadcasts the tokens, so every rank records them. A failure once the
-forward has started leaves the group out of step: it is fatal (FatalWorkerError), the process
-exits and its supervisor restarts the whole group.
+gathered logits and broadcasts the tokens, so every rank records them; with speculation rank 0
+also proposes and verifies, and broadcasts its drafts and accepted counts (spec_ranks.py). A
+failure once the forward has started leaves the group out of step: it is fatal
+(FatalWorkerError), the process exits and its supervisor restarts the whole group.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from services.worker.sampler import (
     reads_history,
     sample,
 )
+from services.worker.spec_ranks import share_drafts, share_samples
 from services.worker.speculate import make_speculator, sample_rows, sample_step, sampler_drafts
 from services.worker.steps import FatalWorkerError
 from services.worker.warmup import CompileWatch, compile_kernels
@@ -143,7 +145,7 @@ class ModelRunner:
             self.constraints = ConstraintMasks(self.folder, a.vocab_size, self.eos_token_ids)
         draft = partial(load_draft, config, a, self.kv_cache, self.dtype, self.max_model_len,
                         self.log)  # fmt: skip
-        self.speculator = make_speculator(config, world, self.pipelining, draft)
+        self.speculator = make_speculator(config, self.group.rank, self.pipelining, draft)
 
     def close(self) -> None:
         """Leave the tensor-parallel group (called once at process exit)."""
@@ -164,7 +166,7 @@ class ModelRunner:
             world_size=self.group.world_size,
             weight_bytes=self.model.weight_bytes(),
             kv_cache_bytes=self.kv_cache.num_bytes,
-            proposer=None if self.speculator is None else self.config.speculative,
+            proposer=None if self.config.speculative == "off" else self.config.speculative,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache.dtype_name,
         )
@@ -204,6 +206,7 @@ class ModelRunner:
         try:
             if self.speculator is not None:
                 self.speculator.propose(self.held, step)
+            share_drafts(self.group, self.held, step)  # tensor parallel: the same query tokens
             tensors = self.inputs.tensors(step)
             sampled = step.sampled()  # once: the masks and the sampling both read it
             masks = self.constraints and self.constraints.start(
@@ -238,8 +241,9 @@ class ModelRunner:
         if rows and logits is not None:  # rank 0 samples
             token_ids, logprobs, outcome = sample_step(self.speculator, self.held, step, logits,
                                                        rows, masks)  # fmt: skip
-        token_ids = self.group.broadcast_ints(token_ids, len(rows)) if rows else []
-        self.held.record_samples(sampled, token_ids)  # every rank holds the step's tokens
+        if rows:  # every rank holds the step's tokens, less the drafts rank 0 rejected
+            token_ids = share_samples(self.group, self.held, step, token_ids, outcome, len(rows))
+        self.held.record_samples(sampled, token_ids)
         embeddings = self.pooler.take(step.step_id)
         result = _step_result(step.step_id, sampled, token_ids, logprobs, start, embeddings)
         return result if outcome is None else dataclasses.replace(result, drafts=outcome)

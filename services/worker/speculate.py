@@ -29,7 +29,8 @@ distribution a plain decode at that index would have used).
   (spec_masks.py); `verify` applies the masks before any row is read, so a draft the grammar
   refuses is never accepted.
 
-Not yet (designed): tensor parallelism (rank 0 must share the accepted counts), pipelined steps.
+With tensor parallelism rank 0 proposes and verifies; spec_ranks.py hands its drafts and
+accepted counts to the other ranks. Not yet (designed): pipelined steps.
 """
 
 from __future__ import annotations
@@ -113,23 +114,26 @@ class NgramProposer:
 
 
 def make_speculator(
-    config: WorkerConfig, world_size: int, pipelined: bool, draft: Callable[[], Proposer]
+    config: WorkerConfig, rank: int, pipelined: bool, draft: Callable[[], Proposer]
 ) -> Optional[Speculator]:
-    """The worker's speculator for `config.speculative` (None: off); `draft` loads the draft
-    model (called for "draft" only). ValueError where it does not run yet: tensor
-    parallelism, pipelined steps (a CUDA device: --pipeline-steps off)."""
+    """The worker's speculator for `config.speculative` (None: off, or a tensor-parallel rank
+    other than 0, which takes rank 0's drafts and accepted counts: spec_ranks.py); `draft`
+    loads the draft model (called for "draft" on rank 0 only). ValueError where it does not
+    run yet: pipelined steps (a CUDA device: --pipeline-steps off)."""
     if config.speculative == "off":
         return None
-    if world_size > 1 or pipelined:
+    if pipelined:
         raise ValueError(
-            "speculative decoding does not run with tensor parallelism or pipelined steps yet "
-            "(on CUDA: --pipeline-steps off)"
+            "speculative decoding does not run with pipelined steps yet (on CUDA: "
+            "--pipeline-steps off)"
         )
+    if rank > 0:
+        return None
     return Speculator(draft() if config.speculative == "draft" else NgramProposer(config.ngram_n))
 
 
 class Speculator:
-    """Proposes and verifies for one worker rank (rank 0 of a single-rank worker)."""
+    """Proposes and verifies for a worker's rank 0 (the only one that samples)."""
 
     def __init__(self, proposer: Proposer) -> None:
         self.proposer = proposer

@@ -4,9 +4,14 @@
   265 that no world size divides) at world size 2 and 4 against its unsharded self in this
   process: logits of every sampled row within 1e-5, the same greedy tokens, every rank holding
   the sampled tokens, and each rank's reported weight and per-block KV bytes about 1/N.
+* Speculative decoding (issue 30; rank 0 proposes and verifies, services/worker/spec_ranks.py):
+  greedy requests through the real scheduler with draft limits, `--speculative ngram` at world
+  size 2 and a one-layer draft model (rank 0 only) at 4: the same text as the unsharded model
+  without speculation, drafts proposed, some accepted and some rejected, and after every step
+  every rank holding the same histories and computed counts.
 * Start-up refuses a world size that does not divide SmolLM2-135M's heads (9 and 3), naming them.
 * `--worker sim --tensor-parallel-size 8` stays one process that models 8 H200s.
-Rough runtime: 15-30 s (six worker processes importing torch at once on 2 cores).
+Rough runtime: 15-35 s (six worker processes importing torch at once on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tests.support.tp_rank import run_work, worker_config
 pytestmark = pytest.mark.e2e
 
 WORLD_SIZES = (2, 4)
+SPECULATIVE = {2: "ngram", 4: "draft"}  # the draft model: `shallow`
 RANK_TIMEOUT_S = 240.0  # start-up of 6 processes on a shared 2-core host; normally ~15 s
 LOGITS_TOL = 1e-5
 
@@ -44,14 +50,26 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _rank_argv(model: Path, rank: int, world: int, port: int, out: Path) -> list[str]:
+@pytest.fixture(scope="module")
+def shallow(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft for `tiny`: its embedding, LM head and first layer of two (the same seed), so it
+    agrees with the target often, not always."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-tp-draft"), num_attention_heads=8,
+                            num_key_value_heads=4, tie_word_embeddings=False,
+                            attention_bias=True, num_hidden_layers=1)  # fmt: skip
+
+
+def _rank_argv(model: Path, draft: Path, rank: int, world: int, port: int, out: Path) -> list[str]:
     return [sys.executable, "-m", "tests.support.tp_rank", "--model", str(model),
             "--rank", str(rank), "--world-size", str(world),
-            "--dist-init", f"tcp://127.0.0.1:{port}", "--out", str(out)]  # fmt: skip
+            "--dist-init", f"tcp://127.0.0.1:{port}", "--out", str(out),
+            "--speculative", SPECULATIVE[world], "--draft-model", str(draft)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def sharded(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+def sharded(
+    tiny: Path, shallow: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, list[dict]]:
     """world size -> every rank's record; both groups run at once (one start-up wait)."""
     procs: dict[int, list[subprocess.Popen]] = {}
     outs: dict[int, Path] = {}
@@ -59,7 +77,7 @@ def sharded(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, l
         outs[world] = tmp_path_factory.mktemp(f"tp{world}")
         port = free_port()
         procs[world] = [
-            subprocess.Popen(_rank_argv(tiny, r, world, port, outs[world]), cwd=ROOT,
+            subprocess.Popen(_rank_argv(tiny, shallow, r, world, port, outs[world]), cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(world)
         ]  # fmt: skip
@@ -121,6 +139,20 @@ def test_each_rank_holds_its_share(world: int, sharded: dict, reference: dict) -
         # weights: everything but the norms (replicated) and the vocab padding is split
         share = ready["weight_bytes"] / full["weight_bytes"]
         assert 1 / world <= share < 1 / world + 0.05, (rank, share)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_speculation_keeps_the_text_and_every_rank_in_step(
+    world: int, sharded: dict, reference: dict
+) -> None:
+    want = reference["scheduled"]
+    assert want["proposed"] == 0  # the reference: no speculation
+    first = sharded[world][0]["scheduled"]
+    assert first["outputs"] == want["outputs"]
+    assert all(len(toks) == 24 for toks in want["outputs"].values())
+    assert first["proposed"] > first["accepted"] > 0, (first["proposed"], first["accepted"])
+    for other in sharded[world][1:]:  # the same KV state (counts, histories) after every step
+        assert other["scheduled"]["states"] == first["states"]
 
 
 def test_refuses_a_world_size_that_does_not_split_smollm2(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ Runs the same fixed work on every rank (`run_work`) and writes `rank<R>.pt`: the
 fields, the float32 logits of every sampled row (rank 0 only; teacher-forced plans, so they do
 not depend on any sampling), the greedy outputs of a second set of requests run through
 `execute` (sampling on rank 0, tokens broadcast) and each request's token history as this rank
-recorded it. World size 1 runs in-process too (`run_work` with parallel=None): the reference.
+recorded it, and greedy requests through the real scheduler (tests/support/tp_scheduled.py; with
+draft limits when `--speculative` is on). World size 1 runs in-process too (`run_work` with
+parallel=None): the reference.
 """
 
 from __future__ import annotations
@@ -25,16 +27,20 @@ from services.worker.runner import ModelRunner
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
 from tests.support.plan_driver import PlanDriver
+from tests.support.tp_scheduled import run_scheduled
 
 PROMPT_LENS = (5, 19, 33)  # chunked at 8: prefill chunks, a mixed step, then decodes
 NUM_OUTPUTS = 6
-QUICK = {"prompt_lens": (5, 19), "num_outputs": 3}  # for the Triton interpreter
+QUICK = {"prompt_lens": (5, 19), "num_outputs": 3, "scheduled": False}  # Triton interpreter
 NUM_BLOCKS = 64  # the same block ids on every world size (a rank's pool holds more)
 
 
-def worker_config(model: str, attention_backend: str) -> WorkerConfig:
+def worker_config(
+    model: str, attention_backend: str, speculative: str = "off", draft: Optional[str] = None
+) -> WorkerConfig:
     return WorkerConfig(model=model, dtype="float32", kv_cache_memory=8 << 20,
-                        max_model_len=256, attention_backend=attention_backend)  # fmt: skip
+                        max_model_len=256, attention_backend=attention_backend,
+                        speculative=speculative, draft_model=draft)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _prompts(vocab_size: int, offset: int, lens: tuple[int, ...]) -> dict[str, list[int]]:
@@ -49,6 +55,7 @@ def run_work(
     runner: ModelRunner,
     prompt_lens: tuple[int, ...] = PROMPT_LENS,
     num_outputs: int = NUM_OUTPUTS,
+    scheduled: bool = True,
 ) -> dict[str, Any]:
     """The fixed work; every rank must call it (the forward passes are collectives)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=num_outputs, ignore_eos=True)
@@ -87,7 +94,13 @@ def run_work(
         "logits": logits,
         "greedy": outputs,
         "histories": {rid: histories.get(rid) for rid in outputs},
+        # through the scheduler, with drafts when the runner speculates
+        "scheduled": _scheduled(runner) if scheduled else None,
     }
+
+
+def _scheduled(runner: ModelRunner) -> dict[str, Any]:
+    return run_scheduled(runner, drafts=runner.config.speculative != "off")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -99,9 +112,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--attention-backend", default="torch")
     p.add_argument("--quick", action="store_true", help="less work (QUICK)")
+    p.add_argument("--speculative", default="off", help="the worker's --speculative")
+    p.add_argument("--draft-model", default=None, help="the worker's --draft-model")
     args = p.parse_args(argv)
     parallel = ParallelConfig(args.rank, args.world_size, args.dist_init, 20.0)
-    runner = ModelRunner(worker_config(args.model, args.attention_backend), parallel=parallel)
+    config = worker_config(args.model, args.attention_backend, args.speculative, args.draft_model)
+    runner = ModelRunner(config, parallel=parallel)
     work = run_work(runner, **QUICK) if args.quick else run_work(runner)  # type: ignore[arg-type]
     torch.save(work, args.out / f"rank{args.rank}.pt")
     runner.close()

@@ -1,0 +1,93 @@
+"""Greedy requests through the real scheduler on a tensor-parallel ModelRunner, for tests of
+speculation with several ranks (tests/e2e/test_tensor_parallel.py).
+
+Rank 0 holds the scheduler (as the engine's scheduler would, it learns from rank 0's results)
+and hands each plan to the other ranks with a torch.distributed broadcast (the engine sends
+every rank the same plan over ZeroMQ); plan N+1 is built before result N is applied (async
+scheduling: the scheduler does not know how many of step N's drafts were accepted). Every rank
+records, after each step, each held sequence's computed count and history: the ranks must end
+every step in the same state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from services.scheduler import Scheduler, SchedulerConfig
+from services.worker.runner import ModelRunner
+from shared.protocol.engine_channel import SubmitRequest
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.worker_channel import StepPlan, StepResult
+
+NUM_REQUESTS = 3
+MAX_TOKENS = 24
+NUM_DRAFTS = 4  # the scheduler's --num-speculative-tokens
+
+
+def _prompt(i: int) -> list[int]:
+    """A repeated pattern, so n-grams match and a random model tends to continue it."""
+    return [(7 * i + j) % 23 + 40 for j in range(6)] * 3
+
+
+def _plans(sched: Scheduler, results: deque[StepResult], out: dict[str, list[int]]
+           ) -> Iterator[StepPlan]:  # fmt: skip
+    """Plans until every request finished; the caller appends each plan's result."""
+    while sched.has_work() or results:
+        while sched.can_schedule():
+            plan = sched.schedule()
+            if plan is None:
+                break
+            yield plan
+        assert results, "the scheduler has work but made no plan"
+        for output in sched.update(results.popleft()).as_outputs():
+            out[output.rid].extend(output.new_token_ids)
+
+
+def _share(runner: ModelRunner, plan: Optional[StepPlan]) -> Optional[StepPlan]:
+    """Rank 0's plan (None: the work is done) on every rank."""
+    if runner.group.world_size == 1:
+        return plan
+    box = [plan]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_scheduled(runner: ModelRunner, drafts: bool) -> dict[str, Any]:
+    """Every rank must call it. Greedy outputs (rank 0), draft counts (rank 0) and the state
+    after every step (every rank); draft limits in the plans only when `drafts`."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    states: list[list[tuple[str, int, list[int]]]] = []
+
+    def execute(plan: StepPlan) -> StepResult:
+        result = runner.execute(plan)
+        states.append(sorted((s.rid, s.num_computed, list(s.token_ids))
+                             for s in runner.held.seqs.values()))  # fmt: skip
+        return result
+
+    if runner.group.rank > 0:
+        while (plan := _share(runner, None)) is not None:
+            execute(plan)
+        return {"states": states}
+    ready = runner.ready_message()
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=16,
+                             async_scheduling=True, num_speculative_tokens=NUM_DRAFTS)  # fmt: skip
+    sched = Scheduler(config, ready.num_blocks, ready.block_size, ready.max_model_len,
+                      ready.eos_token_ids, speculative=drafts)  # fmt: skip
+    out: dict[str, list[int]] = {}
+    for i in range(NUM_REQUESTS):
+        assert sched.add_request(SubmitRequest(f"s{i}", _prompt(i), greedy)) is None
+        out[f"s{i}"] = []
+    results: deque[StepResult] = deque()
+    for plan in _plans(sched, results, out):
+        _share(runner, plan)
+        results.append(execute(plan))
+        sched.check_invariants()
+    _share(runner, None)
+    stats = sched.stats()
+    return {"states": states, "outputs": out,
+            "proposed": stats.get("spec_decode_num_draft_tokens", 0.0),
+            "accepted": stats.get("spec_decode_num_accepted_tokens", 0.0)}  # fmt: skip
