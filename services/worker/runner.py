@@ -9,18 +9,15 @@ Step: the runner owns it and walks it one way, each piece of state with one owne
             grammar masks of constrained sequences are computed beside it (constraints.py)
          -> sample -> HeldBatch.record_samples -> StepResult
 
-A failed step tells the held batch (`fail`: only a reset plan is accepted next).
-
-Pipelined (pipeline.py): `launch` does a step up to sampling without waiting for its tokens on
-the host, `finish` lands them (HeldBatch.land_samples) and builds the StepResult; the worker
-loop (services/worker/steps.py) holds the launched steps and launches step N+1 between the
-two, its decodes reading step N's tokens on the device.
+A failed step tells the held batch (`fail`: only a reset plan is accepted next). Pipelined
+(pipeline.py): `launch` does a step up to sampling without waiting for its tokens on the host,
+`finish` lands them (HeldBatch.land_samples) and builds the StepResult; the worker loop
+(services/worker/steps.py) launches step N+1 between the two, reading N's tokens on the device.
 
 Tensor parallel (parallel.py): every rank runs every plan on its shard; rank 0 samples from the
 gathered logits and broadcasts the tokens, so every rank records them; with speculation rank 0
-also proposes and verifies, and broadcasts its drafts and accepted counts (spec_ranks.py). A
-failure once the forward has started leaves the group out of step: it is fatal
-(FatalWorkerError), the process exits and its supervisor restarts the whole group.
+proposes and verifies, and broadcasts its drafts and accepted counts (spec_ranks.py). A failure
+once the forward has started is fatal (FatalWorkerError): the group restarts whole.
 """
 
 from __future__ import annotations
