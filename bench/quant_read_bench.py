@@ -3,9 +3,9 @@
 The default model's linear layers are timed at one row in the model's own order (every layer's
 qkv, o, gate_up, down, then the LM head), so each weight comes from memory as in a decode step
 (96 MB a token against a 32 MB L3), and each kind's time is summed over the layers. The
-reference: a bare streaming read of the same tensors (a C++ loop OR-ing 64-byte vectors, the
-columns split over torch's threads as the kernel splits them), walked in the same order. Rounds
-alternate the two; medians printed, with the kernel's share of the read rate.
+reference: a bare streaming read of the same tensors (a C++ loop OR-ing 64-byte vectors, each of
+torch's threads one contiguous part, as the kernel gives each thread its tiles), walked in the
+same order. Rounds alternate the two; medians printed, with the kernel's share of the read rate.
 
     PYTHONPATH=. python bench/quant_read_bench.py [--rounds 7] [--steps 20] [--rows 1]
 """
