@@ -6,7 +6,8 @@
   Q4_0/Q4_1/Q8_0, fp32 and bf16 activations, row counts on both sides of its two schedules
   (registers up to one register block of rows, 8 with AVX-512 and 6 without; a dequantized panel
   above) and a last tile narrower than the others; a row's output is the same bits whichever
-  schedule computes it (a decode computes the same numbers with or without drafts beside it).
+  schedule computes it (a decode computes the same numbers with or without drafts beside it),
+  and whatever the thread count (threads take runs of tiles from a shared counter).
   Bound: the products and their fp32 sums are the same, only the order differs, so the error is
   a few ulps of sum |x| |w| (bf16: one rounding of the output on top).
 * Paged attention over a bf16/fp16 KV cache with fp32 queries equals the fp32 reference on the
@@ -95,6 +96,30 @@ def test_a_rows_output_is_the_same_bits_under_either_schedule(
     whole = quant_linear(ext, x, packed)  # 19 rows: the panel schedule
     for rows in range(1, 9):  # registers up to a block, the panel past it
         assert torch.equal(quant_linear(ext, x[:rows], packed), whole[:rows]), rows
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_tile_is_computed_once_whatever_the_thread_count(
+    ext: ModuleType, gen: torch.Generator, fmt: str
+) -> None:
+    """Threads take runs of tiles from a shared counter: 38 tiles (the last one partly padding)
+    under 1, 2 and 3 threads give the same bits, and the reference's numbers."""
+    tile = int(ext.qlinear_tile())
+    qw = quantize(weights(gen, 37 * tile + 8, 64), fmt)
+    packed = pack(qw, tile)
+    before = torch.get_num_threads()
+    for rows in (1, 9):  # both schedules
+        x = torch.randn(rows, 64, generator=gen)
+        outs = []
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(quant_linear(ext, x, packed))
+        finally:
+            torch.set_num_threads(before)
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), rows
+        scale = x.abs() @ qw.dequantize().abs().t()
+        assert float(((outs[0] - quant_linear_ref(x, qw)).abs() - 1e-6 * scale).max()) <= 0
 
 
 def test_qlinear_launcher_refuses_bad_inputs(ext: ModuleType, gen: torch.Generator) -> None:
