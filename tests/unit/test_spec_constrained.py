@@ -15,37 +15,24 @@
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
+from test_constraints_worker import SCHEMA  # the tiny model's schema, one definition
 from tokenizers import Tokenizer
 
 from services.scheduler import Scheduler, SchedulerConfig
-from services.worker.config import WorkerConfig
 from services.worker.constraints import ConstraintMasks, LlgMatcher
 from services.worker.held_batch import HeldSeq
-from services.worker.runner import ModelRunner
 from shared.constraints import GrammarCache, load_tokenizer
-from shared.protocol.engine_channel import SubmitRequest
 from shared.protocol.sampling import Constraint, SamplingParams
-from shared.protocol.worker_channel import StepResult
+from tests.support.spec_driver import drive, scheduler_for, tiny_runner
 from tests.support.tiny_model import write_tiny_model
 
 EOS = 2
 VOCAB = 265
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["color", "n", "ok"],
-    "additionalProperties": False,
-}
 JSON = Constraint("json_schema", json.dumps(SCHEMA))
 REGEX = r"([A-Z]{3}-[0-9]{2} ){1,3}END"
 # what the prompts hold: the output's n-grams occur in them, so n-gram drafts are proposed;
@@ -111,32 +98,12 @@ def _generate(
     draft_model: Path | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, int], Scheduler]:
     """All requests at once: (tokens, drafts accepted) per request, and the scheduler."""
-    worker = ModelRunner(WorkerConfig(model=str(tiny), dtype="float32", kv_cache_memory=8 << 20,
-                                      block_size=4, speculative=speculative,
-                                      draft_model=draft_model and str(draft_model)))  # fmt: skip
-    ready = worker.ready_message()
+    runner = tiny_runner(tiny, speculative, draft_model)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128, chunk_size=128,
                              async_scheduling=two_in_flight, num_speculative_tokens=4)  # fmt: skip
-    sched = Scheduler(config, ready.num_blocks, ready.block_size, ready.max_model_len,
-                      ready.eos_token_ids, speculative=ready.proposer is not None)  # fmt: skip
-    for i, (prompt, params) in enumerate(requests):
-        assert sched.add_request(SubmitRequest(f"r{i}", prompt, params)) is None
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(requests))}
-    accepted: dict[str, int] = {}
-    results: deque[StepResult] = deque()
-    while sched.has_work() or results:
-        while sched.can_schedule() and (two_in_flight or not results):
-            plan = sched.schedule()
-            if plan is None:
-                break
-            results.append(worker.execute(plan))
-        for out in sched.update(results.popleft()).as_outputs():
-            tokens[out.rid].extend(out.new_token_ids)
-            if out.timings is not None:
-                accepted[out.rid] = out.timings.num_accepted_tokens
-        sched.check_invariants()
-    worker.check_invariants()
-    return tokens, accepted, sched
+    run = drive(runner, scheduler_for(runner, config), requests, two_in_flight)
+    runner.check_invariants()
+    return run.tokens, run.accepted, run.sched
 
 
 def _requests(tiny: Path, sampled: bool) -> list[tuple[list[int], SamplingParams]]:

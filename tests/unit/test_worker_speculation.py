@@ -7,7 +7,6 @@ one plan in flight or two (results one plan late)."""
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -20,9 +19,9 @@ from services.worker.runner import ModelRunner
 from services.worker.sim.config import SimConfig
 from services.worker.sim.runner import SimRunner
 from services.worker.speculate import NgramProposer
-from shared.protocol.engine_channel import OutputBatch, SubmitRequest
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.worker_channel import StepResult, TokenLogprobs
+from shared.protocol.worker_channel import TokenLogprobs
+from tests.support.spec_driver import drive, scheduler_for, tiny_runner
 from tests.support.tiny_model import write_tiny_model
 
 
@@ -44,7 +43,7 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match() -> None:
     assert NgramProposer(3).propose(_seq([1, 2]), 4) == []
 
 
-ACCEPTED: dict[str, int] = {}  # rid -> drafts accepted (final outputs' timings, _collect)
+ACCEPTED: dict[str, int] = {}  # rid -> drafts accepted (final outputs' timings, _generate)
 
 
 @pytest.fixture(scope="module")
@@ -60,43 +59,18 @@ def _generate(
     logprobs: Optional[dict[str, list[TokenLogprobs]]] = None,
     draft_model: Optional[Path] = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
-    """Each prompt (a repeated pattern, so n-grams match) with its sampling, all at once."""
-    worker = ModelRunner(WorkerConfig(model=str(tiny), dtype="float32", kv_cache_memory=8 << 20,
-                                      block_size=4, speculative=speculative,
-                                      draft_model=draft_model and str(draft_model)))  # fmt: skip
-    ready = worker.ready_message()
+    """Each prompt (a repeated pattern, so n-grams match) with its sampling, all at once; with
+    `logprobs`, its logprobs there and the drafts accepted in ACCEPTED."""
+    runner = tiny_runner(tiny, speculative, draft_model)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, chunk_size=64,
                              async_scheduling=two_in_flight, num_speculative_tokens=4)  # fmt: skip
-    sched = Scheduler(config, ready.num_blocks, ready.block_size, ready.max_model_len,
-                      ready.eos_token_ids, speculative=ready.proposer is not None)  # fmt: skip
-    for i, params in enumerate(sampling):
-        prompt = [(7 * i + j) % 23 + 40 for j in range(6)] * 3
-        assert sched.add_request(SubmitRequest(f"r{i}", prompt, params)) is None
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(sampling))}
-    results: deque[StepResult] = deque()
-    while sched.has_work() or results:
-        while sched.can_schedule() and (two_in_flight or not results):
-            plan = sched.schedule()
-            if plan is None:
-                break
-            results.append(worker.execute(plan))
-            sched.check_invariants()
-        _collect(sched.update(results.popleft()), tokens, logprobs)
-        sched.check_invariants()
-    return tokens, sched
-
-
-def _collect(
-    batch: OutputBatch,
-    tokens: dict[str, list[int]],
-    logprobs: Optional[dict[str, list[TokenLogprobs]]] = None,
-) -> None:
-    for out in batch.as_outputs():
-        tokens[out.rid].extend(out.new_token_ids)
-        if logprobs is not None:
-            logprobs.setdefault(out.rid, []).extend(out.logprobs)
-            if out.timings is not None:  # the final output: its drafts, counted
-                ACCEPTED[out.rid] = out.timings.num_accepted_tokens
+    requests = [([(7 * i + j) % 23 + 40 for j in range(6)] * 3, params)
+                for i, params in enumerate(sampling)]  # fmt: skip
+    run = drive(runner, scheduler_for(runner, config), requests, two_in_flight)
+    if logprobs is not None:
+        logprobs.update(run.logprobs)
+        ACCEPTED.update(run.accepted)
+    return run.tokens, run.sched
 
 
 @pytest.mark.parametrize("two_in_flight", [False, True])
@@ -186,27 +160,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny: Path, tmp_path: 
 def _simulated(acceptance: Optional[float]) -> tuple[dict[str, list[int]], Scheduler]:
     """Eight requests on the zero-cost simulated worker, async scheduling, speculation when
     `acceptance` is set."""
-    worker = SimRunner(SimConfig(device="none", model="smollm2-135m", num_blocks=256,
+    runner = SimRunner(SimConfig(device="none", model="smollm2-135m", num_blocks=256,
                                  spec_acceptance=acceptance))  # fmt: skip
-    ready = worker.ready_message()
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, num_speculative_tokens=3)
-    sched = Scheduler(config, ready.num_blocks, ready.block_size, ready.max_model_len,
-                      ready.eos_token_ids, speculative=ready.proposer is not None)  # fmt: skip
-    tokens: dict[str, list[int]] = {}
-    for i in range(8):
-        sampling = SamplingParams(max_tokens=60 + i, temperature=0.0)
-        assert sched.add_request(SubmitRequest(f"r{i}", [5 + i] * 20, sampling)) is None
-        tokens[f"r{i}"] = []
-    results: deque[StepResult] = deque()
-    while sched.has_work() or results:
-        while sched.can_schedule():
-            plan = sched.schedule()
-            if plan is None:
-                break
-            results.append(worker.execute(plan))
-        _collect(sched.update(results.popleft()), tokens)
-        sched.check_invariants()
-    return tokens, sched
+    requests = [([5 + i] * 20, SamplingParams(max_tokens=60 + i, temperature=0.0))
+                for i in range(8)]  # fmt: skip
+    run = drive(runner, scheduler_for(runner, config), requests, two_in_flight=True)
+    return run.tokens, run.sched
 
 
 def test_the_simulated_worker_accepts_at_its_configured_rate() -> None:
