@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -49,3 +50,25 @@ def compare_greedy(
         warnings.warn(NearTieWarning(f"{label}: {tie}"), stacklevel=2)
         return tie
     return None
+
+
+def hf_greedy_with_logits(
+    model: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, ignore_eos: bool
+) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """transformers' fp32 greedy continuation of each prompt (a model folder), and the logits
+    that chose each token: the reference `compare_greedy` takes. `ignore_eos`: every token
+    counts, as a request with ignore_eos."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if ignore_eos:
+        hf.generation_config.eos_token_id = None
+    out = []
+    for ids in prompts:
+        x = torch.tensor([list(ids)])
+        with torch.no_grad():
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=2)  # fmt: skip
+        out.append((gen.sequences[0, len(ids) :].tolist(), [row[0] for row in gen.logits]))
+    return out

@@ -15,14 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from conveyor.launcher import LocalStack
 from services.worker.config import WorkerConfig
 from shared.client import AsyncClient, Client
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import engine_settings, running_stack
-from tests.greedy_reference import compare_greedy
+from tests.greedy_reference import compare_greedy, hf_greedy_with_logits
 from tests.support.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -52,23 +51,6 @@ def disagg_tp2(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterato
     yield from running_stack(settings)
 
 
-def _tp1_greedy(model: Path) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """transformers' fp32 greedy continuation of each prompt, and the logits behind each token."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # as ignore_eos: every token counts
-    out = []
-    for ids in PROMPTS:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True,
-                              pad_token_id=2)  # fmt: skip
-        out.append((gen.sequences[0, len(ids) :].tolist(), [row[0] for row in gen.logits]))
-    return out
-
-
 async def _streams(address: str) -> list[list[int]]:
     async with AsyncClient(address, timeout=WAIT_S) as client:
 
@@ -85,7 +67,7 @@ async def _streams(address: str) -> list[list[int]]:
 def test_tp2_hand_over_moves_each_ranks_shard_and_equals_tp1(
     disagg_tp2: LocalStack, model: Path
 ) -> None:
-    reference = _tp1_greedy(model)
+    reference = hf_greedy_with_logits(model, PROMPTS, MAX_TOKENS, ignore_eos=True)
     with Client(disagg_tp2.frontend_address, timeout=WAIT_S) as client:
         got = [client.generate(prompt_token_ids=ids, max_tokens=MAX_TOKENS, temperature=0.0,
                                ignore_eos=True).token_ids for ids in PROMPTS]  # fmt: skip

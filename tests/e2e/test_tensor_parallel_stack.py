@@ -28,7 +28,7 @@ from conveyor.launcher import LocalStack
 from services.worker.config import WorkerConfig
 from shared.client import AsyncClient, Client, Completion
 from tests.e2e.stack_tools import descendants, engine_settings, start_up, wait_gone
-from tests.greedy_reference import compare_greedy
+from tests.greedy_reference import compare_greedy, hf_greedy_with_logits
 from tests.support.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -120,30 +120,13 @@ async def _streams_with_a_kill(address: str, pid: int, prompts: list[list[int]])
         return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S))
 
 
-def _tp1_greedy(model: Path, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
-    """The tiny model at TP=1: transformers' fp32 greedy continuation and the logits that chose
-    each token (the near-tie tolerance of tests/greedy_reference.py)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    out = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=KILL_TOKENS,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True,
-                              pad_token_id=2)  # fmt: skip
-        out.append((gen.sequences[0, len(ids) :].tolist(), [row[0] for row in gen.logits]))
-    return out
-
-
 def test_rank_killed_mid_generation_restarts_the_group(tmp_path: Path) -> None:
     """TP=2 equals TP=1 (transformers) before the kill; after `kill -9` of rank 1 every stream
     completes, exactly as before the kill (its requests recomputed by the restarted group: a
     stream that fails is a failure here); the surviving rank exits by itself."""
     model = write_tiny_model(tmp_path / "tiny", num_attention_heads=4, num_key_value_heads=2)
     prompts = [[40 + i, 50, 60 + i, 70] for i in range(4)]
-    reference = _tp1_greedy(model, prompts)
+    reference = hf_greedy_with_logits(model, prompts, KILL_TOKENS, ignore_eos=False)
     up, address = start_up(
         tmp_path, "--model", str(model), "--tensor-parallel-size", "2", "--dtype", "float32",
         "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--attention-backend", "torch",
