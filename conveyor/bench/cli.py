@@ -28,7 +28,7 @@ from typing import Any, Optional
 from conveyor.bench.arrivals import ArrivalConfig
 from conveyor.bench.backends import BACKENDS, SamplingChoice, make_backend
 from conveyor.bench.compare_plan import Scenario, add_compare_flags
-from conveyor.bench.goodput import ON_SLO_MISS, class_targets, with_classes
+from conveyor.bench.goodput import class_targets, with_classes
 from conveyor.bench.metrics import (
     compute_metrics,
     missed_targets,
@@ -42,6 +42,7 @@ from conveyor.bench.steplog import engine_rids, engine_view, read_rid_map, read_
 from conveyor.bench.texts import TEXT_WORKLOADS, tokenizer_folder
 from conveyor.bench.workloads import WORKLOADS, WorkloadConfig, generate
 from shared.addresses import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, default_frontend_address
+from shared.protocol.engine_channel import ON_SLO_MISS
 
 SWEEPABLE = ("max-concurrency", "request-rate")
 

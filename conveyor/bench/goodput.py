@@ -13,8 +13,6 @@ from typing import Any
 from conveyor.bench.metrics import GoodputClass, class_of
 from conveyor.bench.workloads import BenchRequest
 
-ON_SLO_MISS = ("reject", "best_effort")
-
 
 def with_classes(
     requests: list[BenchRequest], classes: Sequence[GoodputClass]

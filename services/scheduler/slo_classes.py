@@ -10,13 +10,11 @@ slo` acts on targets.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from shared.protocol.engine_channel import ClassTargets, SubmitRequest
+from shared.protocol.engine_channel import ON_SLO_MISS, ClassTargets, SubmitRequest, target_problem
 
-ON_SLO_MISS = ("reject", "best_effort")
 # What a request that does not say gets: served late rather than refused, the choice that
 # changes nothing for a client unaware of targets.
 DEFAULT_ON_SLO_MISS = "best_effort"
@@ -33,12 +31,9 @@ class SloTargets:
 
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tpot_ms"):
-            v = getattr(self, name)
-            if v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                or v <= 0
-            ):  # fmt: skip
-                raise ValueError(f"{name} must be a positive number of milliseconds")
+            problem = target_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(problem)
         if self.on_slo_miss not in ON_SLO_MISS:
             raise ValueError(f"on_slo_miss must be one of {', '.join(ON_SLO_MISS)}")
 

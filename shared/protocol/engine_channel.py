@@ -7,6 +7,7 @@ made globally unique by the frontend (they embed the frontend's id).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -24,6 +25,19 @@ class FrontendHello:
     is a new peer, and its hello tells the scheduler that the old one's requests are over."""
 
     frontend_id: str
+
+
+ON_SLO_MISS = ("reject", "best_effort")  # what a request asks when its targets are out of reach
+
+
+def target_problem(name: str, value: object) -> Optional[str]:
+    """Why `value` is not a latency target in milliseconds (`name`: ttft_ms, tpot_ms); None
+    when it is one (or None: no target)."""
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
+        return f"{name} must be a positive number of milliseconds"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,16 @@ class SubmitRequest:
     # that KV waits (it pulls it, or recomputes what it could not pull)
     hand_over: bool = False
     kv_source: Optional[KvHandover] = None
+
+    def __post_init__(self) -> None:
+        """The targets are checked where the frame is decoded (a bad one is an invalid_field
+        drop, logged), so the scheduler never meets one it cannot resolve."""
+        for name in ("ttft_ms", "tpot_ms"):
+            problem = target_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(problem)
+        if self.on_slo_miss is not None and self.on_slo_miss not in ON_SLO_MISS:
+            raise ValueError(f"on_slo_miss must be one of {', '.join(ON_SLO_MISS)}")
 
 
 @dataclass(frozen=True, slots=True)

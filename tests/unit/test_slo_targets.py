@@ -9,7 +9,9 @@ import pytest
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.slo_classes import SloTargets, parse_slo_classes, resolve_targets
 from shared.protocol.client_channel import ClientMessageError, decode_client_message
+from shared.protocol.codec import DecodeError, decode, encode
 from shared.protocol.engine_channel import SubmitRequest
+from shared.protocol.errors import ErrorCode
 from shared.protocol.sampling import SamplingParams
 
 
@@ -49,3 +51,18 @@ def test_classes_parse_validate_and_resolve() -> None:
     assert resolve_targets(submit(), classes, "slow") == classes["slow"]
     assert resolve_targets(submit(), classes, None) == SloTargets()
     assert resolve_targets(submit(slo_class="other"), classes, None) is None
+
+
+def test_the_engine_channel_drops_a_submit_with_bad_targets_where_it_is_decoded() -> None:
+    """A SubmitRequest frame on the scheduler's socket with a target no class could hold is an
+    invalid_field drop at decode, not an error in the scheduler's handler (found by the
+    internal fuzz test: `ttft_ms` 0 reached `resolve_targets` and raised there)."""
+    good = SubmitRequest("r", [1, 2], SamplingParams(max_tokens=2), ttft_ms=100.0)
+    assert decode(encode(good)) == good
+    for bad in ({"ttft_ms": 0.0}, {"tpot_ms": -1.0}, {"ttft_ms": float("nan")},
+                {"on_slo_miss": "later"}):  # fmt: skip
+        wire = msgpack.unpackb(encode(good))
+        wire.update(bad)
+        with pytest.raises(DecodeError) as err:
+            decode(msgpack.packb(wire))
+        assert err.value.code == ErrorCode.INVALID_FIELD, bad

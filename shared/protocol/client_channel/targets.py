@@ -18,9 +18,9 @@ from shared.protocol.client_channel.messages import (
     ClientMessageError,
     LatencyTargets,
 )
+from shared.protocol.engine_channel import ON_SLO_MISS
 from shared.protocol.errors import ErrorCode, short_repr
 
-ON_SLO_MISS = ("reject", "best_effort")
 # A TTFT is predicted reachable within this share of its target: room for the path the
 # prediction does not see (frontend, tokenizer, the stream's first chunk) and for the
 # admission rate's noise. At 1.0 the simulated H200 at 2x load admitted to the edge and 17%
