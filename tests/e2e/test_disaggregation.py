@@ -206,8 +206,14 @@ def test_forged_kv_read_is_refused_and_logged(disagg: LocalStack) -> None:
         parts = kv_read(disagg, frame)
         reply = decode(parts[0])
         assert isinstance(reply, KvReadReply) and not reply.ok and len(parts) == 1, reply
-    refused = log_events(disagg, "worker-0", "kv_read_refused")
-    assert [r["code"] for r in refused[-2:]] == ["lease_unknown", "malformed_message"], refused
+    # logged before each reply, but the line reaches worker-0.log through the launcher's pipe
+    # and tee, which may lag the reply: wait for it, within the slow-host margin
+    want, deadline = ["lease_unknown", "malformed_message"], time.monotonic() + SLOW_HOST_MARGIN_S
+    codes = [r["code"] for r in log_events(disagg, "worker-0", "kv_read_refused")[-2:]]
+    while codes != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        codes = [r["code"] for r in log_events(disagg, "worker-0", "kv_read_refused")[-2:]]
+    assert codes == want
     with Client(disagg.frontend_address, timeout=WAIT_S) as client:
         assert client.generate(PROMPTS[1], **PARAMS).finish_reason == "length"
 
