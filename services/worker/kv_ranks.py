@@ -20,7 +20,7 @@ import zmq
 
 from services.worker.config import ParallelConfig
 from services.worker.kv_transfer import KvTransfer
-from services.worker.steps import FatalWorkerError
+from services.worker.loop import EXIT_GROUP_LOST
 
 
 def rank_bind_address(kv_addr: str, rank: int) -> str:
@@ -45,11 +45,12 @@ def make_kv_transfer(
     kv_addr: Optional[str],
     curve_keys: Optional[Path],
     pull_timeout_s: float,
-) -> KvTransfer:
+) -> Optional[KvTransfer]:
     """This rank's hand-over over its own KV pool; serving at its address when `kv_addr` is
     given (a prefill worker). Called once at start, by every rank in the same order: with
-    several ranks it is a collective (the endpoints' gather). Raises FatalWorkerError when the
-    group is lost meanwhile."""
+    several ranks it is a collective (the endpoints' gather). None, logged
+    (`worker_group_lost`), when the group was lost meanwhile: the worker then exits with
+    EXIT_GROUP_LOST."""
     from services.worker.kv_pool import TensorKvPool  # torch: not at import (no torch here)
 
     bind = rank_bind_address(kv_addr, parallel.rank) if kv_addr is not None else None
@@ -57,20 +58,26 @@ def make_kv_transfer(
         TensorKvPool(runner.kv_cache), zmq.Context.instance(), log, bind, curve_keys,
         pull_timeout_s, rank=parallel.rank, world_size=parallel.world_size,
     )  # fmt: skip
-    if parallel.world_size > 1:
-        kv.endpoint = " ".join(_gather(kv.endpoint, parallel)) if kv.endpoint else ""
+    if parallel.world_size == 1:
+        return kv
+    endpoints = _gather(kv.endpoint, parallel, log)
+    if endpoints is None:
+        kv.close()
+        return None
+    kv.endpoint = " ".join(endpoints) if kv.endpoint else ""
     return kv
 
 
-def _gather(endpoint: str, parallel: ParallelConfig) -> list[str]:
-    """Every rank's endpoint, in rank order (the group's default process group)."""
+def _gather(endpoint: str, parallel: ParallelConfig, log: Any) -> Optional[list[str]]:
+    """Every rank's endpoint, in rank order (the group's default process group); None,
+    logged, when a peer is gone."""
     import torch.distributed as dist
 
     out: list[Any] = [None] * parallel.world_size
     try:
         dist.all_gather_object(out, endpoint)
     except RuntimeError as exc:  # gloo/nccl: a peer closed its connection or timed out
-        raise FatalWorkerError(
-            f"tensor-parallel group lost (rank {parallel.rank}) gathering KV endpoints: {exc}"
-        ) from exc
+        log.error("worker_group_lost", rank=parallel.rank, exit_code=EXIT_GROUP_LOST,
+                  message=f"gathering KV endpoints: {exc}")  # fmt: skip
+        return None
     return [str(e) for e in out]

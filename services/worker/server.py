@@ -47,6 +47,7 @@ def run_worker(
             log.error("bad_worker_config", message=str(exc))
             return EXIT_BAD_CONFIG
     # Imported here so `--help` and config errors answer without loading torch.
+    from services.worker.kv_ranks import make_kv_transfer
     from services.worker.runner import ModelRunner
 
     log.info("loading_model", model=config.model, dtype=config.dtype, device=config.device,
@@ -62,7 +63,7 @@ def run_worker(
     if stop.is_set():
         return 0
     log.info("worker_pipeline", pipeline_steps=config.pipeline_steps, on=runner.pipelining)
-    kv = _kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
+    kv = make_kv_transfer(runner, parallel, log, kv_addr, curve_keys, kv_pull_timeout_s)
     if kv is None:  # a rank was lost while the ranks gathered their KV endpoints
         return EXIT_GROUP_LOST
     code = serve_worker(
@@ -78,8 +79,7 @@ def run_worker(
         trace=StepTrace(tracing) if tracing is not None and parallel.rank == 0 else None,
         kv=kv,
     )
-    if kv is not None:
-        kv.close()
+    kv.close()
     if code == 0:  # a broken group is not torn down: a collective on it could block
         runner.close()
     return code
@@ -96,23 +96,3 @@ def _stop_on_signals(log: Any) -> threading.Event:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return stop
-
-
-def _kv_transfer(
-    runner: Any,
-    parallel: ParallelConfig,
-    log: Any,
-    kv_addr: Optional[str],
-    curve_keys: Optional[Path],
-    pull_timeout_s: float,
-) -> Any:
-    """The worker's KV hand-over: every rank pulls its KV-head shard, and serves it when
-    `kv_addr` is given (services/worker/kv_ranks.py); None (logged) when the tensor-parallel
-    group was lost meanwhile."""
-    from services.worker.kv_ranks import make_kv_transfer
-
-    try:
-        return make_kv_transfer(runner, parallel, log, kv_addr, curve_keys, pull_timeout_s)
-    except FatalWorkerError as exc:
-        log.error("worker_group_lost", message=str(exc), exit_code=EXIT_GROUP_LOST)
-        return None
