@@ -73,31 +73,48 @@ def _engine_stats(address: str) -> dict[str, Any]:
         return dict(client.stats()["engine"])
 
 
+@dataclasses.dataclass(frozen=True)
+class SideBySide:
+    """The same requests on a reference engine and a speculating one, with the drafts the
+    speculating engine's counters moved by meanwhile."""
+
+    want: list[Completion]
+    got: list[Completion]
+    num_proposed: int
+    num_accepted: int
+
+
+def side_by_side(
+    reference: Engine, speculating: Engine, requests: list[dict[str, Any]] = REQUESTS
+) -> SideBySide:
+    """Runs `requests` on the reference, then on the speculating engine (alone there)."""
+    want = _run_all(reference.frontend_address, requests)
+    before = _engine_stats(speculating.frontend_address)
+    got = _run_all(speculating.frontend_address, requests)
+    after = _engine_stats(speculating.frontend_address)
+    proposed, accepted = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    return SideBySide(
+        want, got, after[proposed] - before[proposed], after[accepted] - before[accepted]
+    )
+
+
 def test_ngram_speculation_changes_no_output(engine: Engine, spec_engine: Engine) -> None:
-    want = _run_all(engine.frontend_address)
-    before = _engine_stats(spec_engine.frontend_address)
-    got = _run_all(spec_engine.frontend_address)
-    after = _engine_stats(spec_engine.frontend_address)
-    for kw, w, g in zip(REQUESTS, want, got, strict=True):
+    run = side_by_side(engine, spec_engine)
+    for kw, w, g in zip(REQUESTS, run.want, run.got, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
         if "logprobs" in kw:
             _check_logprobs(g, w, kw)
-    proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    assert proposed > accepted > 0, (proposed, accepted)  # drafts proposed, accepted, rejected
+    # drafts proposed, accepted, rejected
+    assert run.num_proposed > run.num_accepted > 0, (run.num_proposed, run.num_accepted)
 
 
 def test_requests_asking_for_logprobs_draft_too(engine: Engine, spec_engine: Engine) -> None:
     """Alone on the speculating engine, the requests asking for logprobs get drafts accepted
     (the speculating engine's counters move), and the same tokens and logprobs as without."""
     asking = [kw for kw in REQUESTS if "logprobs" in kw]
-    want = _run_all(engine.frontend_address, asking)
-    before = _engine_stats(spec_engine.frontend_address)
-    got = _run_all(spec_engine.frontend_address, asking)
-    after = _engine_stats(spec_engine.frontend_address)
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    assert accepted > 0
-    for kw, w, g in zip(asking, want, got, strict=True):
+    run = side_by_side(engine, spec_engine, asking)
+    assert run.num_accepted > 0
+    for kw, w, g in zip(asking, run.want, run.got, strict=True):
         assert (g.token_ids, g.text) == (w.token_ids, w.text), kw
         _check_logprobs(g, w, kw)
 
@@ -124,20 +141,18 @@ def test_a_json_schema_request_drafts_and_keeps_its_text(
     """Structured outputs under speculation: the grammar masks every verified row (the
     matcher advanced through the drafts), so the text equals the text without, parses,
     and drafts were accepted; the step log's lines carry the drafts."""
-    want = _run_all(engine.frontend_address, JSON_REQUESTS)
-    before = _engine_stats(spec_engine.frontend_address)
-    got = _run_all(spec_engine.frontend_address, JSON_REQUESTS)
-    after = _engine_stats(spec_engine.frontend_address)
-    for kw, w, g in zip(JSON_REQUESTS, want, got, strict=True):
+    run = side_by_side(engine, spec_engine, JSON_REQUESTS)
+    for kw, w, g in zip(JSON_REQUESTS, run.want, run.got, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
-    assert got[0].finish_reason == "stop", got[0].text
-    assert set(json.loads(got[0].text)) == {"text", "count"}
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    assert accepted >= 10, accepted  # the neighbour accepts at most 7 of its 8 tokens
+    assert run.got[0].finish_reason == "stop", run.got[0].text
+    assert set(json.loads(run.got[0].text)) == {"text", "count"}
+    # the neighbour accepts at most 7 of its 8 tokens
+    assert run.num_accepted >= 10, run.num_accepted
     # the step log says the same per step (lines flushed so far: at most the counters)
     steps = [r for r in spec_engine.log_records("scheduler") if r.get("event") == "step"]
     logged = sum(r.get("num_accepted_tokens", 0) for r in steps)
-    assert 0 < logged <= after["spec_decode_num_accepted_tokens"], logged
+    counted = _engine_stats(spec_engine.frontend_address)["spec_decode_num_accepted_tokens"]
+    assert 0 < logged <= counted, (logged, counted)
     assert sum(r.get("num_draft_tokens", 0) for r in steps) >= logged
 
 

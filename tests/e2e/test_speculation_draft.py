@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.conftest import REFERENCE_KV_CACHE_MEMORY, Engine
 from tests.e2e.stack_tools import ENGINE_WORKER, engine_settings, running_stack
-from tests.e2e.test_speculation import _engine_stats, _run_all  # one request runner for both
+from tests.e2e.test_speculation import side_by_side  # one runner for both
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -48,12 +48,8 @@ def draft_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 def test_the_target_as_its_own_draft_changes_no_output(
     engine: Engine, draft_engine: Engine
 ) -> None:
-    want = _run_all(engine.frontend_address, REQUESTS)
-    before = _engine_stats(draft_engine.frontend_address)
-    got = _run_all(draft_engine.frontend_address, REQUESTS)
-    after = _engine_stats(draft_engine.frontend_address)
-    for kw, w, g in zip(REQUESTS, want, got, strict=True):
+    run = side_by_side(engine, draft_engine, REQUESTS)
+    for kw, w, g in zip(REQUESTS, run.want, run.got, strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), kw
-    proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    proposed, accepted = run.num_proposed, run.num_accepted
     assert proposed > 0 and accepted >= 0.9 * proposed, (proposed, accepted)

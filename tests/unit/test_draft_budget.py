@@ -10,25 +10,15 @@ import pytest
 
 from services.scheduler.draft_budget import BLIND_MISSES, EXPLORE_EVERY, MAX_BACKOFF, DraftBudget
 from services.scheduler.request import Request
-from shared.protocol.sampling import SamplingParams
 from shared.step_cost import StepCostPredictor, StepShape, step_shape
+from tests.support.scheduler_requests import make_request
 
 # The CPU's shape (docs/PERFORMANCE.md §8): ~57 ms a step plus ~2.2 ms per token computed.
 CPU_A, CPU_B = 0.057, 0.0022
 
 
 def _req(rid: str) -> Request:
-    return Request(
-        rid=rid,
-        token_ids=[5] * 8,
-        num_prompt_tokens=8,
-        sampling=SamplingParams(),
-        priority=0,
-        seq_no=0,
-        arrival_time=0.0,
-        max_len=1000,
-        stop_ids=frozenset(),
-    )
+    return make_request(rid)
 
 
 def _shapes(sizes: list[int], drafts: int, seed: int) -> list[StepShape]:

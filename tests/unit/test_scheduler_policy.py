@@ -4,21 +4,11 @@ from __future__ import annotations
 
 from services.scheduler.policy import WaitingQueue, pick_victim
 from services.scheduler.request import Request
-from shared.protocol.sampling import SamplingParams
+from tests.support.scheduler_requests import make_request
 
 
 def _req(rid: str, seq_no: int, prompt_len: int, priority: int = 0, at: float = 0.0) -> Request:
-    return Request(
-        rid=rid,
-        token_ids=[5] * prompt_len,
-        num_prompt_tokens=prompt_len,
-        sampling=SamplingParams(),
-        priority=priority,
-        seq_no=seq_no,
-        arrival_time=at,
-        max_len=1000,
-        stop_ids=frozenset(),
-    )
+    return make_request(rid, prompt_len, seq_no=seq_no, priority=priority, arrival_time=at)
 
 
 def _order(q: WaitingQueue, now: float = 0.0) -> list[str]:

@@ -6,22 +6,11 @@ from __future__ import annotations
 
 from services.scheduler.request import Request
 from services.scheduler.step import StepBuilder
-from shared.protocol.sampling import SamplingParams
+from tests.support.scheduler_requests import make_request
 
 
 def _req(rid: str, num_tokens: int, num_computed: int) -> Request:
-    return Request(
-        rid=rid,
-        token_ids=[5] * num_tokens,
-        num_prompt_tokens=num_tokens,
-        sampling=SamplingParams(),
-        priority=0,
-        seq_no=0,
-        arrival_time=0.0,
-        max_len=4096,
-        stop_ids=frozenset(),
-        num_computed_tokens=num_computed,
-    )
+    return make_request(rid, num_tokens, num_computed_tokens=num_computed)
 
 
 def test_final_shape_follows_every_way_a_step_is_filled() -> None:
