@@ -7,8 +7,9 @@
 * Speculative decoding (issue 30; rank 0 proposes and verifies, services/worker/spec_ranks.py):
   greedy requests through the real scheduler with draft limits, `--speculative ngram` at world
   size 2 and a one-layer draft model (rank 0 only) at 4: the same text as the unsharded model
-  without speculation, drafts proposed, some accepted and some rejected, and after every step
-  every rank holding the same histories and computed counts.
+  without speculation (a regex-constrained row among them: its output valid), drafts proposed,
+  some accepted and some rejected, and after every step every rank holding the same histories
+  and computed counts.
 * Start-up refuses a world size that does not divide SmolLM2-135M's heads (9 and 3), naming them.
 * `--worker sim --tensor-parallel-size 8` stays one process that models 8 H200s.
 Rough runtime: 15-35 s (six worker processes importing torch at once on 2 cores).
@@ -16,6 +17,7 @@ Rough runtime: 15-35 s (six worker processes importing torch at once on 2 cores)
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ from shared.client import Client
 from tests.e2e.stack_tools import ROOT, engine_settings, free_port
 from tests.support.tiny_model import write_tiny_model
 from tests.support.tp_rank import run_work, worker_config
+from tests.support.tp_scheduled import REGEX, REGEX_RID, decoded
 
 pytestmark = pytest.mark.e2e
 
@@ -37,6 +40,7 @@ WORLD_SIZES = (2, 4)
 SPECULATIVE = {2: "ngram", 4: "draft"}  # the draft model: `shallow`
 RANK_TIMEOUT_S = 240.0  # start-up of 6 processes on a shared 2-core host; normally ~15 s
 LOGITS_TOL = 1e-5
+EOS_IDS = (2,)  # the tiny model's
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +147,22 @@ def test_each_rank_holds_its_share(world: int, sharded: dict, reference: dict) -
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_speculation_keeps_the_text_and_every_rank_in_step(
-    world: int, sharded: dict, reference: dict
+    world: int, sharded: dict, reference: dict, tiny: Path
 ) -> None:
     want = reference["scheduled"]
     assert want["proposed"] == 0  # the reference: no speculation
     first = sharded[world][0]["scheduled"]
     assert first["outputs"] == want["outputs"]
-    assert all(len(toks) == 24 for toks in want["outputs"].values())
+    plain = {rid: toks for rid, toks in want["outputs"].items() if rid != REGEX_RID}
+    regex_out = want["outputs"][REGEX_RID]
+    assert all(len(toks) == 24 for toks in plain.values())
+    # the constrained row: the grammar completed its text and ended it
+    assert regex_out[-1] in EOS_IDS and re.fullmatch(REGEX, decoded(tiny, regex_out[:-1]))
     assert first["proposed"] > first["accepted"] > 0, (first["proposed"], first["accepted"])
+    proposed, accepted = first["regex_drafts"]  # the constrained row drafted too
+    assert proposed > accepted, (proposed, accepted)
+    if SPECULATIVE[world] == "ngram":  # the prompt holds its n-grams (the draft model: random)
+        assert accepted > 0, (proposed, accepted)
     for other in sharded[world][1:]:  # the same KV state (counts, histories) after every step
         assert other["scheduled"]["states"] == first["states"]
 

@@ -4,7 +4,8 @@ speculation with several ranks (tests/e2e/test_tensor_parallel.py).
 Rank 0 holds the scheduler (as the engine's scheduler would, it learns from rank 0's results)
 and hands each plan to the other ranks with a torch.distributed broadcast (the engine sends
 every rank the same plan over ZeroMQ); plan N+1 is built before result N is applied (async
-scheduling: the scheduler does not know how many of step N's drafts were accepted). Every rank
+scheduling: the scheduler does not know how many of step N's drafts were accepted). One request
+is constrained by a regex (rank 0 masks its rows, drafts included, before verifying). Every rank
 records, after each step, each held sequence's computed count and history: the ranks must end
 every step in the same state.
 """
@@ -13,19 +14,25 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
+from tokenizers import Tokenizer
 
 from services.scheduler import Scheduler, SchedulerConfig
 from services.worker.runner import ModelRunner
 from shared.protocol.engine_channel import SubmitRequest
-from shared.protocol.sampling import SamplingParams
+from shared.protocol.sampling import Constraint, SamplingParams
 from shared.protocol.worker_channel import StepPlan, StepResult
 
 NUM_REQUESTS = 3
 MAX_TOKENS = 24
 NUM_DRAFTS = 4  # the scheduler's --num-speculative-tokens
+REGEX = r"([A-Z]{3}-[0-9]{2} ){1,3}END"
+REGEX_RID = "regex"
+# the prompt holds the output's n-grams, so the constrained row drafts; "7Q" the grammar refuses
+REGEX_TEXT = "ABC-12 ABC-7Q ABC-12 ABC-12 END"
 
 
 def _prompt(i: int) -> list[int]:
@@ -33,9 +40,10 @@ def _prompt(i: int) -> list[int]:
     return [(7 * i + j) % 23 + 40 for j in range(6)] * 3
 
 
-def _plans(sched: Scheduler, results: deque[StepResult], out: dict[str, list[int]]
-           ) -> Iterator[StepPlan]:  # fmt: skip
-    """Plans until every request finished; the caller appends each plan's result."""
+def _plans(sched: Scheduler, results: deque[StepResult], out: dict[str, list[int]],
+           regex_drafts: list[int]) -> Iterator[StepPlan]:  # fmt: skip
+    """Plans until every request finished; the caller appends each plan's result. The
+    constrained request's drafts (proposed, accepted) go to `regex_drafts` when it ends."""
     while sched.has_work() or results:
         while sched.can_schedule():
             plan = sched.schedule()
@@ -45,6 +53,22 @@ def _plans(sched: Scheduler, results: deque[StepResult], out: dict[str, list[int
         assert results, "the scheduler has work but made no plan"
         for output in sched.update(results.popleft()).as_outputs():
             out[output.rid].extend(output.new_token_ids)
+            if output.timings is not None and output.rid == REGEX_RID:
+                regex_drafts.extend((output.timings.num_draft_tokens,
+                                     output.timings.num_accepted_tokens))  # fmt: skip
+
+
+def _regex_request(model: Path) -> SubmitRequest:
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    prompt = tokenizer.encode(f"{REGEX_TEXT}\n{REGEX_TEXT}\n").ids
+    params = SamplingParams(temperature=0.0, max_tokens=40, constraint=Constraint("regex", REGEX))
+    return SubmitRequest(REGEX_RID, prompt, params)
+
+
+def decoded(model: Path, token_ids: list[int]) -> str:
+    """The text of an output (the tiny model's tokenizer)."""
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 def _share(runner: ModelRunner, plan: Optional[StepPlan]) -> Optional[StepPlan]:
@@ -81,8 +105,11 @@ def run_scheduled(runner: ModelRunner, drafts: bool) -> dict[str, Any]:
     for i in range(NUM_REQUESTS):
         assert sched.add_request(SubmitRequest(f"s{i}", _prompt(i), greedy)) is None
         out[f"s{i}"] = []
+    assert sched.add_request(_regex_request(Path(runner.config.model))) is None
+    out[REGEX_RID] = []
     results: deque[StepResult] = deque()
-    for plan in _plans(sched, results, out):
+    regex_drafts: list[int] = []
+    for plan in _plans(sched, results, out, regex_drafts):
         _share(runner, plan)
         results.append(execute(plan))
         sched.check_invariants()
@@ -90,4 +117,5 @@ def run_scheduled(runner: ModelRunner, drafts: bool) -> dict[str, Any]:
     stats = sched.stats()
     return {"states": states, "outputs": out,
             "proposed": stats.get("spec_decode_num_draft_tokens", 0.0),
-            "accepted": stats.get("spec_decode_num_accepted_tokens", 0.0)}  # fmt: skip
+            "accepted": stats.get("spec_decode_num_accepted_tokens", 0.0),
+            "regex_drafts": regex_drafts}  # fmt: skip
