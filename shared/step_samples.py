@@ -1,19 +1,21 @@
 """The steps the online step-time predictor (shared/step_cost.py) fits: the last `window` steps,
 and beside them a small reservoir of steps that span the range of every feature seen so far.
 
-Why the reservoir: the recent window alone can leave a term of the model unidentified. Under
-`--policy slo` at 2x load on the simulated 70B, the TPOT cap makes every step the same size (the
-budget that fits 45 ms: ~190 tokens); once the window held only those, tokens were a constant,
-collinear with the fixed overheads, so the fit could give a token's time to the overheads: a
-2,048-token step was predicted at 45 ms and took 457 ms (the cap then let such steps in). The
-steps that tell the terms apart (the early uncapped prompt chunks, the one-row steps) had left
-the window. So for each feature of `StepShape` that scales a term (rows, tokens, samples,
-attention pairs, KV tokens) the reservoir keeps the newest RESERVOIR_PER_BUCKET steps in each
-power-of-two bucket of its value (256-511 tokens, 512-1,023, ...): the extremes, and the sizes
-between them that tell a linear term from a quadratic one (tokens from attention pairs). Those
-no longer in the window join the fit. A bucket per power of two keeps it small (on the 70B at
-2x: ~40 steps beside the window's 512), so a fit's work (one starting split per scheduler step)
-grows by a few %; at most 5 keys x 40 buckets x 2.
+Why: the recent window alone can leave a term of the model unidentified. Under `--policy slo`
+at 2x load on the simulated 70B the TPOT cap makes every step the same size (the budget that
+fits 45 ms: ~190 tokens); once the window held only those, tokens were a constant, collinear
+with the fixed overheads, so the fit could give a token's time to the overheads: in a long run
+a 2,048-token step was predicted at 45 ms and took 457 ms (the cap then let such steps in).
+Likewise a window of chunked steps alone splits the weights' read between the fixed and the
+multi-token memory terms (decodes predicted at half their time, replaying that run's log). The
+steps that tell the terms apart (early uncapped chunks, one-row and decode-only steps) had left
+the window. So for each feature that scales a term (rows, tokens, samples, attention pairs, KV
+tokens, a chunk in the step) the reservoir keeps the newest RESERVOIR_PER_BUCKET steps in each
+power-of-two bucket of its value (256-511 tokens, 512-1,023, ...): the extremes and the sizes
+between them (which tell a linear term from a quadratic one: tokens from attention pairs).
+Those no longer in the window join the fit: ~30-40 steps beside the window's 512 on the 70B at
+2x (at most 6 keys x 40 buckets x 2), so a fit's work (one starting split per scheduler step)
+grows by a few %.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shared.step_cost import StepShape
 
-RESERVOIR_KEYS = ("num_rows", "num_tokens", "num_sampled", "attention_pairs", "kv_tokens")
+RESERVOIR_KEYS = (
+    "num_rows", "num_tokens", "num_sampled", "attention_pairs", "kv_tokens", "has_chunk"
+)  # fmt: skip
 RESERVOIR_PER_BUCKET = 2
 
 
