@@ -276,7 +276,7 @@ class StepCostPredictor:
         on the first steps (often one stream's) must not stand for hundreds of loaded ones:
         on the real model that alone made the p90 error 93%
         (docs/lab/2026-12-slo-predictor.md). Off the result -> plan path."""
-        self._samples = StepSamples(window)  # the window and its reservoir of extreme steps
+        self._samples = StepSamples[StepShape](window)  # the window and its reservoir
         self._errors: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._first_fit = first_fit

@@ -21,10 +21,11 @@ grows by a few %.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from shared.step_cost import StepShape
+# a step's shape (shared/step_cost.py `StepShape`; not imported: that module imports this one),
+# read only through the attributes named in RESERVOIR_KEYS
+Shape = TypeVar("Shape")
 
 RESERVOIR_KEYS = (
     "num_rows", "num_tokens", "num_sampled", "attention_pairs", "kv_tokens", "has_chunk"
@@ -32,17 +33,17 @@ RESERVOIR_KEYS = (
 RESERVOIR_PER_BUCKET = 2
 
 
-class StepSamples:
+class StepSamples(Generic[Shape]):
     """The predictor's samples: `add` each step, `samples` for a fit. O(keys) a step."""
 
     def __init__(self, window: int, per_bucket: int = RESERVOIR_PER_BUCKET) -> None:
-        self._recent: deque[tuple[int, StepShape, float]] = deque(maxlen=window)
+        self._recent: deque[tuple[int, Shape, float]] = deque(maxlen=window)
         self._per_bucket = per_bucket
         # (key, bit length of its value) -> the newest steps there: (step number, shape, seconds)
-        self._buckets: dict[tuple[str, int], deque[tuple[int, StepShape, float]]] = {}
+        self._buckets: dict[tuple[str, int], deque[tuple[int, Shape, float]]] = {}
         self._num_added = 0
 
-    def add(self, shape: StepShape, seconds: float) -> None:
+    def add(self, shape: Shape, seconds: float) -> None:
         entry = (self._num_added, shape, seconds)
         self._num_added += 1
         self._recent.append(entry)
@@ -53,7 +54,7 @@ class StepSamples:
                 kept = self._buckets[bucket] = deque(maxlen=self._per_bucket)
             kept.append(entry)
 
-    def samples(self) -> tuple[list[StepShape], list[float]]:
+    def samples(self) -> tuple[list[Shape], list[float]]:
         """The window's steps, then the reservoir's that left it (each step once)."""
         shapes = [shape for _, shape, _ in self._recent]
         seconds = [s for _, _, s in self._recent]
