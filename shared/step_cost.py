@@ -31,6 +31,8 @@ from typing import Optional
 
 import numpy as np
 
+from shared.step_samples import StepSamples
+
 MAX_ALTERNATIONS = 50
 # A term below 0.1% of every sample's time changes no prediction by more than 0.1%, far inside
 # the 15% the calibration promises, and far above the ~1e-16 relative noise of a solve.
@@ -259,8 +261,8 @@ class StepCostPredictor:
     The scheduler calls `observe` with each step's shape and measured time (the worker's
     `forward_s`), `maybe_refit` off the result -> plan path, and `predict` when it decides.
     Each observation is first predicted with the current fit: those out-of-sample relative
-    errors are what `errors()` reports (the last `window`). Before the first fit, `predict`
-    answers None.
+    errors are what `errors()` reports (the last `window`). It fits the last `window` steps and
+    a reservoir of extreme ones (step_samples.py). Before the first fit, `predict` answers None.
     """
 
     def __init__(
@@ -274,8 +276,7 @@ class StepCostPredictor:
         on the first steps (often one stream's) must not stand for hundreds of loaded ones:
         on the real model that alone made the p90 error 93%
         (docs/lab/2026-12-slo-predictor.md). Off the result -> plan path."""
-        self._shapes: deque[StepShape] = deque(maxlen=window)
-        self._seconds: deque[float] = deque(maxlen=window)
+        self._samples = StepSamples[StepShape](window)  # the window and its reservoir
         self._errors: deque[float] = deque(maxlen=window)
         self._refit_every = refit_every
         self._first_fit = first_fit
@@ -301,8 +302,7 @@ class StepCostPredictor:
             error = abs(guess - seconds) / seconds
             self._errors.append(error)
             self._num_surprises += error > SURPRISE_ERROR
-        self._shapes.append(shape)
-        self._seconds.append(seconds)
+        self._samples.add(shape, seconds)
         self._since_fit += 1
         self._since_full += 1
         self._seconds_since_fit += seconds
@@ -346,8 +346,8 @@ class StepCostPredictor:
     def _start_fit(self, full: bool) -> None:
         """A fit over the steps seen so far: every starting split, or (`full` False, a fit
         standing) one start from the current fit's branch assignment."""
-        shapes = list(self._shapes)
-        features, seconds = _stack(shapes), np.array(self._seconds)
+        shapes, times = self._samples.samples()
+        features, seconds = _stack(shapes), np.array(times)
         if full or self._coeffs is None:
             starts = starting_splits(features, self._max_starts)
             self._since_full = 0
