@@ -38,7 +38,8 @@ from typing import Any, Optional
 
 import zmq
 
-from services.worker.kv_transfer import KvExport, KvLayoutError, KvTransfer
+from services.worker.kv_shards import KvExport, KvLayoutError
+from services.worker.kv_transfer import KvTransfer
 from services.worker.process_config import WorkerProcessConfig
 from services.worker.sim.profiles import GB, DeviceProfile, ModelShape
 
@@ -114,13 +115,20 @@ class SimKvPool:
             wire = self._link.latency_s + self.num_bytes(num_blocks) / self._link.bandwidth
         return wire + self.copy_seconds(num_blocks)
 
-    def export(self, block_ids: list[int]) -> KvExport:
+    @property
+    def num_kv_heads(self) -> Optional[int]:
+        """None: no heads to slice (a simulated group moves its KV as one)."""
+        return None
+
+    def export(self, block_ids: list[int], heads: Optional[tuple[int, int]] = None) -> KvExport:
         """Called by KvTransfer to serve a read: the layout, an empty payload, after the
         modelled gather."""
         _wait(self.export_seconds(len(block_ids)))
         return KvExport([len(block_ids), *self._layout], SIM_DTYPE, b"")
 
-    def load(self, block_ids: list[int], shape: list[int], dtype: str, payload: Any) -> int:
+    def load(
+        self, block_ids: list[int], shape: list[int], dtype: str, payload: Any, head_start: int = 0
+    ) -> int:
         """Called by KvTransfer with a pulled answer: checks the layout; the modelled bytes
         (their time is `landing_seconds`)."""
         expected = [len(block_ids), *self._layout]
