@@ -50,7 +50,7 @@ class TensorKvPool:
         self._cache.scatter(block_ids, data, head_start)
         return data.numel() * data.element_size()
 
-    def landing_seconds(self, num_blocks: int) -> float:
+    def landing_seconds(self, num_blocks: int, shape: Optional[list[int]] = None) -> float:
         """0: `load` has written the blocks by the time it returns."""
         return 0.0
 

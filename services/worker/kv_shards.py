@@ -95,7 +95,8 @@ class KvPool(Protocol):
         as the payload holds); its bytes. Raises KvLayoutError."""
         ...
 
-    def landing_seconds(self, num_blocks: int) -> float:
-        """How long after `load` the blocks count as written: 0 where `load` writes them (the
-        real pool); the modelled wire and scatter time on the simulated link."""
+    def landing_seconds(self, num_blocks: int, shape: Optional[list[int]] = None) -> float:
+        """How long after `load` (of a reply announcing `shape`) the blocks count as written:
+        0 where `load` writes them (the real pool); the modelled wire and scatter time on the
+        simulated link."""
         ...

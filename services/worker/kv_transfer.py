@@ -329,7 +329,8 @@ class KvTransfer:
         pull.num_left -= 1
         if pull.num_left == 0:
             now = time.perf_counter()
-            pull.landed_at = now + self._pool.landing_seconds(len(msg.block_ids))
+            landing = self._pool.landing_seconds(len(msg.block_ids), head.shape)
+            pull.landed_at = now + landing
             self._end_pulls(now)
 
     def _drop(self, pull: _Pull) -> None:
