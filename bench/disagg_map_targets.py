@@ -16,6 +16,7 @@ would take per token. Reads files only: no engine runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -82,8 +83,11 @@ def main(argv: list[str]) -> int:
     for name, rate, r in found:
         if name.startswith("dp"):
             continue
-        num_decode = int(name.split("-")[1])
-        base = decode_only_tpot_ms(r, num_decode, config)
+        parts = name.split("-")  # P-D, then options: tpA-B (each decode engine B devices)
+        num_decode = int(parts[1])
+        decode_tp = int(parts[-1]) if any(x.startswith("tp") for x in parts) else 1
+        decode = dataclasses.replace(config, tensor_parallel_size=decode_tp)
+        base = decode_only_tpot_ms(r, num_decode, decode)
         p99 = r["p99_tpot_ms"]
         print(f"{name} rate {rate:g}: TPOT p99 {p99:.1f} ms, decode-only {base:.1f} ms "
               f"-> {p99 / base:.2f}x")  # fmt: skip

@@ -6,9 +6,13 @@ same number of engines, over a load sweep, with goodput under TTFT and TPOT targ
         --rates 2,4,6 --model llama-3-8b --out bench_out/disagg_map
 
 A layout: `dpN` (N colocated engines, optionally `:bTOKENS` for the step's token budget and
-chunk size, and a step composition, e.g. `dp2:b512:decode-first`) or `P:D` (P prefill and D
+chunk size, a step composition, e.g. `dp2:b512:decode-first`, and `:tpN` for N simulated
+devices per engine as one tensor-parallel group) or `P:D` (P prefill and D
 decode engines; their budget is --budget; `P:D:two-sided` or `P:D:one-sided` sets when the
-prefill workers answer KV reads, else --kv-reads: sim/kv_link.py). Every layout is one stack
+prefill workers answer KV reads, else --kv-reads: sim/kv_link.py; `P:D:tpA-B` gives each
+prefill engine A simulated devices as one tensor-parallel group and each decode engine B, so
+the layout takes P*A + D*B devices; a simulated group is one process, its KV moved as one,
+its wire time per rank: sim/kv_link.py). Every layout is one stack
 of simulated workers (`--worker sim`, the KV hand-over over --kv-link, modelled); per rate,
 `conveyor bench --goodput ttft:MS tpot:MS` runs --seconds of Poisson arrivals against it.
 Prints a table (goodput req/s, the share of requests meeting both targets, TTFT and TPOT p99)
@@ -19,6 +23,7 @@ and writes <out>/map.json. The figures are the cost model's, not a GPU's. Run it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import sys
@@ -43,20 +48,38 @@ class Layout:
     budget: Optional[int] = None  # None: --budget
     composition: str = "mixed"
     kv_reads: Optional[str] = None  # None: --kv-reads
+    prefill_tp: int = 1  # simulated devices per prefill (or colocated) engine: one TP group
+    decode_tp: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        if self.num_colocated:
+            return self.num_colocated * self.prefill_tp
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
 
 
 def parse_layout(text: str) -> Layout:
     head, *opts = text.split(":")
     if not head.startswith("dp"):
         p, d = int(head), int(opts[0])
-        return Layout(text, 0, prefill=p, decode=d, kv_reads=opts[1] if opts[1:] else None)
-    budget, composition = None, "mixed"
+        kv_reads, sizes = None, (1, 1)
+        for opt in opts[1:]:
+            if opt.startswith("tp"):
+                a, b = opt[2:].split("-")
+                sizes = (int(a), int(b))
+            else:
+                kv_reads = opt
+        return Layout(text, 0, p, d, kv_reads=kv_reads, prefill_tp=sizes[0], decode_tp=sizes[1])
+    budget, composition, size = None, "mixed", 1
     for opt in opts:
         if opt.startswith("b"):
             budget = int(opt[1:])
+        elif opt.startswith("tp"):
+            size = int(opt[2:])
         else:
             composition = opt
-    return Layout(text, int(head[2:]), budget=budget, composition=composition)
+    return Layout(text, int(head[2:]), budget=budget, composition=composition, prefill_tp=size,
+                  decode_tp=size)  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,6 +133,25 @@ def stack_settings(args: argparse.Namespace, layout: Layout, log_dir: Path) -> S
     )  # fmt: skip
 
 
+class MixedTpStack(LocalStack):
+    """A local stack whose prefill engines are `layout.prefill_tp` simulated devices each (one
+    tensor-parallel group, modelled in one worker process) and its decode engines
+    `layout.decode_tp` (`conveyor up` gives every engine one size)."""
+
+    def __init__(self, settings: StackSettings, layout: Layout) -> None:
+        super().__init__(settings)
+        self._layout = layout
+
+    def _start_engine(self, index: int) -> str:
+        shared, layout = self.settings, self._layout
+        size = layout.prefill_tp if index < layout.prefill else layout.decode_tp
+        self.settings = dataclasses.replace(shared, tensor_parallel_size=size)
+        try:
+            return super()._start_engine(index)
+        finally:
+            self.settings = shared
+
+
 def run_rate(
     args: argparse.Namespace, address: str, rate: float, seed: int, out: Path
 ) -> dict[str, Any]:
@@ -132,6 +174,7 @@ def row(layout: Layout, rate: float, r: dict[str, Any]) -> dict[str, Any]:
     met = r["request_goodput"] * r["duration"]
     return {
         "layout": layout.name,
+        "devices": layout.num_devices,
         "rate": rate,
         "goodput": round(r["request_goodput"], 2),
         "met": round(met / done, 3) if done else 0.0,
@@ -150,7 +193,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for layout in layouts:
         log_dir = args.out / "logs" / layout.name.replace(":", "-")
-        with LocalStack(stack_settings(args, layout, log_dir)) as stack:
+        with MixedTpStack(stack_settings(args, layout, log_dir), layout) as stack:
             for i, rate in enumerate(rates):
                 out = args.out / layout.name.replace(":", "-") / f"rate-{rate:g}"
                 result = run_rate(args, stack.frontend_address, rate, i + 1, out)

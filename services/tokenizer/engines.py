@@ -16,6 +16,7 @@ import zmq
 
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engine_link import EngineLink
+from services.tokenizer.pairing import pairing_fields, pairing_problem, tensor_parallel_size
 from services.tokenizer.router import Router
 from services.tokenizer.router_targets import LatencyReport, request_targets
 from shared.protocol.codec import encode
@@ -80,7 +81,7 @@ class Engines:
         ready; a request that has outputs (resumed, or handed over) to a decode engine."""
         ids = submit.prompt_token_ids
         ready = [link.index for link in self.links if link.ready and link.index != exclude]
-        ready, submit = self._by_role(ready, submit)
+        ready, submit = self.by_role(ready, submit)
         by_load = submit.kv_source is not None
         table = self.reference()  # the engines behind one frontend share one class table
         targets = None
@@ -97,21 +98,59 @@ class Engines:
             ready.remove(engine)
         return None
 
-    def _by_role(self, ready: list[int], submit: SubmitRequest) -> tuple[list[int], SubmitRequest]:
+    def by_role(self, ready: list[int], submit: SubmitRequest) -> tuple[list[int], SubmitRequest]:
         """The ready engines that suit `submit` (all of them when none of its role is ready)
-        and the submit to send (`hand_over` set for a prefill engine)."""
+        and the submit to send: `hand_over` set for a prefill engine (only those a ready
+        decode engine pairs with: pairing.py); a handed-over request to a decode engine that
+        pairs with its prefill engine, its `kv_source` dropped (recomputed) when none does."""
         roles = {e: self.role_of(e) for e in ready}
         prefill = [e for e in ready if roles[e] == "prefill"]
         decode = [e for e in ready if roles[e] != "prefill"]  # colocated ones decode too
-        if submit.kv_source is not None and not any(roles[e] == "decode" for e in ready):
-            return ready, dataclasses.replace(submit, kv_source=None)  # nobody to pull it
+        takers = [e for e in ready if roles[e] == "decode"]
+        if submit.kv_source is not None:
+            source = self._serving(submit.kv_source.kv_endpoint)
+            takers = [e for e in takers if source is None or self.pairs(source, e)]
+            if takers:
+                return takers, submit
+            submit = dataclasses.replace(submit, kv_source=None)  # nobody can pull it
         if not prefill or not decode:
             return ready, submit
-        if submit.output_token_ids or submit.kv_source is not None:
+        if submit.output_token_ids:
             return decode, submit
-        if not any(roles[e] == "decode" for e in decode):
-            return ready, submit  # colocated engines only: no hand-over
+        prefill = [p for p in prefill if any(self.pairs(p, d) for d in takers)]
+        if not prefill:
+            return ready, submit  # no decode engine takes a hand-over: served colocated
         return prefill, dataclasses.replace(submit, hand_over=True)
+
+    def pairs(self, prefill: int, decode: int) -> bool:
+        """Whether engine `decode` can take engine `prefill`'s hand-overs (both ready)."""
+        p, d = self.links[prefill].ready, self.links[decode].ready
+        return p is not None and d is not None and pairing_problem(p, d) is None
+
+    def _serving(self, kv_endpoint: str) -> Optional[int]:
+        """The ready engine whose worker serves KV at `kv_endpoint`, if any."""
+        return next((link.index for link in self.links if link.ready is not None
+                     and link.ready.kv_endpoint == kv_endpoint), None)  # fmt: skip
+
+    def _log_pairings(self, link: EngineLink) -> None:
+        """Engine `link` became ready: how it pairs with each ready engine of the other role
+        (a prefill and a decode engine), logged once now, not at the first hand-over."""
+        mine = link.ready
+        if mine is None or mine.role not in ("prefill", "decode"):
+            return
+        for other in self.links:
+            theirs = other.ready
+            if theirs is None or {mine.role, theirs.role} != {"prefill", "decode"}:
+                continue
+            pair = (link, other) if mine.role == "prefill" else (other, link)
+            p, d = (pair[0].ready, pair[1].ready)
+            assert p is not None and d is not None
+            names = {"prefill": pair[0].name, "decode": pair[1].name, **pairing_fields(p, d)}
+            problem = pairing_problem(p, d)
+            if problem is None:
+                self._log.info("handover_pairing", **names)
+            else:
+                self._log.error("handover_pairing_refused", reason=problem, **names)
 
     def role_of(self, engine: int) -> str:
         """An engine's role as it last said (EngineReady); "colocated" before it did."""
@@ -168,8 +207,10 @@ class Engines:
         if link.mark_ready(msg):
             self._log.info(
                 "engine_ready", engine=link.name, address=link.address, model=msg.model_name,
-                max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
+                max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, role=msg.role,
+                tensor_parallel_size=tensor_parallel_size(msg),
             )  # fmt: skip
+            self._log_pairings(link)
         latency = LatencyReport(msg.slo_queue_s, msg.slo_admission_rate, msg.slo_decode_step_s,
                                 msg.slo_prefill_tokens_per_s)  # fmt: skip
         self._router.on_report(link.index, msg.num_waiting, msg.num_running, msg.kv_usage, latency)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -105,17 +105,23 @@ class KVCache:
         shape = self._pool.shape
         return (shape[0], shape[1], num_blocks, *shape[3:])
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
+    def gather(self, block_ids: list[int], heads: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """A copy of these blocks' K and V, [L, 2, n, bs, Hkv, row] (a KV hand-over's payload:
-        services/worker/kv_transfer.py). Called between steps."""
+        services/worker/kv_transfer.py), only the KV heads [start, end) when `heads` is given
+        (a re-sharding read). Called between steps."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
-        return self._pool.index_select(2, index)
+        pool = self._pool if heads is None else self._pool[:, :, :, :, heads[0] : heads[1]]
+        return pool.index_select(2, index)
 
-    def scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write `data` ([L, 2, n, bs, Hkv, row], as `gather` made it) into these blocks.
-        Called between steps, on blocks no held sequence uses yet."""
+    def scatter(self, block_ids: list[int], data: torch.Tensor, head_start: int = 0) -> None:
+        """Write `data` ([L, 2, n, bs, h, row], as `gather` made it) into these blocks, at the
+        KV heads [head_start, head_start + h). Called between steps, on blocks no held sequence
+        uses yet."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
-        self._pool.index_copy_(2, index, data.to(self._pool.device))
+        pool = self._pool
+        if head_start != 0 or data.shape[4] != pool.shape[4]:
+            pool = pool[:, :, :, :, head_start : head_start + data.shape[4]]
+        pool.index_copy_(2, index, data.to(pool.device))
 
     def check_invariants(self, tables: Iterable[tuple[list[int], int]]) -> None:
         """Raise AssertionError when the pool or the use the held sequences make of it is

@@ -3,11 +3,12 @@
 has its own `KvTransfer` over its own pool. On a prefill worker each rank serves its shard at
 an address of its own (`rank_bind_address`), and the ranks' endpoints, gathered once at start
 over the tensor-parallel group, go to the scheduler as one space-separated `kv_endpoint` in
-rank order; on a decode worker rank r pulls its shard from rank r of that list. The scheduler
-sends every rank the same GrantLease / EndLease / PullKv (one ordered socket each), so the
-ranks' lease tables agree, and admits a pulled request once every rank answered its KvPulled.
-Both sides must have the same number of ranks: a decode rank refuses a list of another
-length (`kv_transfer.rank_endpoint`), and the request is recomputed.
+rank order; on a decode worker rank r pulls its shard from rank r of that list, or, when the
+list has another length, re-shards: reads the slices of its KV heads from the prefill ranks
+holding them (kv_shards.py; refused, the request recomputed, when the heads do not split). The
+scheduler sends every rank the same GrantLease / EndLease / PullKv (one ordered socket each),
+so the ranks' lease tables agree, and admits a pulled request once every rank answered its
+KvPulled.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ buffer and sends it as a frame without a copy; the decode worker views the frame
 tensor and scatters it into its pool (ZeroMQ's I/O thread receives it while a step computes).
 CURVE (a `conveyor keys generate` folder): the prefill worker serves with the server key pair
 and admits `authorized_workers/`; decode workers connect with the worker key pair. The bytes
-come from and go to a `KvPool`: the real worker's KV cache (kv_pool.py), or the simulated
-worker's modelled link (sim/kv_link.py); this module imports no torch.
+come from and go to a `KvPool` (kv_shards.py, with which KV heads a rank reads where): the
+real worker's KV cache (kv_pool.py), or the simulated worker's modelled link
+(sim/kv_link.py); this module imports no torch.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import zmq
 
 from services.worker.inbox import PlanInbox
+from services.worker.kv_shards import KvLayoutError, KvPool, ShardRead, shard_reads
 from shared.curve import (
     AUTHORIZED_WORKERS_DIR,
     WORKERS_DOMAIN,
@@ -41,48 +43,22 @@ from shared.protocol.kv_channel import KvRead, KvReadReply
 from shared.protocol.worker_channel import EndLease, GrantLease, KvPulled, PullKv
 
 LEASE_UNKNOWN = "lease_unknown"  # no such lease, or another generation: freed, maybe reused
-TP_MISMATCH = "kv_tp_mismatch"  # the prefill worker has another number of tensor-parallel ranks
+TP_MISMATCH = "kv_tp_mismatch"  # the prefill worker's KV-head shards cannot be re-sharded into ours
+BAD_HEADS = "kv_bad_heads"  # a read of heads this rank does not hold
 GRANT_WAIT_S = 0.5  # a read of a lease newer than every grant waits this long for its grant
-
-
-@dataclass(frozen=True, slots=True)
-class KvExport:
-    """Leased blocks ready to send: the payload frame (a buffer, sent without a copy) and the
-    layout its KvReadReply announces."""
-
-    shape: list[int]
-    dtype: str
-    payload: Any
-
-
-class KvLayoutError(ValueError):
-    """A pulled payload whose shape or dtype is not the puller's pool's."""
-
-
-class KvPool(Protocol):
-    """Where a worker's KV blocks are read for a lease and written by a pull; called by
-    KvTransfer between steps, on blocks no plan writes meanwhile."""
-
-    def export(self, block_ids: list[int]) -> KvExport: ...
-
-    def load(self, block_ids: list[int], shape: list[int], dtype: str, payload: Any) -> int:
-        """Write `payload` into `block_ids`; its bytes. Raises KvLayoutError."""
-        ...
-
-    def landing_seconds(self, num_blocks: int) -> float:
-        """How long after `load` the blocks count as written: 0 where `load` writes them (the
-        real pool); the modelled wire and scatter time on the simulated link."""
-        ...
 
 
 @dataclass(slots=True)
 class _Pull:
-    """A PullKv in flight: its read sent at `began` (perf_counter); failed at `deadline` unless
-    answered; once answered and loaded, reported at `landed_at`."""
+    """A PullKv in flight: its reads (one per prefill rank it reads from: kv_shards.py) sent
+    at `began` (perf_counter); failed at `deadline` unless all answered; once all are answered
+    and loaded, reported at `landed_at`."""
 
     msg: PullKv
     began: float
     deadline: float
+    keys: list[tuple[str, int, int]]  # its reads' (endpoint, lease, generation)
+    num_left: int  # reads not answered yet
     num_bytes: int = 0
     landed_at: Optional[float] = None
 
@@ -93,8 +69,9 @@ class KvTransfer:
     `on_events` serves what they bring; `on_message` takes the worker-channel messages of the
     hand-over; `take_answers` hands out the KvPulled to send. Owns the leases this worker may
     serve (lease id -> (generation, blocks)) and the pulls in flight. A tensor-parallel worker
-    has one per rank (kv_ranks.py): rank r serves and pulls its own KV-head shard, from rank r
-    of the other side, and answers each pull itself (`KvPulled.rank` of `world_size`)."""
+    has one per rank (kv_ranks.py): rank r serves its own KV-head shard (or the slice of it a
+    read names), pulls its heads from the ranks of the other side that hold them (kv_shards.py:
+    rank r of an equal-sized group), and answers each pull itself (`KvPulled.rank`)."""
 
     def __init__(
         self,
@@ -118,7 +95,8 @@ class KvTransfer:
         self._max_granted = 0  # the newest lease granted (ids only grow)
         self._deferred: list[tuple[bytes, KvRead, float]] = []  # reads waiting for a grant
         self._peers: dict[str, zmq.Socket] = {}
-        self._pulls: dict[tuple[str, int, int], _Pull] = {}  # (endpoint, lease, generation)
+        self._pulls: list[_Pull] = []
+        self._reads: dict[tuple[str, int, int], tuple[_Pull, ShardRead]] = {}  # by their keys
         self._answers: list[KvPulled] = []
         self._pollers: list[zmq.Poller] = []
         self._inbox: Optional[PlanInbox] = None
@@ -214,7 +192,7 @@ class KvTransfer:
         if not self._pulls and not self._deferred:
             return longest_ms
         now, mono = time.perf_counter(), time.monotonic()
-        due = [p.landed_at if p.landed_at is not None else p.deadline for p in self._pulls.values()]
+        due = [p.landed_at if p.landed_at is not None else p.deadline for p in self._pulls]
         left = [t - now for t in due] + [d[2] - mono for d in self._deferred]
         return max(0, min(longest_ms, int(min(left) * 1000) + 1))
 
@@ -258,8 +236,14 @@ class KvTransfer:
             message = f"lease {msg.lease_id} generation {msg.generation} is not held"
             self._refuse(ident, msg, LEASE_UNKNOWN, message)
             return
+        heads, held = None, self._pool.num_kv_heads
+        if msg.head_start is not None and msg.num_heads is not None:  # a slice: re-sharding
+            heads = (msg.head_start, msg.head_start + msg.num_heads)
+            if held is None or heads[1] > held:
+                self._refuse(ident, msg, BAD_HEADS, f"heads {heads} of a rank with {held}")
+                return
         assert self.server is not None
-        out = self._pool.export(lease[1])
+        out = self._pool.export(lease[1], heads)
         head = KvReadReply(True, shape=out.shape, dtype=out.dtype, lease_id=msg.lease_id,
                            generation=msg.generation)  # fmt: skip
         self.server.send_multipart([ident, encode(head), out.payload], copy=False)
@@ -280,28 +264,36 @@ class KvTransfer:
     # ---- decode side -------------------------------------------------------------------------
 
     def _start_pull(self, msg: PullKv) -> None:
-        """Send the read of `msg.source` to its prefill worker; the answer is served by
-        `on_events` when it lands (or the pull fails at its time-out, `tick`)."""
+        """Send the reads of `msg.source` to the prefill ranks holding our heads of it; their
+        answers are served by `on_events` as they land (or the pull fails at its time-out,
+        `tick`)."""
         src = msg.source
-        endpoint = rank_endpoint(src.kv_endpoint, self._rank, self._world_size)
-        if endpoint is None:
-            message = (f"the prefill worker serves {len(src.kv_endpoint.split())} tensor-parallel"
-                       f" rank(s) ({src.kv_endpoint}), this worker has {self._world_size}: "
-                       "its KV heads are not split as ours; recomputed instead")  # fmt: skip
+        reads = shard_reads(src.kv_endpoint, self._rank, self._world_size,
+                            self._pool.num_kv_heads)  # fmt: skip
+        if reads is None:
+            message = (
+                f"the prefill worker serves {len(src.kv_endpoint.split())} tensor-parallel"
+                f" rank(s) ({src.kv_endpoint}), this worker has {self._world_size} with "
+                f"{self._pool.num_kv_heads} KV heads each: not re-shardable; recomputed"
+            )
             self._log.error("kv_pull_refused", rid=msg.rid, code=TP_MISMATCH, message=message)
             self._answers.append(self._failed(msg, TP_MISMATCH, message))
             return
-        key = (endpoint, src.lease_id, src.generation)
-        if key in self._pulls:  # the same lease twice: the second could not be told apart
+        keys = [(r.endpoint, src.lease_id, src.generation) for r in reads]
+        if any(key in self._reads for key in keys):  # the same lease twice: not told apart
             self._answers.append(self._failed(msg, "duplicate_pull", "already pulling it"))
             return
         began = time.perf_counter()
-        self._pulls[key] = _Pull(msg, began, began + self._pull_timeout_s)
-        self._peer(endpoint).send(encode(KvRead(src.lease_id, src.generation)))
+        pull = _Pull(msg, began, began + self._pull_timeout_s, keys, len(reads))
+        self._pulls.append(pull)
+        for key, read in zip(keys, reads, strict=True):
+            self._reads[key] = (pull, read)
+            ask = KvRead(src.lease_id, src.generation, read.head_start, read.num_heads)
+            self._peer(read.endpoint).send(encode(ask))
 
     def _on_replies(self, endpoint: str, sock: zmq.Socket) -> None:
-        """Every answer waiting on one pull connection, each to the pull it answers (an
-        answer no pull waits for, late after its time-out, or naming no read, is dropped)."""
+        """Every answer waiting on one pull connection, each to the read it answers (an
+        answer no read waits for, late after its pull's end, or naming no read, is dropped)."""
         while sock.poll(0, zmq.POLLIN):
             parts = sock.recv_multipart(copy=False)
             try:
@@ -309,51 +301,61 @@ class KvTransfer:
             except DecodeError as exc:
                 self._log.warning("kv_reply_dropped", code=exc.code, message=exc.message)
                 continue
-            pull = None
+            found = None
             named = isinstance(head, KvReadReply) and head.generation is not None
             if named and head.lease_id is not None:
                 key = (endpoint, head.lease_id, head.generation)
-                pull = self._pulls.get(key)
-            if pull is None or pull.landed_at is not None:
+                found = self._reads.pop(key, None)
+            if found is None:
                 self._log.warning("kv_reply_dropped", code="no_pull", endpoint=endpoint)
                 continue
-            self._land(key, pull, head, parts)
+            self._land(found[0], found[1], head, parts)
 
-    def _land(self, key: tuple[str, int, int], pull: _Pull, head: KvReadReply, parts: list) -> None:
-        """A pull's answer: loaded into its blocks (reported once landed), or its failure."""
+    def _land(self, pull: _Pull, read: ShardRead, head: KvReadReply, parts: list) -> None:
+        """One read's answer: loaded into the pull's blocks (the pull reported once all its
+        reads landed), or the pull's failure."""
         msg = pull.msg
         if not head.ok or len(parts) != 2:
-            del self._pulls[key]
+            self._drop(pull)
             self._answers.append(self._failed(msg, head.code or "bad_reply", head.message))
             return
         try:
-            pull.num_bytes = self._pool.load(msg.block_ids, head.shape, head.dtype,
-                                             parts[1].buffer)  # fmt: skip
+            pull.num_bytes += self._pool.load(msg.block_ids, head.shape, head.dtype,
+                                              parts[1].buffer, read.dest_head_start)  # fmt: skip
         except KvLayoutError as exc:
-            del self._pulls[key]
+            self._drop(pull)
             self._answers.append(self._failed(msg, "kv_layout_mismatch", str(exc)))
             return
-        now = time.perf_counter()
-        pull.landed_at = now + self._pool.landing_seconds(len(msg.block_ids))
-        self._end_pulls(now)
+        pull.num_left -= 1
+        if pull.num_left == 0:
+            now = time.perf_counter()
+            landing = self._pool.landing_seconds(len(msg.block_ids), head.shape)
+            pull.landed_at = now + landing
+            self._end_pulls(now)
+
+    def _drop(self, pull: _Pull) -> None:
+        """`pull` ends: its reads still out are no longer waited for."""
+        self._pulls.remove(pull)
+        for key in pull.keys:
+            self._reads.pop(key, None)
 
     def _end_pulls(self, now: float) -> None:
         """Answer the pulls that landed by `now`; fail those past their time-out unanswered."""
-        for key, pull in list(self._pulls.items()):
+        for pull in list(self._pulls):
             msg = pull.msg
             if pull.landed_at is not None and pull.landed_at <= now:
-                del self._pulls[key]
+                self._drop(pull)
                 seconds = now - pull.began
                 self._log.info("kv_pulled", rid=msg.rid, num_blocks=len(msg.block_ids),
                                num_bytes=pull.num_bytes, seconds=seconds,
-                               source=key[0])  # fmt: skip
+                               source=msg.source.kv_endpoint, num_reads=len(pull.keys))  # fmt: skip
                 done = KvPulled(msg.rid, True, pull.num_bytes, seconds, rank=self._rank,
                                 world_size=self._world_size)  # fmt: skip
                 self._answers.append(done)
             elif pull.landed_at is None and pull.deadline <= now:
-                del self._pulls[key]
-                message = f"no answer from {key[0]}"
-                self._answers.append(self._failed(msg, "timeout", message))
+                self._drop(pull)
+                waiting = " ".join(k[0] for k in pull.keys)
+                self._answers.append(self._failed(msg, "timeout", f"no answer from {waiting}"))
 
     def _failed(self, msg: PullKv, code: str, message: str) -> KvPulled:
         self._log.warning("kv_pull_failed", rid=msg.rid, code=code, message=message)
@@ -384,11 +386,3 @@ class KvTransfer:
         if self.server is not None:
             self.server.close()
         stop_authenticator(self._auth)
-
-
-def rank_endpoint(kv_endpoint: str, rank: int, world_size: int) -> Optional[str]:
-    """Rank `rank`'s endpoint in a prefill worker's `kv_endpoint` (its ranks' endpoints,
-    space-separated, rank order: kv_ranks.py); None when that worker has another number of
-    ranks than `world_size`, ours (a shard of other heads than ours: never pulled)."""
-    endpoints = kv_endpoint.split()
-    return endpoints[rank] if len(endpoints) == world_size else None

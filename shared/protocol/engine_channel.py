@@ -166,6 +166,9 @@ class EngineReady:
     prefix_caching: bool = True  # whether this engine keeps a prefix cache
     role: str = "colocated"  # "colocated", "prefill" or "decode" (docs/design/disaggregation.md)
     kv_endpoint: str = ""  # a prefill engine's worker KV address (where leases are read)
+    # ranks of its worker's tensor-parallel group (None: not reported): a frontend pairs
+    # prefill and decode engines of different sizes knowing that the KV is re-sharded
+    tensor_parallel_size: Optional[int] = None
     # under --policy slo, what the engine predicts for a request arriving now (None: not known
     # yet); a frontend prefers an engine predicted to meet a request's targets (router_targets)
     slo_queue_s: Optional[float] = None  # seconds before its prefill starts

@@ -33,10 +33,20 @@ class KvHandover:
 
 @dataclass(frozen=True, slots=True)
 class KvRead:
-    """Decode worker -> prefill worker: send the blocks of this lease."""
+    """Decode worker -> prefill worker: send the blocks of this lease; only the KV heads
+    [head_start, head_start + num_heads) of the rank's shard when given (a decode worker with
+    another tensor-parallel size re-shards: services/worker/kv_shards.py), else all of them."""
 
     lease_id: int
     generation: int
+    head_start: Optional[int] = None
+    num_heads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # checked on decode (invalid_field): a range is both fields or neither, and not empty
+        start, num = self.head_start, self.num_heads
+        if (start is None) != (num is None) or (start or 0) < 0 or (num is not None and num < 1):
+            raise ValueError("KvRead needs head_start >= 0 and num_heads >= 1 together, or neither")
 
 
 @dataclass(frozen=True, slots=True)

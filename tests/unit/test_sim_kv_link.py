@@ -55,6 +55,20 @@ def test_the_modelled_times_follow_the_link_and_the_device() -> None:
     assert not SimConfig(kv_link="nvlink", kv_reads="two-sided").one_sided_reads()
 
 
+def test_each_rank_of_a_tensor_parallel_group_moves_its_share_in_parallel() -> None:
+    config = SimConfig(tensor_parallel_size=2)
+    tp2 = SimKvPool(config.device_profile(), config.model_shape(), 16, KV_LINKS["infiniband"])
+    num_blocks = 128
+    num_bytes, scatter = tp2.num_bytes(num_blocks), tp2.copy_seconds(num_blocks)
+    assert scatter == pytest.approx(pool().copy_seconds(num_blocks) / 2)  # 1/2 on each rank
+    assert tp2.export([1, 2]).shape[3] == 2  # the reply says the prefill group's size
+    half = 20e-6 + num_bytes / 2 / (50e9 * 0.8)  # each rank pair: half the bytes, own NIC
+    assert tp2.landing_seconds(num_blocks, [num_blocks, 16, 1, 2]) == pytest.approx(half + scatter)
+    assert tp2.landing_seconds(num_blocks) == pytest.approx(half + scatter)  # a group of ours
+    whole = 20e-6 + num_bytes / (50e9 * 0.8)  # TP 1 -> 2: the one prefill GPU sends it all
+    assert tp2.landing_seconds(num_blocks, [num_blocks, 16, 1, 1]) == pytest.approx(whole + scatter)
+
+
 def test_a_payload_of_another_layout_is_refused() -> None:
     small = pool(model="smollm2-135m")
     out = small.export([1, 2])

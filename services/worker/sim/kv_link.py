@@ -9,8 +9,15 @@ announcing the blocks' logical layout; the time the bytes would take is modelled
     export_s  = 2 * bytes / kv_bandwidth                           (two-sided only: the prefill
                                                                     side gathers the blocks into
                                                                     one buffer, read + write)
-    landing_s = link latency + bytes / link bandwidth + 2 * bytes / kv_bandwidth   (decode side:
-                                                                    the wire, then the scatter)
+    landing_s = link latency + bytes / (ranks * link bandwidth) + 2 * bytes / kv_bandwidth
+                                                                   (decode side: the wire, then
+                                                                    the scatter)
+
+kv_bandwidth is the group's (N ranks: N times one device's, profiles.py), so a tensor-parallel
+group gathers and scatters 1/N of the bytes per rank in parallel. The wire is per rank as well
+(one NIC or NVLink port per GPU): `ranks` = min(prefill ranks, decode ranks), the busiest
+side's share (TP 2 -> 2: each rank pair moves half; TP 1 -> 2: the one prefill GPU sends all;
+2 -> 4: each prefill GPU sends half). The prefill side's size travels in the reply's layout.
 
 The export waits in the prefill worker's loop thread (the gather is device work); the landing
 does not hold up the decode worker: its pull is reported `landing_s` after the reply arrived
@@ -38,7 +45,8 @@ from typing import Any, Optional
 
 import zmq
 
-from services.worker.kv_transfer import KvExport, KvLayoutError, KvTransfer
+from services.worker.kv_shards import KvExport, KvLayoutError
+from services.worker.kv_transfer import KvTransfer
 from services.worker.process_config import WorkerProcessConfig
 from services.worker.sim.profiles import GB, DeviceProfile, ModelShape
 
@@ -88,6 +96,7 @@ class SimKvPool:
         one_sided: bool = False,
     ) -> None:
         self._device = device
+        self._ranks = device.tensor_parallel_size
         self._block_bytes = block_size * model.kv_bytes_per_token
         self._layout = [block_size, model.kv_bytes_per_token]  # per block
         self._link = link
@@ -105,26 +114,37 @@ class SimKvPool:
     def export_seconds(self, num_blocks: int) -> float:
         return 0.0 if self._one_sided else self.copy_seconds(num_blocks)
 
-    def landing_seconds(self, num_blocks: int) -> float:
-        """Called by KvTransfer after `load`: the wire and the scatter, modelled."""
+    def landing_seconds(self, num_blocks: int, shape: Optional[list[int]] = None) -> float:
+        """Called by KvTransfer after `load` (`shape`: the reply's layout, whose last entry
+        is the prefill group's size; None: a group of ours): the wire, each rank moving its
+        share in parallel, and the scatter, modelled."""
         if self._device.zero_cost:
             return 0.0
         wire = 0.0
+        source_ranks = shape[3] if shape is not None and len(shape) == 4 else self._ranks
         if self._link.bandwidth is not None:
-            wire = self._link.latency_s + self.num_bytes(num_blocks) / self._link.bandwidth
+            per_rank = self.num_bytes(num_blocks) / min(self._ranks, max(1, source_ranks))
+            wire = self._link.latency_s + per_rank / self._link.bandwidth
         return wire + self.copy_seconds(num_blocks)
 
-    def export(self, block_ids: list[int]) -> KvExport:
+    @property
+    def num_kv_heads(self) -> Optional[int]:
+        """None: no heads to slice (a simulated group moves its KV as one)."""
+        return None
+
+    def export(self, block_ids: list[int], heads: Optional[tuple[int, int]] = None) -> KvExport:
         """Called by KvTransfer to serve a read: the layout, an empty payload, after the
         modelled gather."""
         _wait(self.export_seconds(len(block_ids)))
-        return KvExport([len(block_ids), *self._layout], SIM_DTYPE, b"")
+        return KvExport([len(block_ids), *self._layout, self._ranks], SIM_DTYPE, b"")
 
-    def load(self, block_ids: list[int], shape: list[int], dtype: str, payload: Any) -> int:
+    def load(
+        self, block_ids: list[int], shape: list[int], dtype: str, payload: Any, head_start: int = 0
+    ) -> int:
         """Called by KvTransfer with a pulled answer: checks the layout; the modelled bytes
         (their time is `landing_seconds`)."""
-        expected = [len(block_ids), *self._layout]
-        if list(shape) != expected or dtype != SIM_DTYPE:
+        expected = [len(block_ids), *self._layout]  # then the prefill group's size
+        if list(shape[:3]) != expected or len(shape) != 4 or shape[3] < 1 or dtype != SIM_DTYPE:
             raise KvLayoutError(f"got {shape} {dtype}, expected {expected} {SIM_DTYPE}")
         return self.num_bytes(len(block_ids))
 
