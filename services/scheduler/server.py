@@ -182,6 +182,7 @@ class SchedulerServer:
             prefix_caching=bool(load.get("prefix_caching", 1.0)),
             role=self.config.role,
             kv_endpoint=first.kv_endpoint,
+            tensor_parallel_size=first.world_size,
             slo_queue_s=load.get("slo_queue_s"),
             slo_admission_rate=load.get("slo_admission_rate"),
             slo_decode_step_s=load.get("slo_decode_step_s"),
