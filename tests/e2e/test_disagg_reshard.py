@@ -11,7 +11,6 @@ recomputed. Rough runtime: 10-20 s a layout on the shared 2-core machine.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +20,11 @@ import pytest
 from conveyor.launcher import LocalStack
 from conveyor.stack_settings import StackSettings
 from services.worker.config import WorkerConfig
-from shared.client import AsyncClient, Client
+from shared.client import Client
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import READY_TIMEOUT_S, engine_settings
 from tests.greedy_reference import compare_greedy, hf_greedy_with_logits
+from tests.support.greedy_streams import stream_greedy
 from tests.support.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -82,24 +82,11 @@ def mixed_tp(
         stack.stop()
 
 
-async def _streams(address: str) -> list[list[int]]:
-    async with AsyncClient(address, timeout=WAIT_S) as client:
-
-        async def one(ids: list[int]) -> list[int]:
-            tokens: list[int] = []
-            async for chunk in client.stream(prompt_token_ids=ids, max_tokens=MAX_TOKENS,
-                                             temperature=0.0, ignore_eos=True):  # fmt: skip
-                tokens += chunk.token_ids
-            return tokens
-
-        return list(await asyncio.wait_for(asyncio.gather(*map(one, PROMPTS)), WAIT_S))
-
-
 def test_a_hand_over_between_tp_sizes_is_re_sharded_and_equals_tp1(
     mixed_tp: LocalStack, reference: list[tuple[list[int], list]]
 ) -> None:
     stack = mixed_tp
-    streamed = asyncio.run(_streams(stack.frontend_address))
+    streamed = stream_greedy(stack.frontend_address, PROMPTS, MAX_TOKENS, WAIT_S)
     for n, (want, logits) in enumerate(reference):
         compare_greedy(streamed[n], want, logits, f"prompt {n}")
     with Client(stack.frontend_address, timeout=WAIT_S) as client:

@@ -10,7 +10,6 @@ Rough runtime: 15-30 s on the shared 2-core machine (four tiny ranks, two schedu
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +17,11 @@ import pytest
 
 from conveyor.launcher import LocalStack
 from services.worker.config import WorkerConfig
-from shared.client import AsyncClient, Client
+from shared.client import Client
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import engine_settings, running_stack
 from tests.greedy_reference import compare_greedy, hf_greedy_with_logits
+from tests.support.greedy_streams import stream_greedy
 from tests.support.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -51,19 +51,6 @@ def disagg_tp2(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterato
     yield from running_stack(settings)
 
 
-async def _streams(address: str) -> list[list[int]]:
-    async with AsyncClient(address, timeout=WAIT_S) as client:
-
-        async def one(ids: list[int]) -> list[int]:
-            tokens: list[int] = []
-            async for chunk in client.stream(prompt_token_ids=ids, max_tokens=MAX_TOKENS,
-                                             temperature=0.0, ignore_eos=True):  # fmt: skip
-                tokens += chunk.token_ids
-            return tokens
-
-        return list(await asyncio.wait_for(asyncio.gather(*map(one, PROMPTS)), WAIT_S))
-
-
 def test_tp2_hand_over_moves_each_ranks_shard_and_equals_tp1(
     disagg_tp2: LocalStack, model: Path
 ) -> None:
@@ -71,7 +58,7 @@ def test_tp2_hand_over_moves_each_ranks_shard_and_equals_tp1(
     with Client(disagg_tp2.frontend_address, timeout=WAIT_S) as client:
         got = [client.generate(prompt_token_ids=ids, max_tokens=MAX_TOKENS, temperature=0.0,
                                ignore_eos=True).token_ids for ids in PROMPTS]  # fmt: skip
-    streamed = asyncio.run(_streams(disagg_tp2.frontend_address))
+    streamed = stream_greedy(disagg_tp2.frontend_address, PROMPTS, MAX_TOKENS, WAIT_S)
     for n, (want, logits) in enumerate(reference):
         compare_greedy(got[n], want, logits, f"prompt {n}")
         assert streamed[n] == got[n], f"prompt {n}: streamed differs from non-streamed"
