@@ -16,7 +16,7 @@ import zmq
 
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engine_link import EngineLink
-from services.tokenizer.pairing import pairing_fields, pairing_problem, tensor_parallel_size
+from services.tokenizer.pairing import pairing_fields, pairing_problem
 from services.tokenizer.router import Router
 from services.tokenizer.router_targets import LatencyReport, request_targets
 from shared.protocol.codec import encode
@@ -208,7 +208,7 @@ class Engines:
             self._log.info(
                 "engine_ready", engine=link.name, address=link.address, model=msg.model_name,
                 max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, role=msg.role,
-                tensor_parallel_size=tensor_parallel_size(msg),
+                tensor_parallel_size=msg.tensor_parallel_size,
             )  # fmt: skip
             self._log_pairings(link)
         latency = LatencyReport(msg.slo_queue_s, msg.slo_admission_rate, msg.slo_decode_step_s,

@@ -20,14 +20,6 @@ from typing import Optional
 from shared.protocol.engine_channel import EngineReady
 
 
-def tensor_parallel_size(ready: EngineReady) -> Optional[int]:
-    """An engine's tensor-parallel size: as it reports it, else (an engine that does not) the
-    number of its worker's KV endpoints when it serves KV (one per rank), else None."""
-    if ready.tensor_parallel_size is not None and ready.tensor_parallel_size >= 1:
-        return ready.tensor_parallel_size
-    return len(ready.kv_endpoint.split()) or None
-
-
 def pairing_problem(prefill: EngineReady, decode: EngineReady) -> Optional[str]:
     """Why `decode` cannot take `prefill`'s hand-overs (None: it can)."""
     if not prefill.kv_endpoint:
@@ -43,7 +35,7 @@ def pairing_problem(prefill: EngineReady, decode: EngineReady) -> Optional[str]:
 
 def pairing_fields(prefill: EngineReady, decode: EngineReady) -> dict[str, object]:
     """What a log line says of a pairing: both tensor-parallel sizes and whether the KV is
-    re-sharded on the way (None: the decode engine's size is not reported)."""
-    sizes = (tensor_parallel_size(prefill), tensor_parallel_size(decode))
+    re-sharded on the way (None: an engine that does not report its size, an older one)."""
+    sizes = (prefill.tensor_parallel_size, decode.tensor_parallel_size)
     resharded = None if None in sizes else sizes[0] != sizes[1]
     return {"prefill_tp": sizes[0], "decode_tp": sizes[1], "resharded": resharded}

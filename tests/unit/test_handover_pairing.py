@@ -16,13 +16,15 @@ from structlog.testing import capture_logs
 
 from services.tokenizer.config import FrontendConfig
 from services.tokenizer.engines import Engines
-from services.tokenizer.pairing import pairing_problem, tensor_parallel_size
+from services.tokenizer.pairing import pairing_fields, pairing_problem
 from shared.protocol.engine_channel import EngineReady, SubmitRequest
 from shared.protocol.kv_channel import KvHandover
 from shared.protocol.sampling import SamplingParams
 
 READY = EngineReady("tiny", 256, 32, [0], 64, 16, role="decode")
-PREFILL_TP2 = dataclasses.replace(READY, role="prefill", kv_endpoint="ipc://a ipc://a-r1")
+PREFILL_TP2 = dataclasses.replace(
+    READY, role="prefill", kv_endpoint="ipc://a ipc://a-r1", tensor_parallel_size=2
+)
 PREFILL_OTHER = dataclasses.replace(PREFILL_TP2, model_name="other", kv_endpoint="ipc://b")
 
 
@@ -39,8 +41,8 @@ def engines() -> Iterator[Engines]:
 
 def test_engines_of_one_model_pair_whatever_their_sizes() -> None:
     decode_tp1 = dataclasses.replace(READY, tensor_parallel_size=1)
-    assert tensor_parallel_size(PREFILL_TP2) == 2 and tensor_parallel_size(decode_tp1) == 1
-    assert tensor_parallel_size(READY) is None  # a decode engine that does not say
+    assert pairing_fields(PREFILL_TP2, decode_tp1)["resharded"] is True
+    assert pairing_fields(PREFILL_TP2, READY)["resharded"] is None  # a size not reported
     assert pairing_problem(PREFILL_TP2, decode_tp1) is None
     assert "models" in (pairing_problem(PREFILL_OTHER, decode_tp1) or "")
     other_blocks = dataclasses.replace(READY, block_size=32)
