@@ -260,6 +260,9 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
 }
 
+# Llama 3.1 end of sequence: <|end_of_text|>, and the Instruct models' <|eom_id|>, <|eot_id|>
+LLAMA_3_1_EOS = (128001, 128008, 128009)
+
 MODELS: dict[str, ModelShape] = {
     # meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, MLP 14336, 32 heads,
     # 8 KV heads, vocab 128256, untied, max_position_embeddings 8192; eos <|end_of_text|> 128001,
@@ -278,9 +281,8 @@ MODELS: dict[str, ModelShape] = {
     # (llama3 RoPE scaling); eos 128001, and the Instruct model's 128008 <|eom_id|> and 128009
     # <|eot_id|>. bf16 weights (811 GB) need 8 H200s: use --sim-weight-dtype float8 (406 GB).
     "llama-3.1-405b": ModelShape(
-        "llama-3.1-405b", 126, 16384, 53248, 128, 8, 128, 128256, False, 131072,
-        [128001, 128008, 128009],
-    ),  # fmt: skip
+        "llama-3.1-405b", 126, 16384, 53248, 128, 8, 128, 128256, False, 131072, [*LLAMA_3_1_EOS]
+    ),
     # HuggingFaceTB/SmolLM2-135M-Instruct (FACTS.md): 30 layers, hidden 576, MLP 1536, 9 heads,
     # 3 KV heads, head_dim 64, vocab 49152, tied embeddings, 8192 positions; eos <|im_end|> = 2.
     "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152, True, 8192, [2]),
