@@ -95,6 +95,7 @@ def test_published_parameter_counts() -> None:
     # Meta: Llama 3 8B has 8.03 B parameters, 70B 70.6 B; SmolLM2-135M: 134.5 M (FACTS.md)
     assert MODELS["llama-3-8b"].num_params == pytest.approx(8.03e9, rel=2e-3)
     assert MODELS["llama-3-70b"].num_params == pytest.approx(70.6e9, rel=2e-3)
+    assert MODELS["llama-3.1-405b"].num_params == pytest.approx(405e9, rel=3e-3)  # Meta: 405 B
     assert MODELS["smollm2-135m"].num_params == pytest.approx(134.5e6, rel=2e-3)
     # Llama 3 8B KV: 32 layers * 2 * 8 heads * 128 * 2 B = 128 KiB per token
     assert MODELS["llama-3-8b"].kv_bytes_per_token == 131072

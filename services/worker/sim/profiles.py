@@ -260,6 +260,9 @@ DEVICES: dict[str, DeviceProfile] = {
     ),
 }
 
+# Llama 3.1 end of sequence: <|end_of_text|>, and the Instruct models' <|eom_id|>, <|eot_id|>
+LLAMA_3_1_EOS = (128001, 128008, 128009)
+
 MODELS: dict[str, ModelShape] = {
     # meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, MLP 14336, 32 heads,
     # 8 KV heads, vocab 128256, untied, max_position_embeddings 8192; eos <|end_of_text|> 128001,
@@ -272,6 +275,13 @@ MODELS: dict[str, ModelShape] = {
     # --sim-weight-dtype float8 (70 GB).
     "llama-3-70b": ModelShape(
         "llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256, False, 8192, [128001, 128009]
+    ),
+    # meta-llama/Llama-3.1-405B(-Instruct) config.json: 126 layers, hidden 16384, MLP 53248,
+    # 128 heads, 8 KV heads, head_dim 128, vocab 128256, untied, max_position_embeddings 131072
+    # (llama3 RoPE scaling); eos 128001, and the Instruct model's 128008 <|eom_id|> and 128009
+    # <|eot_id|>. bf16 weights (811 GB) need 8 H200s: use --sim-weight-dtype float8 (406 GB).
+    "llama-3.1-405b": ModelShape(
+        "llama-3.1-405b", 126, 16384, 53248, 128, 8, 128, 128256, False, 131072, [*LLAMA_3_1_EOS]
     ),
     # HuggingFaceTB/SmolLM2-135M-Instruct (FACTS.md): 30 layers, hidden 576, MLP 1536, 9 heads,
     # 3 KV heads, head_dim 64, vocab 49152, tied embeddings, 8192 positions; eos <|im_end|> = 2.
