@@ -6,20 +6,12 @@ an engine's services (scheduler, worker) carry `engine` when CONVEYOR_ENGINE nam
 gets it too, or with `--log-format console` (and `auto` on a terminal) a short human line
 (shared/console_format.py). Under `conveyor up` stdout is a pipe, so the services write JSON and
 the launcher renders the console lines itself.
-
-High-rate events named in `held_events` (the scheduler's per-step lines) are held and written
-together, at most `HOLD_S` after the first of them (when the next record comes), before any
-other record (file order is kept), at `flush_held_lines()` (the scheduler calls it when no
-step is in flight) and at exit: one write, and one wake-up of the reader of stdout (under
-`conveyor up` the launcher, a process on the worker's cores) per batch instead of per step.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -29,20 +21,12 @@ import structlog
 from shared.console_format import LOG_FORMATS, render
 from shared.env import env_str
 
-HOLD_S = 0.05  # longest time a held line waits for the next record before it is written
-
 
 class _TeeWriter:
     """Structlog's logger: writes each record to stdout (JSON or console) and, optionally, to a
     log file (always JSON)."""
 
-    def __init__(
-        self,
-        stream: TextIO,
-        path: Optional[Path],
-        console: bool,
-        held_events: frozenset[str] = frozenset(),
-    ) -> None:
+    def __init__(self, stream: TextIO, path: Optional[Path], console: bool) -> None:
         self._stream = stream
         self._console = console
         self._colour = console and _isatty(stream)
@@ -50,34 +34,10 @@ class _TeeWriter:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
-        self._held_events = held_events
-        self._held: list[tuple[bytes, bytes]] = []  # (shown, line) of held records, in order
-        self._held_since = 0.0  # monotonic time of the first held record
 
     def msg(self, record: dict[str, Any]) -> None:
         line = _dumps(record) + b"\n"
         shown = (render(record, self._colour) + "\n").encode() if self._console else line
-        if record.get("event") in self._held_events:
-            now = time.monotonic()
-            if not self._held:
-                self._held_since = now
-            self._held.append((shown, line))
-            if now - self._held_since >= HOLD_S:
-                self.flush_held()
-            return
-        if self._held:
-            self._held.append((shown, line))
-            self.flush_held()
-            return
-        self._write(shown, line)
-
-    def flush_held(self) -> None:
-        """Write the held records (if any) in one go."""
-        if self._held:
-            held, self._held = self._held, []
-            self._write(b"".join(s for s, _ in held), b"".join(line for _, line in held))
-
-    def _write(self, shown: bytes, line: bytes) -> None:
         try:
             self._stream.buffer.write(shown)
             self._stream.flush()
@@ -105,16 +65,10 @@ def configure_logging(
     log_file: Optional[Path] = None,
     stream: TextIO = sys.stdout,
     log_format: str = "json",
-    held_events: frozenset[str] = frozenset(),
 ) -> structlog.BoundLogger:
-    """Configure structlog for this process once, at start; returns the service's logger.
-    Records of the events in `held_events` are written in batches (module docstring)."""
-    global _WRITER
+    """Configure structlog for this process once, at start; returns the service's logger."""
     console = resolve_log_format(log_format, stream) == "console"
-    writer = _TeeWriter(stream, log_file, console, held_events)
-    if _WRITER is None:
-        atexit.register(flush_held_lines)
-    _WRITER = writer
+    writer = _TeeWriter(stream, log_file, console)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -134,15 +88,6 @@ def configure_logging(
     # logs of several engines (data parallelism) stay apart: `conveyor up` sets it per engine.
     engine = env_str("ENGINE")
     return log.bind(engine=engine) if engine else log
-
-
-_WRITER: Optional[_TeeWriter] = None  # the process's writer (configure_logging)
-
-
-def flush_held_lines() -> None:
-    """Write the held records now (nothing when none is held or logging is not configured)."""
-    if _WRITER is not None:
-        _WRITER.flush_held()
 
 
 def _keep_record(

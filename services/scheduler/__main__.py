@@ -20,7 +20,6 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server import SchedulerServer
 from services.scheduler.server_config import ServerConfig
-from services.scheduler.step_log import STEP_EVENTS
 from services.scheduler.tracing import SchedulerTrace
 from shared.config_flags import add_config_flags, config_from_args
 from shared.curve import (
@@ -62,8 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 check_server_keys(server_config.curve_keys, folder)
         except ValueError as exc:
             parser.error(str(exc))
-    log = configure_logging("scheduler", logs.log_level, logs.log_file, log_format=logs.log_format,
-                            held_events=STEP_EVENTS)  # fmt: skip
+    log = configure_logging("scheduler", logs.log_level, logs.log_file, log_format=logs.log_format)
     log.info("scheduler_config", **dataclasses.asdict(sched_config),
              **dataclasses.asdict(server_config))  # fmt: skip
     tracing = start_tracing("scheduler", logs.otlp_endpoint, log)

@@ -33,7 +33,7 @@ from services.scheduler.inflight import InFlightStep
 from services.scheduler.maintenance import MaintenanceDrain
 from services.scheduler.server_config import SchedulerCore, SchedulerFactory, ServerConfig
 from services.scheduler.slo_classes import reported_classes
-from services.scheduler.step_log import StepLogColumns, log_step
+from services.scheduler.step_log import StepLogColumns
 from services.scheduler.summary import EngineSummary
 from services.scheduler.worker_link import WorkerLink
 from shared.protocol.codec import encode
@@ -323,7 +323,7 @@ class SchedulerServer:
             forward_s=result.forward_s,
             gap_s=flight.gap_s,
         )
-        log_step(self.log, fields, idle=self.sched is None or not self.sched.in_flight)
+        self.log.info("step", **fields)
         self._summary.on_step(now - flight.sent_at)
 
     def on_step_failed(self, failure: WorkerFailure) -> None:

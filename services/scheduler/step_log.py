@@ -17,29 +17,16 @@ every step. The line keeps what they say, compactly:
   `num_draft_rows` (decodes that proposed), `num_draft_tokens` (proposed) and
   `num_accepted_tokens` (accepted by the target): the step's acceptance.
 
-The lines are held and written in batches (shared/logging.py `held_events`): at most 50 ms
-and one step after their step, and at once when no step is in flight (`log_step`).
-
 Readers restore the three lists with conveyor/bench/steplog.py `with_step_columns`, reading the
 lines in file order.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from services.scheduler.stats import StepRecord
-from shared.logging import flush_held_lines
 from shared.protocol.worker_channel import StepPlan, StepResult
-
-STEP_EVENTS = frozenset({"step"})  # the scheduler's held log events (shared/logging.py)
-
-
-def log_step(log: Any, fields: dict[str, object], idle: bool) -> None:
-    """One step line; `idle` (no step in flight): write the held lines now."""
-    log.info("step", **fields)
-    if idle:
-        flush_held_lines()
 
 
 class StepLogColumns:
