@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -58,12 +59,13 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def snapshot(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each process in the tree (names made unique with #pid)."""
+def snapshot(pid: int, cpu_of: Callable[[int], float] = _cpu_s) -> dict[str, float]:
+    """CPU so far (`cpu_of` a process: seconds by default) of each process in the tree (names
+    made unique with #pid)."""
     out: dict[str, float] = {}
     for p in _tree(pid):
         try:
-            name, cpu = _name(p), _cpu_s(p)
+            name, cpu = _name(p), cpu_of(p)
         except OSError:  # exited meanwhile
             continue
         out[name if name not in out else f"{name}#{p}"] = cpu

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.peer_cpu import _name, _tree
+from bench import peer_cpu
 
 
 def _free_port() -> int:
@@ -39,7 +39,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_ns(pid: int) -> int:
+def _cpu_ns(pid: int) -> float:
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -49,16 +49,9 @@ def _cpu_ns(pid: int) -> int:
     return total
 
 
-def snapshot(pid: int) -> dict[str, int]:
+def snapshot(pid: int) -> dict[str, float]:
     """CPU ns so far of each process of the tree rooted at `pid`, by service name."""
-    out: dict[str, int] = {}
-    for p in _tree(pid):
-        try:
-            name, ns = _name(p), _cpu_ns(p)
-        except OSError:
-            continue
-        out[name if name not in out else f"{name}#{p}"] = ns
-    return out
+    return peer_cpu.snapshot(pid, _cpu_ns)
 
 
 class Stack:
