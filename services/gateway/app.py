@@ -59,6 +59,8 @@ from shared.tracing import Tracing, open_span
 T = TypeVar("T")
 STATS_TIMEOUT_S = 5.0  # the frontend itself waits up to 2 s for the scheduler's part
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, logs do
+STOP_ROUND_S = 0.5  # shutdown: how long a cancelled poll gets before it is cancelled again
+STOP_ROUNDS = 10
 
 
 class Gateway:
@@ -284,6 +286,21 @@ def _json(body: dict[str, Any]) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
+async def stop_tasks(tasks: list[asyncio.Task[None]], max_rounds: int = STOP_ROUNDS) -> None:
+    """Called at shutdown: cancel the background polls and wait for them, sending the cancel
+    again while one still runs (at most `max_rounds` rounds of STOP_ROUND_S). On Python <= 3.11
+    `asyncio.wait_for` returns the inner call's result and drops a cancel that arrives as that
+    call finishes; the poll then loops on, and a plain gather left the gateway running after
+    SIGTERM until it was killed."""
+    pending = set(tasks)
+    for _ in range(max_rounds):
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=STOP_ROUND_S)
+
+
 def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = None) -> FastAPI:
     """The ASGI app; the engine client connects lazily, the stats poller runs while it serves.
     `tracing`: a span per request (None: tracing off)."""
@@ -295,9 +312,7 @@ def create_app(config: GatewayConfig, log: Any, tracing: Optional[Tracing] = Non
         try:
             yield
         finally:
-            for poll in polls:
-                poll.cancel()
-            await asyncio.gather(*polls, return_exceptions=True)
+            await stop_tasks(polls)
             await gw.client.close()
             if tracing is not None:
                 tracing.shutdown()
