@@ -19,24 +19,22 @@ import pytest
 
 from conveyor.launcher import LocalStack
 from conveyor.stack_settings import StackSettings
-from services.worker.config import WorkerConfig
 from shared.client import Client
 from tests.bounds import SLOW_HOST_MARGIN_S
 from tests.e2e.stack_tools import READY_TIMEOUT_S, engine_settings
 from tests.greedy_reference import compare_greedy, hf_greedy_with_logits
-from tests.support.greedy_streams import stream_greedy
-from tests.support.tiny_model import write_tiny_model
+from tests.support.greedy_streams import (
+    HANDOVER_WORKER,
+    handover_prompts,
+    stream_greedy,
+    write_two_kv_head_model,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 WAIT_S = 120.0 + SLOW_HOST_MARGIN_S
 MAX_TOKENS = 10
-# 36-40 tokens: two full blocks of 16 to pull each, the tail recomputed on the decode side
-PROMPTS = [[40 + i, 50, 60 + i, 70, *range(80 + i, 112 + 2 * i)] for i in range(3)]
-WORKER = WorkerConfig(
-    dtype="float32", quantization="none", kv_cache_memory=16 << 20, max_model_len=256,
-    attention_backend="torch",
-)  # fmt: skip
+PROMPTS = handover_prompts(3)
 
 
 class MixedTpStack(LocalStack):
@@ -58,7 +56,7 @@ class MixedTpStack(LocalStack):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny") / "tiny"
-    return write_tiny_model(folder, num_attention_heads=4, num_key_value_heads=2)
+    return write_two_kv_head_model(folder)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +70,7 @@ def mixed_tp(
 ) -> Iterator[LocalStack]:
     settings = engine_settings(
         tmp_path_factory.mktemp("disagg-reshard-logs"), gateway=False, model=str(model),
-        prefill_engines=1, decode_engines=1, worker_config=WORKER,
+        prefill_engines=1, decode_engines=1, worker_config=HANDOVER_WORKER,
     )  # fmt: skip
     stack = MixedTpStack(settings, request.param).start()
     try:
