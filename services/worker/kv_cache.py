@@ -118,10 +118,8 @@ class KVCache:
         KV heads [head_start, head_start + h). Called between steps, on blocks no held sequence
         uses yet."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
-        pool = self._pool
-        if head_start != 0 or data.shape[4] != pool.shape[4]:
-            pool = pool[:, :, :, :, head_start : head_start + data.shape[4]]
-        pool.index_copy_(2, index, data.to(pool.device))
+        heads = self._pool[:, :, :, :, head_start : head_start + data.shape[4]]  # a view
+        heads.index_copy_(2, index, data.to(heads.device))
 
     def check_invariants(self, tables: Iterable[tuple[list[int], int]]) -> None:
         """Raise AssertionError when the pool or the use the held sequences make of it is
