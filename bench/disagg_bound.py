@@ -4,8 +4,9 @@ by formula, no engines run (issue 32; docs/lab/2026-12-disagg-bound.md).
     PYTHONPATH=. .venv/bin/python bench/disagg_bound.py --devices 8,16 \
         --input-lens 1024,2048,4096,8192 --output-lens 128,512,1024
 
-For each model, device count, prompt and output length: the most requests/s whose TTFT p99
-meets the target while every step stays within the TPOT target, for
+For each model, device count, prompt and output length: the most requests/s at which
+`--attainment` (90%) of requests meet the TTFT target while every step stays within the TPOT
+target, for
 * colocated engines (data parallel, tensor parallel size t): mixed steps, each holding the
   running decodes and the largest chunk of the oldest waiting prompt that keeps the step within
   the TPOT target. The decodes in flight follow Little's law (B = rate x output x mean step);
@@ -16,7 +17,7 @@ meets the target while every step stays within the TPOT target, for
   and its KV pool.
 Both sides' prompt queues are simulated the same way (Poisson arrivals, common random numbers,
 first-free engine among the side's prefilling engines: the router's least-loaded pick), and the
-rate searched is the highest whose TTFT p99 meets the target. Where the formula is kinder to one
+rate searched is the highest that keeps the attainment. Where the formula is kinder to one
 side it is to P:D: its decode rows never wait on a pull and its TPOT is the step's, unjittered.
 Every figure is the cost model's (docs/simulator.md), not a GPU's.
 """
@@ -75,18 +76,14 @@ class Engine:
 
 def make_engine(device: str, model: str, weight_dtype: str, tp: int) -> Optional[Engine]:
     """The engine, or None when its weights leave no KV room on `tp` devices."""
-    shape = get_model(model)
-    shape = type(shape)(**{**_fields(shape), "weight_bytes_per_param": WEIGHT_DTYPE_BYTES[
-        weight_dtype]})  # fmt: skip
+    shape = dataclasses.replace(
+        get_model(model), weight_bytes_per_param=WEIGHT_DTYPE_BYTES[weight_dtype]
+    )
     try:
         engine = Engine(get_device(device).tensor_parallel(tp), shape, tp)
         return engine if engine.kv_tokens() > 0 else None
     except ValueError:  # heads not divisible by tp
         return None
-
-
-def _fields(shape: ModelShape) -> dict:
-    return {f: getattr(shape, f) for f in shape.__dataclass_fields__}
 
 
 def largest_chunk(engine: Engine, num_decodes: int, load: Load) -> int:
@@ -168,10 +165,11 @@ def prefill_seconds(engine: Engine, load: Load, chunk: int) -> float:
 def decode_rows(engine: Engine, load: Load) -> int:
     """The most decode rows whose step fits the TPOT target and whose KV fits the pool."""
     ctx = load.input_len + load.output_len // 2
-    rows = engine.kv_tokens() // (load.input_len + load.output_len)
-    while rows > 0 and engine.step_s(rows, ctx, 0, 0) > load.tpot_s:
-        rows = int(rows * 0.97)
-    return rows
+    lo, hi = 0, engine.kv_tokens() // (load.input_len + load.output_len)
+    while lo < hi:  # a step's time grows with its rows
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if engine.step_s(mid, ctx, 0, 0) <= load.tpot_s else (lo, mid - 1)
+    return lo
 
 
 def handover_s(engine: Engine, load: Load, link: str) -> float:
@@ -183,7 +181,9 @@ def handover_s(engine: Engine, load: Load, link: str) -> float:
     return one.latency_s + num_bytes / one.bandwidth
 
 
-def pd_rate(pre: Engine, p: int, dec: Engine, d: int, load: Load, args) -> tuple[float, str]:
+def pd_rate(
+    pre: Engine, p: int, dec: Engine, d: int, load: Load, args: argparse.Namespace
+) -> tuple[float, str]:
     """P:D's rate: its prefill engines' TTFT queue, capped by its decode engines' rows (the
     hand-over comes after the first token, so it counts in TPOT, spread over the output)."""
     service = prefill_seconds(pre, load, args.prefill_chunk)
@@ -213,7 +213,7 @@ def layouts(
     return colocated, pd
 
 
-def point(model: str, num_devices: int, load: Load, args) -> dict:
+def point(model: str, num_devices: int, load: Load, args: argparse.Namespace) -> dict:
     """The best colocated and the best P:D layout at one point of the map."""
     engines = {t: make_engine(args.device, model, args.weight_dtype, t) for t in args.tp_sizes}
     colocated, pd = layouts(num_devices, args.tp_sizes)
