@@ -35,10 +35,10 @@ from typing import Optional
 
 import numpy as np
 
-from services.worker.sim.config import WEIGHT_DTYPE_BYTES
+from services.worker.sim.config import SimConfig
 from services.worker.sim.cost_model import step_cost, step_work
-from services.worker.sim.kv_link import KV_LINKS
-from services.worker.sim.profiles import DeviceProfile, ModelShape, get_device, get_model
+from services.worker.sim.kv_link import KV_LINKS, SimKvPool
+from services.worker.sim.profiles import DeviceProfile, ModelShape
 from services.worker.sim.runner import kv_capacity_blocks
 
 BLOCK_SIZE = 16
@@ -55,6 +55,11 @@ class Load:
     ttft_s: float
     tpot_s: float
     share: float  # of requests that must meet the TTFT target (DistServe's attainment)
+
+    @property
+    def decode_ctx(self) -> int:
+        """A decode row's cached tokens, on average over its output."""
+        return self.input_len + self.output_len // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,25 +80,24 @@ class Engine:
 
 
 def make_engine(device: str, model: str, weight_dtype: str, tp: int) -> Optional[Engine]:
-    """The engine, or None when its weights leave no KV room on `tp` devices."""
-    shape = dataclasses.replace(
-        get_model(model), weight_bytes_per_param=WEIGHT_DTYPE_BYTES[weight_dtype]
-    )
+    """The engine as the simulated worker models it (SimConfig), or None when `tp` does not
+    divide the model's heads or its weights leave no KV room on `tp` devices."""
     try:
-        engine = Engine(get_device(device).tensor_parallel(tp), shape, tp)
+        sim = SimConfig(device=device, model=model, weight_dtype=weight_dtype,
+                        tensor_parallel_size=tp)  # fmt: skip
+        engine = Engine(sim.device_profile(), sim.model_shape(), tp)
         return engine if engine.kv_tokens() > 0 else None
-    except ValueError:  # heads not divisible by tp
+    except ValueError:  # SimConfig's or kv_capacity_blocks' reason: no such engine
         return None
 
 
 def largest_chunk(engine: Engine, num_decodes: int, load: Load) -> int:
     """The most prompt tokens a step beside `num_decodes` decodes may compute within the TPOT
     target (0: none), the chunk taken half-way into the prompt."""
-    ctx = load.input_len + load.output_len // 2
     lo, hi = 0, load.input_len
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if engine.step_s(num_decodes, ctx, mid, load.input_len // 2) <= load.tpot_s:
+        if engine.step_s(num_decodes, load.decode_ctx, mid, load.input_len // 2) <= load.tpot_s:
             lo = mid
         else:
             hi = mid - 1
@@ -117,8 +121,7 @@ def ttft_quantile(rate: float, num_servers: int, service_s: float, share: float)
 def colocated_at(engine: Engine, rate: float, load: Load) -> Optional[tuple[float, int, int]]:
     """(prefill seconds a prompt, decodes, chunk) of one colocated engine at `rate` req/s, or
     None when its steps cannot keep the TPOT target or its KV pool: Little's law, iterated."""
-    ctx = load.input_len + load.output_len // 2
-    step = engine.step_s(1, ctx, 0, 0)
+    step = engine.step_s(1, load.decode_ctx, 0, 0)
     for _ in range(20):
         decodes = max(1, math.ceil(rate * load.output_len * step))
         if decodes * (load.input_len + load.output_len) > engine.kv_tokens():
@@ -127,9 +130,9 @@ def colocated_at(engine: Engine, rate: float, load: Load) -> Optional[tuple[floa
         if chunk == 0:
             return None
         steps = math.ceil(load.input_len / chunk)
-        full = engine.step_s(decodes, ctx, chunk, load.input_len // 2)
+        full = engine.step_s(decodes, load.decode_ctx, chunk, load.input_len // 2)
         busy = min(1.0, rate * steps * full)  # share of steps that carry a chunk
-        step = busy * full + (1 - busy) * engine.step_s(decodes, ctx, 0, 0)
+        step = busy * full + (1 - busy) * engine.step_s(decodes, load.decode_ctx, 0, 0)
     return steps * full, decodes, chunk
 
 
@@ -164,21 +167,23 @@ def prefill_seconds(engine: Engine, load: Load, chunk: int) -> float:
 
 def decode_rows(engine: Engine, load: Load) -> int:
     """The most decode rows whose step fits the TPOT target and whose KV fits the pool."""
-    ctx = load.input_len + load.output_len // 2
     lo, hi = 0, engine.kv_tokens() // (load.input_len + load.output_len)
     while lo < hi:  # a step's time grows with its rows
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if engine.step_s(mid, ctx, 0, 0) <= load.tpot_s else (lo, mid - 1)
+        lo, hi = (
+            (mid, hi) if engine.step_s(mid, load.decode_ctx, 0, 0) <= load.tpot_s else (lo, mid - 1)
+        )
     return lo
 
 
-def handover_s(engine: Engine, load: Load, link: str) -> float:
-    """The prompt's KV over one rank's link (each rank sends its own heads)."""
-    one = KV_LINKS[link]
-    if one.bandwidth is None:
-        return 0.0
-    num_bytes = load.input_len * engine.model.kv_bytes_per_token / engine.tp
-    return one.latency_s + num_bytes / one.bandwidth
+def handover_s(pre: Engine, dec: Engine, load: Load, link: str) -> float:
+    """A prompt's hand-over as the simulated decode worker lands it (sim/kv_link.py): its full
+    blocks over the link, each rank moving its share, then the scatter."""
+    pool = SimKvPool(dec.device, dec.model, BLOCK_SIZE, KV_LINKS[link], one_sided=True)
+    num_blocks = load.input_len // BLOCK_SIZE  # the tail is recomputed on the decode side
+    return pool.landing_seconds(
+        num_blocks, [num_blocks, BLOCK_SIZE, dec.model.kv_bytes_per_token, pre.tp]
+    )
 
 
 def pd_rate(
@@ -187,11 +192,10 @@ def pd_rate(
     """P:D's rate: its prefill engines' TTFT queue, capped by its decode engines' rows (the
     hand-over comes after the first token, so it counts in TPOT, spread over the output)."""
     service = prefill_seconds(pre, load, args.prefill_chunk)
-    handover = handover_s(pre, load, args.kv_link)
+    handover = handover_s(pre, dec, load, args.kv_link)
     tpot = dataclasses.replace(load, tpot_s=load.tpot_s - handover / max(load.output_len - 1, 1))
     rows = decode_rows(dec, tpot)
-    ctx = load.input_len + load.output_len // 2
-    cap = d * rows / (load.output_len * dec.step_s(rows, ctx, 0, 0)) if rows else 0.0
+    cap = d * rows / (load.output_len * dec.step_s(rows, load.decode_ctx, 0, 0)) if rows else 0.0
     rate = best_rate(lambda r: ttft_quantile(r, p, service, load.share) <= load.ttft_s)
     how = f"prefill {service:.2f} s, hand-over {handover * 1e3:.0f} ms, rows {rows}"
     return min(rate, cap), how
